@@ -1,0 +1,41 @@
+# Every target sets up .venv itself on a fresh machine; a second run reinstalls nothing unless
+# pyproject.toml or this Makefile changed.
+PYTHON      ?= python3
+VENV        := .venv
+PY          := $(VENV)/bin/python
+PIP         := $(PY) -m pip -q --disable-pip-version-check
+STAMP       := $(VENV)/.terrapipe-installed
+# The CPU build on this machine's disk; any torch >= 2.1 already in the venv is kept.
+TORCH_SPEC  ?= torch==2.13.0
+PILLOW_SIMD ?= pillow-simd==12.1.1.post0
+
+.PHONY: setup demo test bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[mpi,bench,dev]"
+	@# pillow-simd installs under Pillow's import name: swap it in (built from source, ~20 s,
+	@# then cached by pip); if it cannot build here, plain Pillow stays and everything still works.
+	@$(PIP) uninstall -y pillow pillow-simd
+	@$(PIP) install --no-deps "$(PILLOW_SIMD)" || $(PIP) install pillow
+	@$(PY) -c "import PIL; print('image library:', PIL.__version__)"
+	@touch $(STAMP)
+
+demo: setup
+	$(PY) -m benchmarks.kernels --quick
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) -m benchmarks.kernels
+
+lint: setup
+	$(VENV)/bin/ruff check terrapipe tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) benchmarks/results
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,14 @@
+"""terrapipe: fast input pipelines and gradient averaging for PyTorch training.
+
+Subpackages (imports flow engine -> pipeline, comm -> kernels):
+  terrapipe.kernels   Numba-compiled image, reduction and RNG kernels
+  terrapipe.pipeline  FastLoader: decode + augmentation on a thread pool, fed to the device
+  terrapipe.comm      collectives over shared memory, MPI and torch.distributed
+  terrapipe.engine    data-parallel training on top of both
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,61 @@
+"""The ``terrapipe`` command: ``terrapipe info`` reports what the library will run on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _info() -> int:
+    import numba
+    import numpy
+
+    import terrapipe
+
+    lines = [
+        f"terrapipe {terrapipe.__version__}",
+        f"python    {sys.version.split()[0]}",
+        f"numpy     {numpy.__version__}",
+        f"numba     {numba.__version__} (cache dir: {os.environ.get('NUMBA_CACHE_DIR', 'next to sources')})",
+    ]
+    try:
+        import PIL
+
+        simd = "pillow-simd" if ".post" in PIL.__version__ else "Pillow"
+        lines.append(f"pillow    {PIL.__version__} ({simd})")
+    except ImportError:
+        lines.append("pillow    not installed")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        devices = f", {torch.cuda.device_count()} devices" if cuda else ""
+        lines.append(f"torch     {torch.__version__} (cuda: {cuda}{devices})")
+    except ImportError:
+        lines.append("torch     not installed")
+    try:
+        from mpi4py import MPI
+
+        lines.append(f"mpi4py    {MPI.Get_library_version().splitlines()[0].strip()}")
+    except ImportError:
+        lines.append("mpi4py    not installed (pip install 'terrapipe[mpi]')")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    lines.append(f"cpus      {cpus} available to this process")
+    print("\n".join(lines))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="terrapipe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, CPUs, CUDA and MPI as terrapipe sees them")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

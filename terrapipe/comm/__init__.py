@@ -1,0 +1,1 @@
+"""terrapipe.comm: process groups and collectives (imports kernels, never pipeline)."""

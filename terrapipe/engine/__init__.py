@@ -1,0 +1,1 @@
+"""terrapipe.engine: data-parallel training over terrapipe.comm and terrapipe.pipeline."""

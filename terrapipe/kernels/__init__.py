@@ -1,0 +1,50 @@
+"""terrapipe.kernels: the compiled core.
+
+Pure functions over NumPy arrays, compiled with ``numba.njit(nogil=True, cache=True)``: they
+release the GIL (so a thread pool runs them in parallel), are cached on disk (a second process
+does not recompile), and never allocate in the hot path (callers pass ``out`` and scratch).
+This package imports only NumPy and Numba; torch never.
+
+Modules:
+  image   crop + bilinear resize (antialiased) fused with flip, normalize and HWC->CHW
+  reduce  ``dst op= src`` and multi-source reductions over chunks, for collectives
+  rng     counter-based Philox keyed by (seed, epoch, sample index, op id)
+  floats  float16 / bfloat16 held as uint16
+"""
+
+from . import floats, image, reduce, rng
+from .image import (
+    alloc_resize_scratch,
+    build_normalize_lut,
+    hflip,
+    hwc_to_chw,
+    identity_lut,
+    normalize_lut,
+    resize_crop,
+    resize_crop_bilinear,
+)
+from .reduce import divide, reduce_into, reduce_many_into
+from .rng import fill_uniform, philox4x64, randint, random_u64, uniform
+
+__all__ = [
+    "floats",
+    "image",
+    "reduce",
+    "rng",
+    "alloc_resize_scratch",
+    "build_normalize_lut",
+    "hflip",
+    "hwc_to_chw",
+    "identity_lut",
+    "normalize_lut",
+    "resize_crop",
+    "resize_crop_bilinear",
+    "divide",
+    "reduce_into",
+    "reduce_many_into",
+    "fill_uniform",
+    "philox4x64",
+    "randint",
+    "random_u64",
+    "uniform",
+]

@@ -1,0 +1,1 @@
+"""terrapipe.pipeline: FastLoader, its sources and transforms (imports kernels, never comm)."""
