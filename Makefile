@@ -26,12 +26,14 @@ $(STAMP): pyproject.toml Makefile
 
 demo: setup
 	$(PY) -m benchmarks.kernels --quick
+	$(PY) -m benchmarks.loader --data benchmarks/data_cache/demo --images 1024 --batches 2 --rounds 1
 
 test: setup
 	$(PY) -m pytest
 
 bench: setup
 	$(PY) -m benchmarks.kernels
+	$(PY) -m benchmarks.loader
 
 lint: setup
 	$(VENV)/bin/ruff check terrapipe tests benchmarks examples

@@ -11,4 +11,13 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "FastLoader"]
+
+
+def __getattr__(name: str):
+    # Lazy: ``import terrapipe`` stays cheap (no torch) until the loader is asked for.
+    if name == "FastLoader":
+        from .pipeline import FastLoader
+
+        return FastLoader
+    raise AttributeError(f"module 'terrapipe' has no attribute {name!r}")

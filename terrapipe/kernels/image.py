@@ -58,6 +58,7 @@ def alloc_resize_scratch(
 
     tmp: uint16 (out_h, max_src_w * channels), vertically resampled rows (8 fractional bits);
     acc: int32 (max_src_w * channels,), the vertical pass's accumulator row;
+    ``channels`` here is the source's bytes per pixel (4 for RGBX sources).
     xbounds/ybounds: int32 (out, 2), first tap and tap count per output pixel;
     xweights/yweights: int32 (out, taps), fixed-point weights.
     Owned by one thread: the kernel overwrites all of it on every call.
@@ -151,7 +152,8 @@ def resize_crop_bilinear(
 ):
     """Crop, resample (bilinear, antialiased), flip, map through ``lut``, write planar: one call.
 
-    src: uint8 (H, W, C), C-contiguous, read in place: the box is never copied.
+    src: uint8 (H, W, S), C-contiguous, read in place: the box is never copied. S >= C: the
+    first C bytes of each pixel are used, so padded RGBX pixels (S=4, C=3) work as they are.
     x0, y0, x1, y1: float box [x0, x1) x [y0, y1) in source pixels (Pillow's ``box``), inside
     the image.
     out: (C, OH, OW) of ``lut``'s dtype, any strides (a sample's slot in an NCHW batch).
@@ -160,23 +162,26 @@ def resize_crop_bilinear(
     flip: mirror horizontally.
     tmp, acc, xbounds, xweights, ybounds, yweights: scratch from :func:`alloc_resize_scratch`.
     """
-    in_h, in_w, channels = src.shape
+    in_h, in_w, stride = src.shape
+    channels = out.shape[0]
     out_h = out.shape[1]
     out_w = out.shape[2]
-    flat = src.reshape((in_h, in_w * channels))
+    if channels > stride or lut.shape[0] < channels:
+        raise ValueError("resize_crop_bilinear: more output channels than source/lut channels")
+    flat = src.reshape((in_h, in_w * stride))
 
     bilinear_coeffs(in_w, x0, x1, out_w, xbounds, xweights)
     bilinear_coeffs(in_h, y0, y1, out_h, ybounds, yweights)
     # Only source columns [col_first, col_last) feed the horizontal taps.
     col_first = xbounds[0, 0]
     col_last = xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1]
-    j0 = col_first * channels
-    span = (col_last - col_first) * channels
+    j0 = col_first * stride
+    span = (col_last - col_first) * stride
     if span > tmp.shape[1] or span > acc.shape[0] or out_h > tmp.shape[0]:
         raise ValueError("resize_crop_bilinear: scratch is too small for this box")
 
     _vertical_pass(flat, j0, span, out_h, ybounds, yweights, tmp, acc)
-    _horizontal_pass(tmp, col_first, out, lut, flip, channels, xbounds, xweights)
+    _horizontal_pass(tmp, col_first, out, lut, flip, stride, xbounds, xweights)
 
 
 @njit(nogil=True, cache=True)
@@ -197,8 +202,10 @@ def _vertical_pass(flat, j0, span, out_h, ybounds, yweights, tmp, acc):
             trow[j] = np.uint16(acc[j] >> _VSHIFT)
 
 @njit(nogil=True, cache=True)
-def _horizontal_pass(tmp, col_first, out, lut, flip, channels, xbounds, xweights):
-    # Output rows only; the store applies the table and the flip.
+def _horizontal_pass(tmp, col_first, out, lut, flip, stride, xbounds, xweights):
+    # Output rows only; the store applies the table and the flip. ``stride``: bytes per pixel
+    # in tmp rows (the source's), of which the first out.shape[0] are channels.
+    channels = out.shape[0]
     out_h = out.shape[1]
     out_w = out.shape[2]
     last = out_w - 1
@@ -213,15 +220,16 @@ def _horizontal_pass(tmp, col_first, out, lut, flip, channels, xbounds, xweights
             l0 = lut[0]
             l1 = lut[1]
             l2 = lut[2]
+            us = np.uint64(stride)
             for x in range(out_w):
-                xmin = np.uint64(xbounds[x, 0] - col_first) * np.uint64(3)
+                xmin = np.uint64(xbounds[x, 0] - col_first) * us
                 n = np.uint64(xbounds[x, 1])
                 s0 = np.int64(0)
                 s1 = np.int64(0)
                 s2 = np.int64(0)
                 for t in range(n):
                     wt = np.int64(xweights[x, t])
-                    j = xmin + t * np.uint64(3)
+                    j = xmin + t * us
                     s0 += np.int64(trow[j]) * wt
                     s1 += np.int64(trow[j + np.uint64(1)]) * wt
                     s2 += np.int64(trow[j + np.uint64(2)]) * wt
@@ -231,13 +239,13 @@ def _horizontal_pass(tmp, col_first, out, lut, flip, channels, xbounds, xweights
                 p2[xo] = l2[_round8(s2)]
         else:
             for x in range(out_w):
-                xmin = np.uint64(xbounds[x, 0] - col_first) * np.uint64(channels)
+                xmin = np.uint64(xbounds[x, 0] - col_first) * np.uint64(stride)
                 n = np.uint64(xbounds[x, 1])
                 xo = last - x if flip else x
                 for c in range(channels):
                     ss = np.int64(0)
                     for t in range(n):
-                        j = xmin + t * np.uint64(channels) + np.uint64(c)
+                        j = xmin + t * np.uint64(stride) + np.uint64(c)
                         ss += np.int64(trow[j]) * np.int64(xweights[x, t])
                     out[c, o, xo] = lut[c, _round8(ss)]
 

@@ -1,0 +1,287 @@
+"""FastLoader: decode + augmentation on a persistent thread pool into a ring of batch buffers.
+
+NOTE [batch buffer ownership]
+    The loader owns ``prefetch + 2`` batch slots, allocated once. Batch ``b`` is written into
+    slot ``b % ring`` by pool threads, each thread writing only the samples it was given (disjoint
+    rows), and handed to the consumer once every write to it has finished. The consumer then
+    owns that slot until it asks for batch ``b + 2``: at that point batch ``b + 2 + prefetch``
+    may be submitted, which is the first batch to reuse slot ``b % ring``. So a yielded tensor
+    stays valid while the consumer holds the next batch too, and ``copy=True`` yields tensors the
+    caller owns outright. Scratch (resize weights, intermediate rows) is per thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..kernels import image as kimage
+from . import decode
+from .order import epoch_indices
+from .sources import Source
+from .transforms import Plan, compile_plan
+
+__all__ = ["FastLoader", "SampleError"]
+
+_CHUNK = 8  # samples per pool task: amortises task overhead, still balances across threads
+
+
+class SampleError(RuntimeError):
+    """A sample could not be read or decoded; the message names its index and path."""
+
+    def __init__(self, index: int, where: str, cause: BaseException) -> None:
+        super().__init__(f"sample {index} ({where}): {type(cause).__name__}: {cause}")
+        self.index = index
+        self.where = where
+
+
+def _default_world() -> tuple[int, int]:
+    # terrapipe.comm is not imported here (pipeline never imports comm): the launcher and
+    # torchrun both export RANK / WORLD_SIZE, and comm.init() does too once it runs.
+    names = (("RANK", "WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+    for r, w in names:
+        if r in os.environ and w in os.environ:
+            return int(os.environ[r]), int(os.environ[w])
+    return 0, 1
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.key: tuple[int, ...] = ()
+        self.bufs: tuple[np.ndarray, ...] = ()
+
+    def get(self, h: int, w: int, out_h: int, out_w: int, c: int) -> tuple[np.ndarray, ...]:
+        # Grown to the largest source this thread has seen; reused afterwards.
+        k = self.key
+        if not k or h > k[0] or w > k[1] or (out_h, out_w, c) != k[2:]:
+            h, w = max(h, k[0] if k else 0), max(w, k[1] if k else 0)
+            self.bufs = kimage.alloc_resize_scratch(h, w, out_h, out_w, c)
+            self.key = (h, w, out_h, out_w, c)
+        return self.bufs
+
+
+class FastLoader:
+    """Drop-in for ``torch.utils.data.DataLoader`` over a terrapipe source.
+
+    Yields ``(images, labels)``: images NCHW (float per ``Normalize``, else uint8), labels int64.
+    Yielded tensors are views of reused buffers (NOTE [batch buffer ownership]); pass
+    ``copy=True`` for owned tensors. Augmentation is a pure function of (seed, epoch, sample
+    index), so any ``num_threads`` gives the same bytes.
+    """
+
+    def __init__(
+        self,
+        dataset: Source,
+        transforms: Sequence[object] = (),
+        *,
+        batch_size: int = 256,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_threads: int | None = None,
+        prefetch: int = 3,
+        device: str = "cpu",
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: str = "raise",
+        copy: bool = False,
+    ) -> None:
+        for attr in ("__len__", "read", "describe"):
+            if not hasattr(dataset, attr):
+                raise TypeError(f"dataset: a source needs {attr} (see terrapipe.pipeline.sources)")
+        if len(dataset) == 0:
+            raise ValueError("dataset: the dataset is empty")
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if str(device) != "cpu":
+            raise ValueError(f"device: only 'cpu' is supported by this build, got {device!r}")
+        if num_threads is None:
+            num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {num_threads}")
+        r0, w0 = _default_world()
+        self.rank = r0 if rank is None else int(rank)
+        self.world_size = w0 if world_size is None else int(world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.drop_last = drop_last
+        self.num_threads = int(num_threads)
+        self.prefetch = int(prefetch)
+        self.on_error = on_error
+        self.copy = copy
+        self.epoch = 0
+        self.skipped: list[tuple[int, str, str]] = []  # (index, where, error) under "skip"
+        self._skip_lock = threading.Lock()
+        self._resume_batch = 0
+        self._next_batch = 0
+
+        first, _ = dataset.read(0)
+        channels = 1 if (isinstance(first, np.ndarray) and first.ndim == 2) else (
+            first.shape[2] if isinstance(first, np.ndarray) else 3)
+        self.plan: Plan = compile_plan(list(transforms), channels)
+        if self.plan.out_hw is None:
+            if not isinstance(first, np.ndarray):
+                raise ValueError("transforms: encoded images need a crop/resize so batches have one size")
+            self.plan.out_hw = (first.shape[0], first.shape[1])
+        oh, ow = self.plan.out_hw
+        ring = self.prefetch + 2
+        np_dtype = self.plan.lut.dtype
+        self._images = [np.empty((batch_size, channels, oh, ow), np_dtype) for _ in range(ring)]
+        self._labels = [np.empty(batch_size, np.int64) for _ in range(ring)]
+        tdtype = self.plan.torch_dtype
+        self._images_t = [torch.from_numpy(a).view(tdtype) if tdtype in (torch.float16, torch.bfloat16)
+                          else torch.from_numpy(a) for a in self._images]
+        self._labels_t = [torch.from_numpy(a) for a in self._labels]
+        self._scratch = _Scratch()
+        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="terrapipe-loader")
+        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=True, cancel_futures=True)
+        self._closed = False
+
+    # -- order ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def _indices(self) -> np.ndarray:
+        return epoch_indices(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
+                             rank=self.rank, world_size=self.world_size)
+
+    def _per_rank(self) -> int:
+        return math.ceil(len(self.dataset) / self.world_size)
+
+    def __len__(self) -> int:
+        n = self._per_rank()
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def state_dict(self) -> dict:
+        """Where iteration stands: resuming skips the batches already yielded, without decoding."""
+        return {"epoch": self.epoch, "batch": self._next_batch, "seed": self.seed,
+                "rank": self.rank, "world_size": self.world_size, "num_samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_samples"] != len(self.dataset) or state["world_size"] != self.world_size:
+            raise ValueError("state_dict: saved for a different dataset size or world size")
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self._resume_batch = int(state["batch"])
+
+    # -- per-sample work (pool threads) -------------------------------------------------------
+    def _decode_into(self, index: int, out: np.ndarray) -> int:
+        payload, label = self.dataset.read(index)
+        plan = self.plan
+        oh, ow = plan.out_hw
+        if isinstance(payload, np.ndarray):
+            arr = payload if payload.ndim == 3 else payload[:, :, None]
+            h, w = arr.shape[:2]
+            box = plan.box(w, h, self.seed, self.epoch, index)
+        else:
+            im = decode.open_image(payload)
+            w, h = im.size
+            box = decode.draft_box(im, plan.box(w, h, self.seed, self.epoch, index), plan.out_hw)
+            arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
+            h, w = arr.shape[:2]
+        if arr.shape[2] < plan.channels:
+            raise ValueError(f"expected {plan.channels} channels, got image of shape {arr.shape}")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        scratch = self._scratch.get(h, w, oh, ow, arr.shape[2])
+        flip = plan.flip(self.seed, self.epoch, index)
+        kimage.resize_crop_bilinear(arr, box[0], box[1], box[2], box[3], out, plan.lut, flip, *scratch)
+        return label
+
+    def _fill(self, slot: int, row0: int, indices: np.ndarray) -> None:
+        images, labels = self._images[slot], self._labels[slot]
+        n = len(self.dataset)
+        for k, index in enumerate(indices):
+            index = int(index)
+            try:
+                labels[row0 + k] = self._decode_into(index, images[row0 + k])
+            except Exception as exc:
+                err = SampleError(index, self.dataset.describe(index), exc)
+                if self.on_error == "raise":
+                    raise err from exc
+                # Deterministic replacement: the next readable sample in dataset order.
+                with self._skip_lock:
+                    self.skipped.append((index, err.where, str(exc)))
+                for step in range(1, n):
+                    alt = (index + step) % n
+                    try:
+                        labels[row0 + k] = self._decode_into(alt, images[row0 + k])
+                        break
+                    except Exception:
+                        continue
+                else:
+                    raise err from exc
+
+    def _submit(self, slot: int, batch_indices: np.ndarray) -> list[Future]:
+        return [self._pool.submit(self._fill, slot, r, batch_indices[r:r + _CHUNK])
+                for r in range(0, len(batch_indices), _CHUNK)]
+
+    # -- iteration ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._closed:
+            raise RuntimeError("FastLoader is closed")
+        indices = self._indices()
+        nb = len(self)
+        start = self._resume_batch
+        self._resume_batch = 0
+        ring = self.prefetch + 2
+        pending: dict[int, list[Future]] = {}
+
+        def submit(b: int) -> None:
+            if b < nb and b not in pending:
+                pending[b] = self._submit(b % ring, indices[b * self.batch_size:(b + 1) * self.batch_size])
+
+        try:
+            for b in range(start, nb):
+                for ahead in range(b, b + self.prefetch + 1):
+                    submit(ahead)
+                futures = pending.pop(b)
+                for f in futures:
+                    f.result()  # re-raises a SampleError from a worker
+                slot = b % ring
+                count = min(self.batch_size, len(indices) - b * self.batch_size)
+                self._next_batch = b + 1
+                images, labels = self._images_t[slot][:count], self._labels_t[slot][:count]
+                if self.copy:
+                    images, labels = images.clone(), labels.clone()
+                yield images, labels
+            self._next_batch = 0
+        finally:
+            # Nothing may still write a slot once iteration ends (break, error, Ctrl-C, GC).
+            for fs in pending.values():
+                for f in fs:
+                    f.cancel()
+            for fs in pending.values():
+                for f in fs:
+                    if not f.cancelled():
+                        try:
+                            f.result()
+                        except Exception:
+                            pass
+
+    def close(self) -> None:
+        """Stop the pool; no loader thread survives this call."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> FastLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,101 @@
+"""Sample sources for FastLoader.
+
+A source is anything with ``__len__``, ``read(i) -> (payload, label)`` and ``describe(i) -> str``:
+
+* payload: encoded image bytes (anything Pillow opens) or a uint8 array (H, W, C) / (H, W);
+* label: an int;
+* describe(i): what to name in an error about sample i (a path, or "array[i]").
+
+``read`` is called from loader threads concurrently, so it must be thread-safe (plain file
+reads and array indexing are). Sources that also define ``size(i) -> (w, h)`` let the loader
+skip nothing; it is optional.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = ["Source", "ImageFolder", "ArrayDataset", "IMG_EXTENSIONS"]
+
+# torchvision's list, so ImageFolder sees the same files.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+@runtime_checkable
+class Source(Protocol):
+    def __len__(self) -> int: ...
+
+    def read(self, i: int) -> tuple[bytes | np.ndarray, int]: ...
+
+    def describe(self, i: int) -> str: ...
+
+
+class ImageFolder:
+    """Class-per-folder images: ``root/<class>/<file>``, classes sorted as torchvision does.
+
+    Attributes: ``classes`` (sorted names), ``class_to_idx``, ``samples`` (path, label) sorted
+    by class then file name. Files are read as bytes; decoding happens in the loader.
+    """
+
+    def __init__(self, root: str | os.PathLike, extensions: Sequence[str] = IMG_EXTENSIONS) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"root: {self.root} is not a directory")
+        exts = tuple(e.lower() for e in extensions)
+        self.classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir())
+        if not self.classes:
+            raise ValueError(f"root: no class folders in {self.root}")
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.samples: list[tuple[str, int]] = []
+        for c in self.classes:
+            for dirpath, _, files in sorted(os.walk(self.root / c, followlinks=True)):
+                for f in sorted(files):
+                    if f.lower().endswith(exts):
+                        self.samples.append((os.path.join(dirpath, f), self.class_to_idx[c]))
+        if not self.samples:
+            raise ValueError(f"root: no image files ({', '.join(exts)}) under {self.root}")
+        self.targets = [s[1] for s in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read(self, i: int) -> tuple[bytes, int]:
+        path, label = self.samples[i]
+        with open(path, "rb") as f:
+            return f.read(), label
+
+    def describe(self, i: int) -> str:
+        return self.samples[i][0]
+
+
+class ArrayDataset:
+    """In-memory uint8 images: one stacked (N, H, W, C) array or a list of (H, W[, C]) arrays of
+    any sizes, with ``labels`` (N ints). Arrays are used in place, never copied."""
+
+    def __init__(self, images: np.ndarray | Sequence[np.ndarray], labels: Sequence[int]) -> None:
+        n = len(images)
+        if n == 0:
+            raise ValueError("images: the dataset is empty")
+        if len(labels) != n:
+            raise ValueError(f"labels: {len(labels)} labels for {n} images")
+        if isinstance(images, np.ndarray) and images.ndim not in (3, 4):
+            raise ValueError(f"images: expected (N, H, W[, C]), got shape {images.shape}")
+        first = np.asarray(images[0])
+        if first.dtype != np.uint8:
+            raise ValueError(f"images: expected uint8, got {first.dtype}")
+        self.images = images
+        self.labels = np.asarray(labels, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def read(self, i: int) -> tuple[np.ndarray, int]:
+        return self.images[i], int(self.labels[i])
+
+    def describe(self, i: int) -> str:
+        return f"array[{i}]"

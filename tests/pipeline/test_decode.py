@@ -1,0 +1,61 @@
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from terrapipe.kernels.image import resize_crop
+from terrapipe.pipeline import decode
+
+
+def _encode(arr, fmt, mode=None, **kw):
+    b = io.BytesIO()
+    im = Image.fromarray(arr, mode) if mode else Image.fromarray(arr)
+    if fmt == "PNG-P":
+        im, fmt = im.convert("P"), "PNG"
+    im.save(b, fmt, **kw)
+    return b.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["rgb_jpeg", "rgb_png", "rgba_png", "gray_jpeg", "cmyk_jpeg", "palette_png"])
+def test_pixels_match_pillow_conversion(kind):
+    g = np.random.default_rng(0)
+    rgb = g.integers(0, 256, (37, 53, 3), dtype=np.uint8)
+    payload = {
+        "rgb_jpeg": lambda: _encode(rgb, "JPEG", quality=95),
+        "rgb_png": lambda: _encode(rgb, "PNG"),
+        "rgba_png": lambda: _encode(g.integers(0, 256, (37, 53, 4), dtype=np.uint8), "PNG"),
+        "gray_jpeg": lambda: _encode(rgb[..., 0], "JPEG"),
+        "cmyk_jpeg": lambda: _encode(g.integers(0, 256, (37, 53, 4), dtype=np.uint8), "JPEG", "CMYK"),
+        "palette_png": lambda: _encode(rgb, "PNG-P"),
+    }[kind]()
+    ref = np.asarray(Image.open(io.BytesIO(payload)).convert("RGB"))
+    arr, keep = decode.pixels(decode.open_image(payload))
+    assert arr.shape[:2] == (37, 53) and arr.shape[2] in (3, 4)
+    np.testing.assert_array_equal(arr[..., :3], ref)
+
+
+def test_rgb_jpeg_pixels_are_read_in_place():
+    payload = _encode(np.full((20, 30, 3), 9, np.uint8), "JPEG")
+    arr, keep = decode.pixels(decode.open_image(payload))
+    if decode._ZERO_COPY:
+        assert arr.shape[2] == 4 and not arr.flags.owndata  # a view of Pillow's buffer
+
+
+def test_draft_decodes_smaller_and_keeps_the_box():
+    yy, xx = np.mgrid[0:800, 0:1200]
+    smooth = (np.sin(xx / 40) * np.cos(yy / 30) * 100 + 128).astype(np.uint8)
+    img = np.stack([smooth, smooth[::-1], smooth[:, ::-1]], -1)
+    payload = _encode(img, "JPEG", quality=95)
+    box = (100.0, 50.0, 1100.0, 750.0)
+    im = decode.open_image(payload)
+    new_box = decode.draft_box(im, box, (64, 64))
+    assert im.size == (150, 100)  # 1/8: the 1000x700 box still covers 64x64
+    assert new_box == pytest.approx((12.5, 6.25, 137.5, 93.75))
+    arr, keep = decode.pixels(im)
+    small = resize_crop(np.ascontiguousarray(arr[..., :3]), new_box, (64, 64))
+    full = resize_crop(img, box, (64, 64))
+    assert np.abs(small.astype(int) - full).mean() < 4  # same picture, DCT-scaled
+    # A box that needs full resolution is left alone.
+    im2 = decode.open_image(payload)
+    assert decode.draft_box(im2, box, (700, 1000)) == box and im2.size == (1200, 800)

@@ -1,0 +1,242 @@
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+from terrapipe import FastLoader
+from terrapipe.kernels.geometry import random_resized_crop_box
+from terrapipe.kernels.image import resize_crop
+from terrapipe.pipeline import (
+    ArrayDataset,
+    CenterCrop,
+    ImageFolder,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    Resize,
+    SampleError,
+    epoch_indices,
+)
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+TRAIN = [RandomResizedCrop(32), RandomHorizontalFlip(), Normalize(MEAN, STD)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imgs")
+    g = np.random.default_rng(0)
+    for name in ["b_cls", "a_cls", "c_cls"]:
+        (root / name).mkdir()
+        for i in range(7):
+            h, w = g.integers(40, 90, 2)
+            img = g.integers(0, 256, (h, w, 3), dtype=np.uint8)
+            fmt = ["jpg", "png", "jpg"][i % 3]
+            Image.fromarray(img).save(root / name / f"{i:02d}.{fmt}")
+        Image.fromarray(g.integers(0, 256, (50, 60), dtype=np.uint8)).save(root / name / "gray.jpg")
+        cmyk = Image.fromarray(g.integers(0, 256, (50, 60, 4), dtype=np.uint8), "CMYK")
+        cmyk.save(root / name / "cmyk.jpg")
+    (root / "a_cls" / "notes.txt").write_text("not an image")
+    return root
+
+
+def _threads():
+    return [t for t in threading.enumerate() if t.name.startswith("terrapipe-loader")]
+
+
+def test_imagefolder_classes_sorted_like_torchvision(folder):
+    ds = ImageFolder(folder)
+    assert ds.classes == ["a_cls", "b_cls", "c_cls"]
+    assert len(ds) == 27 and all(p.endswith((".jpg", ".png")) for p, _ in ds.samples)
+    assert ds.samples[0][1] == 0 and ds.samples[-1][1] == 2
+
+
+def test_batches_shapes_labels_and_dtypes(folder):
+    ds = ImageFolder(folder)
+    with FastLoader(ds, TRAIN, batch_size=8, num_threads=2) as loader:
+        batches = [(x.clone(), y.clone()) for x, y in loader]
+    assert len(batches) == len(loader) == 4
+    assert [b[0].shape[0] for b in batches] == [8, 8, 8, 3]
+    assert batches[0][0].shape[1:] == (3, 32, 32) and batches[0][0].dtype == torch.float32
+    labels = torch.cat([b[1] for b in batches])
+    assert labels.dtype == torch.int64 and labels.tolist() == ds.targets
+    with FastLoader(ds, [Resize(40), CenterCrop(32)], batch_size=8, drop_last=True) as loader:
+        xs = [x for x, _ in loader]
+    assert len(xs) == 3 and xs[0].dtype == torch.uint8
+
+
+def test_matches_the_kernel_reference_per_sample():
+    g = np.random.default_rng(1)
+    imgs = [g.integers(0, 256, (g.integers(20, 60), g.integers(20, 60), 3), dtype=np.uint8)
+            for _ in range(10)]
+    ds = ArrayDataset(imgs, list(range(10)))
+    loader = FastLoader(ds, [Resize(24), CenterCrop(20)], batch_size=4, num_threads=2)
+    out = torch.cat([x.clone() for x, _ in loader]).numpy()
+    for i, img in enumerate(imgs):
+        # Reference: torchvision-style Resize + CenterCrop done by Pillow in two steps.
+        h, w = img.shape[:2]
+        rw, rh = (24, int(24 * h / w)) if w <= h else (int(24 * w / h), 24)
+        r = np.asarray(Image.fromarray(img).resize((rw, rh), Image.BILINEAR))
+        top, left = int(round((rh - 20) / 2)), int(round((rw - 20) / 2))
+        ref = r[top:top + 20, left:left + 20].transpose(2, 0, 1)
+        assert np.abs(out[i].astype(int) - ref).max() <= 3
+    loader.close()
+
+
+@pytest.mark.parametrize("threads", [2, 8])
+def test_same_bytes_at_any_thread_count_and_after_resume(folder, threads):
+    ds = ImageFolder(folder)
+    kw = dict(batch_size=5, shuffle=True, seed=3)
+    with FastLoader(ds, TRAIN, num_threads=1, **kw) as one:
+        one.set_epoch(2)
+        ref = [x.clone() for x, _ in one]
+    with FastLoader(ds, TRAIN, num_threads=threads, **kw) as many:
+        many.set_epoch(2)
+        got = [x.clone() for x, _ in many]
+        for a, b in zip(ref, got, strict=True):
+            assert torch.equal(a, b)
+        # Stop after two batches, save, resume in a fresh loader.
+        it = iter(many)
+        next(it), next(it)
+        state = many.state_dict()
+        it.close()
+    with FastLoader(ds, TRAIN, num_threads=threads, **kw) as resumed:
+        resumed.load_state_dict(state)
+        rest = [x.clone() for x, _ in resumed]
+    assert len(rest) == len(ref) - 2
+    for a, b in zip(ref[2:], rest, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_epochs_differ_and_shards_partition_the_dataset():
+    ds = ArrayDataset(np.zeros((23, 4, 4, 3), np.uint8), list(range(23)))
+    seen = []
+    for rank in range(4):
+        with FastLoader(ds, batch_size=3, shuffle=True, seed=5, rank=rank, world_size=4) as loader:
+            labels = torch.cat([y.clone() for _, y in loader]).tolist()
+            assert len(loader) == 2 and len(labels) == 6
+            seen += labels
+    assert sorted(set(seen)) == list(range(23)) and len(seen) == 24  # one wrap-around pad
+    a = epoch_indices(23, seed=5, epoch=0, shuffle=True, rank=1, world_size=4)
+    b = epoch_indices(23, seed=5, epoch=1, shuffle=True, rank=1, world_size=4)
+    assert not np.array_equal(a, b)
+
+
+@given(n=st.integers(1, 200), world=st.integers(1, 8), seed=st.integers(0, 100), shuffle=st.booleans())
+def test_order_is_distributed_sampler(n, world, seed, shuffle):
+    from torch.utils.data import DistributedSampler
+
+    for rank in range(world):
+        s = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+        s.set_epoch(3)
+        ours = epoch_indices(n, seed=seed, epoch=3, shuffle=shuffle, rank=rank, world_size=world)
+        assert ours.tolist() == list(s)
+
+
+@given(w=st.integers(1, 2000), h=st.integers(1, 2000), index=st.integers(0, 10**6))
+def test_random_resized_crop_box_in_bounds(w, h, index):
+    logr = (math.log(3 / 4), math.log(4 / 3))
+    x0, y0, x1, y1 = random_resized_crop_box(w, h, 0.08, 1.0, *logr, 0, 0, index, 1)
+    assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h
+    assert x0 == int(x0) and y1 == int(y1)
+
+
+def test_corrupt_truncated_and_empty_files(folder, tmp_path):
+    import shutil
+
+    root = tmp_path / "bad"
+    shutil.copytree(folder, root)
+    good = (root / "a_cls" / "00.jpg").read_bytes()
+    (root / "a_cls" / "03.jpg").write_bytes(good[: len(good) // 3])  # truncated
+    (root / "b_cls" / "01.png").write_bytes(b"")  # empty
+    (root / "c_cls" / "02.jpg").write_bytes(b"garbage" * 50)  # not an image
+    ds = ImageFolder(root)
+    with FastLoader(ds, TRAIN, batch_size=4, num_threads=2) as loader:
+        with pytest.raises(SampleError) as e:
+            for _ in loader:
+                pass
+    bad = {ds.samples.index((str(root / "a_cls" / "03.jpg"), 0))}
+    bad |= {i for i, (p, _) in enumerate(ds.samples) if p.endswith(("01.png", "c_cls/02.jpg"))}
+    assert e.value.index in bad
+    assert ds.describe(e.value.index) in str(e.value)
+    assert not _threads()
+    with FastLoader(ds, TRAIN, batch_size=4, num_threads=2, on_error="skip") as loader:
+        n = sum(x.shape[0] for x, _ in loader)
+        assert n == len(ds)
+        assert sorted(p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] for _, p, _ in loader.skipped) == [
+            "a_cls/03.jpg", "b_cls/01.png", "c_cls/02.jpg"]
+
+
+def test_break_and_close_leave_no_threads(folder):
+    loader = FastLoader(ImageFolder(folder), TRAIN, batch_size=2, num_threads=3, prefetch=2)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    loader.close()
+    assert not _threads()
+    with pytest.raises(RuntimeError, match="closed"):
+        iter(loader).__next__()
+
+
+def test_yielded_views_stay_valid_until_reuse():
+    g = np.random.default_rng(2)
+    imgs = g.integers(0, 256, (40, 8, 8, 3), dtype=np.uint8)
+    with FastLoader(ArrayDataset(imgs, range(40)), batch_size=4, prefetch=2, num_threads=2) as loader:
+        it = iter(loader)
+        x0, _ = next(it)
+        snap = x0.clone()
+        next(it)  # the consumer may still hold batch 0 while using batch 1
+        assert torch.equal(x0, snap)
+    with FastLoader(ArrayDataset(imgs, range(40)), batch_size=4, copy=True) as loader:
+        xs = [x for x, _ in loader]
+    assert torch.equal(torch.cat(xs), torch.from_numpy(imgs.transpose(0, 3, 1, 2)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batch_size": 0}, "batch_size"),
+    ({"num_threads": 0}, "num_threads"),
+    ({"on_error": "ignore"}, "on_error"),
+    ({"rank": 2, "world_size": 2}, "rank"),
+    ({"device": "cuda"}, "device"),
+])
+def test_bad_arguments(kwargs, match):
+    ds = ArrayDataset(np.zeros((4, 4, 4, 3), np.uint8), range(4))
+    with pytest.raises(ValueError, match=match):
+        FastLoader(ds, **kwargs)
+
+
+def test_bad_transforms_and_datasets():
+    with pytest.raises(ValueError, match="size"):
+        RandomResizedCrop(0)
+    with pytest.raises(ValueError, match="std"):
+        Normalize(MEAN, (0.2, 0, 0.2))
+    with pytest.raises(ValueError, match="empty"):
+        ArrayDataset([], [])
+    ds = ArrayDataset(np.zeros((4, 4, 4, 3), np.uint8), range(4))
+    with pytest.raises(ValueError, match="before"):
+        FastLoader(ds, [Normalize(MEAN, STD), RandomResizedCrop(4)])
+    with pytest.raises(ValueError, match="CenterCrop"):
+        FastLoader(ds, [Resize(4)])
+
+
+def test_normalize_dtypes_and_grayscale_arrays():
+    g = np.random.default_rng(4)
+    imgs = g.integers(0, 256, (6, 10, 12), dtype=np.uint8)  # (N, H, W): one channel
+    for dtype in (torch.float16, torch.bfloat16):
+        tf = [Normalize((0.5,), (0.25,), dtype)]
+        with FastLoader(ArrayDataset(imgs, range(6)), tf, batch_size=3) as L:
+            x = torch.cat([b.clone() for b, _ in L])
+        ref = ((torch.from_numpy(imgs).float() / 255 - 0.5) / 0.25).to(dtype)[:, None]
+        assert x.dtype == dtype and torch.equal(x, ref)
+
+
+def test_resize_crop_reference_agrees_with_loader_on_full_box():
+    img = np.random.default_rng(5).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    with FastLoader(ArrayDataset([img], [0]), [CenterCrop((30, 40))], batch_size=1) as L:
+        (x, _), = list(L)
+    assert np.array_equal(x[0].numpy(), resize_crop(img, (0, 0, 40, 30), (30, 40)))
