@@ -11,7 +11,8 @@ Cases, all producing float32 NCHW 224x224 normalized batches from the same files
 * fastloader: RandomResizedCrop(224) + RandomHorizontalFlip + Normalize, ``num_threads=N``;
 * dataloader: ``torch.utils.data.DataLoader(num_workers=N)`` with the torchvision-equivalent
   chain (torchvision's transforms if importable, else the same steps on Pillow + torch);
-* decode: Pillow decode + RGB conversion to an array on N threads, nothing else (the ceiling).
+* decode: Pillow decoding each file at full resolution on N threads, nothing else (the ceiling:
+  no crop, resize, copy or collation).
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ def run(data: Path, images: int, n_batches: int, rounds: int, threads: list[int]
 
     def decode_batches(n):
         def one(path):
+            # Decode only: full-resolution pixels into Pillow's memory, no copy, no transform.
             with Image.open(path) as im:
-                return np.asarray(im.convert("RGB"))
+                im.load()
+                return im.size
 
         order = list(range(len(files)))
         random.shuffle(order)
