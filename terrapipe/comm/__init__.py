@@ -1,1 +1,37 @@
-"""terrapipe.comm: process groups and collectives (imports kernels, never pipeline)."""
+"""terrapipe.comm: process groups and collectives (imports kernels, never pipeline).
+
+Ranks on a node exchange through shared memory and reduce with the kernels; nodes exchange
+through MPI (mpi4py). See collectives.py for the functions and group.py for how they run.
+"""
+
+from .collectives import (
+    Group,
+    Handle,
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    finalize,
+    gather,
+    init,
+    is_initialized,
+    jit_allreduce,
+    local_rank,
+    local_size,
+    rank,
+    recv,
+    reduce,
+    reduce_scatter,
+    scatter,
+    send,
+    size,
+    world,
+)
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
+
+__all__ = [
+    "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "finalize", "gather",
+    "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
+    "reduce", "reduce_scatter", "scatter", "send", "size", "world",
+    "CollectiveMismatchError", "CollectiveTimeoutError", "CommError",
+]

@@ -27,6 +27,8 @@ __all__ = [
     "f32_to_bf16",
     "to_f32",
     "from_f32",
+    "compress",
+    "decompress",
 ]
 
 # Kind codes for the 16-bit formats, passed to kernels that handle both.
@@ -120,3 +122,17 @@ def from_f32(x, kind):
     if kind == BF16:
         return f32_to_bf16(x)
     return f32_to_f16(x)
+
+
+@njit(nogil=True, cache=True)
+def compress(src, dst, kind):
+    """dst[i] = float32 src[i] rounded to 16-bit ``kind`` bits (uint16 dst)."""
+    for i in range(src.shape[0]):
+        dst[i] = from_f32(np.float32(src[i]), kind)
+
+
+@njit(nogil=True, cache=True)
+def decompress(src, dst, kind):
+    """dst[i] = 16-bit ``kind`` bits src[i] widened to dst's float type (exact)."""
+    for i in range(src.shape[0]):
+        dst[i] = to_f32(src[i], kind)

@@ -1,0 +1,91 @@
+"""User arrays and tensors as flat NumPy views the kernels and MPI can work on.
+
+A :class:`Buffer` wraps a NumPy array or torch tensor (any dtype the kernels reduce, contiguous
+or not, CPU or CUDA). ``flat`` is a 1-D view of host memory holding its values; after a
+collective writes ``flat``, :meth:`Buffer.commit` puts the result back where the caller expects
+it (a no-op for contiguous CPU data, a copy for strided or device tensors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.floats import BF16, F16
+
+__all__ = ["Buffer", "DTYPE_CODES"]
+
+DTYPE_CODES = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4, "int32": 5, "int64": 6,
+               "uint8": 7, "int8": 8, "int16": 9, "uint16": 10, "bool": 11}
+
+
+_NP_NAMES = {np.dtype(n): n for n in DTYPE_CODES if n != "bfloat16"}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class Buffer:
+    """Flat host view of ``x``. Attributes: flat (1-D ndarray), shape, dtype_name, kind (0 native,
+    F16, BF16: how the reduce kernels read it), is_torch."""
+
+    def __init__(self, x, name: str = "tensor") -> None:
+        self.orig = x
+        self.is_torch = False
+        self._host = None
+        if isinstance(x, np.ndarray):
+            self.shape = x.shape
+            arr = x if x.flags.c_contiguous else np.ascontiguousarray(x)
+            self._host = None if arr is x else arr
+            self.dtype_name = _NP_NAMES.get(arr.dtype) or str(arr.dtype)
+            flat = arr.reshape(-1)
+            self.flat = flat.view(np.uint16) if arr.dtype == np.float16 else flat
+        else:
+            torch = _torch()
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name}: expected a numpy array or torch tensor, got {type(x).__name__}")
+            self.is_torch = True
+            self.shape = tuple(x.shape)
+            t = x.detach()
+            host = t
+            if t.device.type != "cpu":
+                host = t.to("cpu")  # staged through host memory; committed back with copy_
+            elif not t.is_contiguous():
+                host = t.contiguous()
+            self._host = None if host is t else host
+            if t.dtype == torch.bfloat16:
+                self.flat = host.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+                self.dtype_name = "bfloat16"
+            elif t.dtype == torch.float16:
+                self.flat = host.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+                self.dtype_name = "float16"
+            else:
+                self.flat = host.reshape(-1).numpy()
+                self.dtype_name = _NP_NAMES.get(self.flat.dtype) or str(self.flat.dtype)
+        if self.dtype_name not in DTYPE_CODES:
+            raise TypeError(f"{name}: unsupported dtype {self.dtype_name}")
+        self.kind = {"float16": F16, "bfloat16": BF16}.get(self.dtype_name, 0)
+
+    @property
+    def size(self) -> int:
+        return self.flat.shape[0]
+
+    def commit(self) -> None:
+        """Write ``flat`` back into the caller's array/tensor if it is not already its memory."""
+        if self._host is None:
+            return
+        if self.is_torch:
+            self.orig.copy_(self._host.reshape(self.orig.shape))
+        else:
+            self.orig[...] = self._host.reshape(self.orig.shape)
+
+    def like(self, shape: tuple[int, ...]):
+        """A new CPU array/tensor of this buffer's type (torch if the input was), and its Buffer."""
+        if self.is_torch:
+            torch = _torch()
+            t = torch.empty(shape, dtype=self.orig.dtype)
+            return t, Buffer(t)
+        a = np.empty(shape, self.orig.dtype)
+        return a, Buffer(a)

@@ -1,0 +1,300 @@
+"""The public collectives of terrapipe.comm, on NumPy arrays and torch tensors.
+
+Every function takes an optional ``group`` (default: the world from :func:`init`) and
+``async_op``: with ``async_op=True`` it returns a :class:`~terrapipe.comm.group.Handle` whose
+``wait()`` gives the result; several may be outstanding and they complete in issue order.
+Arrays and tensors may be non-contiguous (results are written back) or CUDA tensors (staged
+through host memory). Ranks must call collectives in the same order with matching arguments;
+otherwise every rank raises CollectiveMismatchError (see NOTE [collective ordering]).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+import numpy as np
+
+from ..kernels import reduce as kreduce
+from ..kernels.floats import BF16, F16
+from .buffers import Buffer
+from .group import Group, Handle
+from .shm import remove_stale
+
+__all__ = [
+    "init", "finalize", "world", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather", "scatter",
+    "send", "recv", "barrier", "jit_allreduce",
+]
+
+_world: Group | None = None
+
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+
+
+def init(backend: str = "auto", timeout: float = 300.0) -> Group:
+    """Join the world (idempotent) and return it.
+
+    Under ``mpiexec`` (or ``terrapipe run``) the world comes from mpi4py; a lone process needs
+    nothing. ``timeout``: seconds a collective waits for the other ranks before raising
+    CollectiveTimeoutError. ``TERRAPIPE_NODE_SIZE=k`` groups ranks k per node (to emulate
+    several nodes on one machine); ``TERRAPIPE_COMM_BACKEND=mpi`` routes every collective through
+    MPI instead of shared memory. Also exports RANK / WORLD_SIZE / LOCAL_RANK for libraries that
+    read them (FastLoader's sharding defaults).
+    """
+    global _world
+    if _world is not None:
+        return _world
+    if backend not in ("auto", "mpi", "shm"):
+        raise ValueError(f"backend: expected 'auto', 'mpi' or 'shm', got {backend!r}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    remove_stale()
+    launched = any(k in os.environ for k in _MPI_ENV)
+    if backend == "mpi":
+        os.environ["TERRAPIPE_COMM_BACKEND"] = "mpi"
+    if launched or backend != "auto":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD.Dup()
+        node_size = int(os.environ.get("TERRAPIPE_NODE_SIZE", "0")) or None
+        _world = Group(comm, timeout, node_size)
+    else:
+        _world = Group(None, timeout)
+    os.environ.setdefault("RANK", str(_world.rank))
+    os.environ.setdefault("WORLD_SIZE", str(_world.size))
+    os.environ.setdefault("LOCAL_RANK", str(_world.local_rank))
+    atexit.register(finalize)
+    return _world
+
+
+def finalize() -> None:
+    """Release the world's shared memory and threads (also runs at exit)."""
+    global _world
+    if _world is not None:
+        _world.close()
+        _world = None
+
+
+def is_initialized() -> bool:
+    return _world is not None
+
+
+def world() -> Group:
+    return _world if _world is not None else init()
+
+
+def rank() -> int:
+    return world().rank
+
+
+def size() -> int:
+    return world().size
+
+
+def local_rank() -> int:
+    return world().local_rank
+
+
+def local_size() -> int:
+    return world().local_size
+
+
+def _g(group: Group | None) -> Group:
+    return group if group is not None else world()
+
+
+def _run(group: Group, body, async_op: bool):
+    return group.run(body, async_op)
+
+
+def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Group | None = None):
+    """Elementwise reduction over ranks: sum, avg, min, max, prod.
+
+    In place on ``x`` unless ``out`` (same shape and dtype) is given. Returns the result (x or
+    out), or a Handle. float16/bfloat16 accumulate in float32; avg divides once.
+    """
+    g = _g(group)
+    code = kreduce.op_code(op)
+    src = Buffer(x, "x")
+    dst = src if out is None else Buffer(out, "out")
+    if dst is not src and (dst.shape != src.shape or dst.dtype_name != src.dtype_name):
+        raise ValueError(f"out: expected {src.dtype_name} {src.shape}, got {dst.dtype_name} {dst.shape}")
+    if src.dtype_name in ("uint8", "int8", "int16", "uint16", "bool"):
+        raise TypeError(f"allreduce: cannot reduce dtype {src.dtype_name}")
+
+    def body():
+        g.allreduce_views([src.flat], [dst.flat], code, src.kind, sig_buf=src)
+        dst.commit()
+        return dst.orig
+
+    return _run(g, body, async_op)
+
+
+def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
+    """Copy ``x`` of rank ``root`` into ``x`` on every rank (in place)."""
+    g = _g(group)
+    _check_root(root, g)
+    buf = Buffer(x, "x")
+
+    def body():
+        g.broadcast_flat(buf, root)
+        buf.commit()
+        return buf.orig
+
+    return _run(g, body, async_op)
+
+
+def allgather(x, *, async_op: bool = False, group: Group | None = None):
+    """Every rank's ``x`` stacked: a new array/tensor of shape (size, *x.shape)."""
+    g = _g(group)
+    buf = Buffer(x, "x")
+    out, obuf = buf.like((g.size, *buf.shape))
+
+    def body():
+        g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size))
+        return out
+
+    return _run(g, body, async_op)
+
+
+def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
+    """Like allgather, but only ``root`` gets the (size, *x.shape) result; others get None."""
+    g = _g(group)
+    _check_root(root, g)
+    buf = Buffer(x, "x")
+    out, obuf = buf.like((g.size, *buf.shape))
+
+    def body():
+        g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size), root=root)
+        return out if g.rank == root else None
+
+    return _run(g, body, async_op)
+
+
+def scatter(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
+    """``x`` has shape (size, ...) on every rank (read on root); returns this rank's ``x[rank]``
+    from root as a new array/tensor."""
+    g = _g(group)
+    _check_root(root, g)
+    buf = Buffer(x, "x")
+    if not buf.shape or buf.shape[0] != g.size:
+        raise ValueError(f"scatter: x must have shape (size={g.size}, ...), got {buf.shape}")
+    out, obuf = buf.like(buf.shape[1:])
+
+    def body():
+        g.scatter_flat(buf, obuf.flat, root)
+        return out
+
+    return _run(g, body, async_op)
+
+
+def reduce(x, op: str = "sum", root: int = 0, *, async_op: bool = False, group: Group | None = None):
+    """Reduce into ``x`` on ``root`` (others' ``x`` is left as it was)."""
+    g = _g(group)
+    _check_root(root, g)
+    code = kreduce.op_code(op)
+    buf = Buffer(x, "x")
+
+    def body():
+        g.reduce_flat(buf, code, root)
+        if g.rank == root:
+            buf.commit()
+        return buf.orig
+
+    return _run(g, body, async_op)
+
+
+def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group | None = None):
+    """Reduce the flat ``x`` over ranks and return this rank's part of it, a 1-D array/tensor:
+    parts split as ``np.array_split`` (sizes need not divide evenly)."""
+    g = _g(group)
+    code = kreduce.op_code(op)
+    buf = Buffer(x, "x")
+    q, r = divmod(buf.size, g.size)
+    n = q + (1 if g.rank < r else 0)
+    out, obuf = buf.like((n,))
+
+    def body():
+        g.reduce_scatter_flat(buf, obuf.flat, code)
+        return out
+
+    return _run(g, body, async_op)
+
+
+def barrier(*, async_op: bool = False, group: Group | None = None):
+    g = _g(group)
+    return _run(g, g.barrier, async_op)
+
+
+def send(x, dest: int, tag: int = 0, *, group: Group | None = None) -> None:
+    """Blocking point-to-point send of ``x`` to rank ``dest`` (over MPI)."""
+    g = _g(group)
+    _check_root(dest, g, "dest")
+    g.send(Buffer(x, "x"), dest, tag)
+
+
+def recv(x, source: int, tag: int = 0, *, group: Group | None = None):
+    """Blocking receive into ``x`` (whose shape and dtype must match the sender's)."""
+    g = _g(group)
+    _check_root(source, g, "source")
+    buf = Buffer(x, "x")
+    g.recv(buf, source, tag)
+    buf.commit()
+    return x
+
+
+def _check_root(root: int, g: Group, name: str = "root") -> None:
+    if not 0 <= root < g.size:
+        raise ValueError(f"{name}={root} is outside a group of {g.size} ranks")
+
+
+def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
+                  async_op: bool = False, group: Group | None = None):
+    """The CPU-staged gradient path: allreduce a list of tensors (or one) as one fused buffer.
+
+    Tensors are grouped by dtype; each group streams through the node's shared segment in chunks
+    (copy in, reduce-scatter with the JIT kernels, allreduce of each part across nodes over MPI,
+    all-gather, copy out), so no separate staging copy of the whole group is made. With
+    ``compression="bf16"`` or ``"fp16"`` float32 tensors travel as 16-bit values and are
+    accumulated in float32. CUDA tensors are staged through host memory. In place; returns the
+    list (or a Handle).
+    """
+    g = _g(group)
+    code = kreduce.op_code(op)
+    single = not isinstance(tensors, (list, tuple))
+    items = [tensors] if single else list(tensors)
+    ckind = {None: 0, "bf16": BF16, "bfloat16": BF16, "fp16": F16, "float16": F16}.get(compression, -1)
+    if ckind < 0:
+        raise ValueError(f"compression: expected None, 'bf16' or 'fp16', got {compression!r}")
+    bufs = [Buffer(t, f"tensors[{i}]") for i, t in enumerate(items)]
+    groups: dict[str, list[Buffer]] = {}
+    for b in bufs:
+        groups.setdefault(b.dtype_name, []).append(b)
+
+    def body():
+        for name in sorted(groups):
+            members = groups[name]
+            views = [b.flat for b in members]
+            kind = members[0].kind
+            use_c = ckind if name == "float32" else 0
+            sig = _FusedSig(name, sum(v.shape[0] for v in views), len(views))
+            g.allreduce_views(views, views, code, kind, use_c, coll="jit_allreduce", sig_buf=sig)
+            for b in members:
+                b.commit()
+        return tensors
+
+    return _run(g, body, async_op)
+
+
+class _FusedSig:
+    """The signature jit_allreduce agrees on: dtype, total elements, tensor count."""
+
+    def __init__(self, dtype_name: str, n: int, count: int) -> None:
+        self.dtype_name = dtype_name
+        self.size = n
+        self.shape = (n, count)
+        self.flat = np.empty(0)
+
+
+__all__ += ["Handle", "Group"]

@@ -1,0 +1,530 @@
+"""Process groups and their collectives.
+
+A :class:`Group` is a set of ranks (the world, or a ``split`` of it). Ranks on one node exchange
+data through a shared segment (NOTE [shm segment lifetime], NOTE [board protocol] in shm.py) and
+reduce it with the kernels' multi-source reduce; ranks on different nodes exchange through MPI.
+
+NOTE [collective ordering]
+    Every rank of a group issues its collectives in the same order, sync and async alike. Async
+    calls run on the group's single worker thread in submission order; a sync call runs inline
+    when nothing async is pending, else it queues behind them. Every collective starts with a
+    signature barrier on the board: all ranks publish (collective, op, dtype, shape, root) and
+    compare before any data moves, so a mismatch raises CollectiveMismatchError on every rank.
+
+NOTE [row halves]
+    Each local rank owns a row of the segment, split in two halves used by alternate chunks (a
+    counter that runs on across calls). A rank writes half h for chunk k + 2 only after the
+    barrier of chunk k + 1, which every rank publishes after finishing its reads of chunk k: so
+    one barrier per chunk suffices for copies, two for reductions (data in, reduced parts ready).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from ..kernels import reduce as kreduce
+from ..kernels.floats import compress, decompress
+from .buffers import DTYPE_CODES, Buffer
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
+from .shm import SIG_WORDS, Board, Segment
+
+__all__ = ["Group", "Handle"]
+
+_COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "reduce": 5,
+         "gather": 6, "scatter": 7, "barrier": 8, "jit_allreduce": 9}
+_CODE_DTYPE = {v: k for k, v in DTYPE_CODES.items()}
+_CODE_OP = {v: k for k, v in kreduce.OPS.items()}
+_ROW_BYTES = int(os.environ.get("TERRAPIPE_SHM_ROW_BYTES", 8 << 20))
+# At or below this many bytes an allreduce is one barrier: data and signature are published
+# together and every rank reduces the whole message (latency over bandwidth).
+_SMALL_BYTES = 64 << 10
+
+
+class Handle:
+    """An outstanding async collective. ``wait()`` returns its result (or raises its error)."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None):
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+def _parts(n: int, p: int) -> list[tuple[int, int]]:
+    """np.array_split boundaries of n elements over p owners."""
+    q, r = divmod(n, p)
+    out, lo = [], 0
+    for i in range(p):
+        hi = lo + q + (1 if i < r else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class _Fused:
+    """Several flat arrays seen as one: ``read``/``write`` copy a range of the concatenation."""
+
+    def __init__(self, views: list[np.ndarray]) -> None:
+        self.views = views
+        self.offsets = [0]
+        for v in views:
+            self.offsets.append(self.offsets[-1] + v.shape[0])
+        self.n = self.offsets[-1]
+
+    def _pieces(self, c0: int, length: int):
+        if len(self.views) == 1:
+            yield self.views[0], c0, c0 + length, 0
+            return
+        i = bisect.bisect_right(self.offsets, c0) - 1
+        pos = c0
+        end = c0 + length
+        while pos < end:
+            v0 = int(self.offsets[i])
+            v1 = int(self.offsets[i + 1])
+            a, b = pos - v0, min(end, v1) - v0
+            if b > a:
+                yield self.views[i], a, b, pos - c0
+            pos = max(pos, min(end, v1))
+            i += 1
+
+    def read(self, c0: int, length: int, out: np.ndarray, ckind: int = 0) -> None:
+        for v, a, b, o in self._pieces(c0, length):
+            if ckind:
+                compress(v[a:b], out[o:o + b - a], ckind)
+            else:
+                out[o:o + b - a] = v[a:b]
+
+    def write(self, c0: int, src: np.ndarray, ckind: int = 0) -> None:
+        for v, a, b, o in self._pieces(c0, src.shape[0]):
+            if ckind:
+                decompress(src[o:o + b - a], v[a:b], ckind)
+            else:
+                v[a:b] = src[o:o + b - a]
+
+
+class Group:
+    """A communicator: ``rank``, ``size``, ``local_rank``, ``local_size`` and the collectives.
+
+    Built by :func:`terrapipe.comm.init` (the world) and :meth:`split`. ``mpi_comm`` is an mpi4py
+    communicator, or None for a lone process (every collective is then local).
+    """
+
+    def __init__(self, mpi_comm=None, timeout: float = 300.0, node_size: int | None = None) -> None:
+        self.timeout = float(timeout)
+        self.comm = mpi_comm
+        self._lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending = 0
+        self._failed: str | None = None
+        self._half = 0
+        self.segment = None
+        self.force_mpi = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower() == "mpi"
+        if mpi_comm is None:
+            self.rank, self.size, self.local_rank, self.local_size, self.nnodes = 0, 1, 0, 1, 1
+            self.node = self.cross = None
+            self.world_ranks = [0]
+            return
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.world_ranks = mpi_comm.allgather(MPI.COMM_WORLD.Get_rank())
+        if node_size:
+            color = self.rank // node_size
+        else:
+            shared = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            color = shared.allreduce(self.rank, op=MPI.MIN)
+            shared.Free()
+        self.node = mpi_comm.Split(color, key=self.rank)
+        self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
+        self.cross = mpi_comm.Split(self.local_rank, key=self.rank)
+        colors = mpi_comm.allgather(color)
+        self.nnodes = len(set(colors))
+        sizes = {colors.count(c) for c in set(colors)}
+        self.uniform = len(sizes) == 1
+        p = self.local_size
+        board_bytes = Board.nbytes(p)
+        self.segment = Segment(self.node, board_bytes + p * _ROW_BYTES)
+        words = self.segment.buf[:board_bytes].view(np.int64)
+        self.board = Board(words, p, self.local_rank, self.node.allgather(self.rank))
+        self._rows_u8 = self.segment.buf[board_bytes:board_bytes + p * _ROW_BYTES].reshape(p, _ROW_BYTES)
+        self._acc = np.empty(kreduce.TILE, np.float32)
+
+    # -- structure --------------------------------------------------------------------------
+    def split(self, color: int, key: int | None = None) -> Group:
+        """Ranks with the same ``color`` form a new group, ordered by ``key`` (default: rank)."""
+        if self.comm is None:
+            return Group(None, self.timeout)
+        return Group(self.comm.Split(int(color), self.rank if key is None else int(key)), self.timeout)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+    # -- execution -----------------------------------------------------------------------------
+    def run(self, fn, async_op: bool):
+        """Run a collective body in issue order (NOTE [collective ordering])."""
+        if self._failed:
+            raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
+        if async_op:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="terrapipe-comm")
+                self._pending += 1
+            fut = self._pool.submit(self._guarded, fn)
+            fut.add_done_callback(self._one_done)
+            return Handle(fut)
+        with self._lock:
+            inline = self._pending == 0
+            if inline:
+                return self._guarded(fn)
+        return self.run(fn, True).wait()
+
+    def _one_done(self, _fut) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _guarded(self, fn):
+        with self._lock:
+            try:
+                return fn()
+            except CollectiveTimeoutError as e:
+                self._failed = str(e)  # step counters are out of step now: no further use
+                raise
+
+    # -- signatures ----------------------------------------------------------------------------
+    @staticmethod
+    @functools.lru_cache(maxsize=512)
+    def _signature_of(coll: str, op: int, dtype_name: str | None, size: int, shape: tuple,
+                      root: int) -> np.ndarray:
+        sig = np.zeros(SIG_WORDS, np.int64)
+        sig[0], sig[1], sig[3] = _COLL[coll], op, root
+        if dtype_name is not None:
+            sig[2], sig[4], sig[5] = DTYPE_CODES[dtype_name], size, len(shape)
+            dims = list(shape)[:SIG_WORDS - 6]
+            sig[6:6 + len(dims)] = dims
+        sig.flags.writeable = False
+        return sig
+
+    @classmethod
+    def _signature(cls, coll: str, op: int = 0, buf: Buffer | None = None, root: int = -1) -> np.ndarray:
+        if buf is None:
+            return cls._signature_of(coll, op, None, 0, (), root)
+        return cls._signature_of(coll, op, buf.dtype_name, buf.size, tuple(buf.shape), root)
+
+    def _check(self, coll: str, step: int) -> None:
+        sigs = self.board.sigs(step)
+        if not (sigs == sigs[0]).all():
+            self._mismatch(coll, sigs, self.board.ranks)
+
+    def _agree(self, coll: str, op: int = 0, buf: Buffer | None = None, root: int = -1) -> None:
+        if self.size == 1:
+            return
+        sig = self._signature(coll, op, buf, root)
+        self._check(coll, self.board.barrier(self.timeout, coll, sig))
+        if self.nnodes > 1:
+            allsigs = np.empty((self.cross.Get_size(), SIG_WORDS), np.int64)
+            self._mpi_wait(self.cross.Iallgather(sig, allsigs), coll, self.cross)
+            if not (allsigs == allsigs[0]).all():
+                self._mismatch(coll, allsigs, self.cross.allgather(self.rank))
+
+    @staticmethod
+    def _mismatch(coll: str, sigs: np.ndarray, ranks: list[int]) -> None:
+        def desc(s):
+            parts = [_CODE_DTYPE.get(int(s[2]), "?"), str(tuple(int(d) for d in s[6:6 + int(s[5])]))]
+            if s[0] != _COLL[coll]:
+                parts.insert(0, f"in {[k for k, v in _COLL.items() if v == s[0]] or ['?']}")
+            if s[1] or coll in ("allreduce", "reduce", "reduce_scatter"):
+                parts.append(f"op={_CODE_OP.get(int(s[1]), s[1])}")
+            if s[3] >= 0:
+                parts.append(f"root={int(s[3])}")
+            return " ".join(parts)
+
+        lines = "; ".join(f"rank {r}: {desc(s)}" for r, s in zip(ranks, sigs, strict=True))
+        raise CollectiveMismatchError(f"{coll}: ranks called it differently: {lines}")
+
+    def _mpi_wait(self, req, what: str, comm=None) -> None:
+        """Poll an MPI request until done or the timeout (naming the group's ranks)."""
+        start = time.monotonic()
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins > 200:
+                os.sched_yield()
+                if spins % 256 == 0 and time.monotonic() - start > self.timeout:
+                    req.Cancel() if hasattr(req, "Cancel") else None
+                    comm = comm or self.comm
+                    raise CollectiveTimeoutError(
+                        f"{what}: timed out after {self.timeout:g}s in MPI across {comm.Get_size()} "
+                        "ranks (some rank never arrived)", [])
+
+    # -- data movement on the segment -----------------------------------------------------------
+    def _rows(self, dtype) -> np.ndarray:
+        item = np.dtype(dtype).itemsize
+        return self._rows_u8[:, : (_ROW_BYTES // item) * item].view(dtype)
+
+    def _chunk_ranges(self, n: int, itemsize: int):
+        half = (_ROW_BYTES // itemsize) // 2
+        for c0 in range(0, n, half):
+            h = self._half * half
+            self._half ^= 1
+            yield c0, min(half, n - c0), h
+
+    def _shm_allreduce(self, srcs: _Fused, dsts: _Fused, op: int, dtype, kind: int, ckind: int = 0,
+                       root: int = -1) -> None:
+        """Reduce-scatter within the node, allreduce across nodes per part, all-gather back.
+        ``kind``: 16-bit format of the rows (0 native); ``ckind``: rows hold compressed copies of
+        float32 inputs; ``root`` >= 0: only that rank copies the result out (reduce)."""
+        p, me = self.local_size, self.local_rank
+        rows = self._rows(dtype)
+        item = np.dtype(dtype).itemsize
+        for c0, length, h in self._chunk_ranges(srcs.n, item):
+            srcs.read(c0, length, rows[me, h:h + length], ckind)
+            self.board.barrier(self.timeout, "allreduce")
+            parts = _parts(length, p)
+            lo, hi = parts[me]
+            if hi > lo:
+                mine = rows[me, h + lo:h + hi]
+                block = rows[:, h + lo:h + hi]
+                if kind:
+                    kreduce.reduce_many_16(mine, block, op, 0, hi - lo, kind, self._acc)
+                else:
+                    kreduce.reduce_many_native(mine, block, op, 0, hi - lo)
+                if self.nnodes > 1:
+                    self._cross_allreduce(mine, op, kind)
+                if op == kreduce.AVG:
+                    self._divide(mine, kind)
+            self.board.barrier(self.timeout, "allreduce")
+            if root < 0 or root == self.rank:
+                for q, (a, b) in enumerate(parts):
+                    if b > a:
+                        dsts.write(c0 + a, rows[q, h + a:h + b], ckind)
+
+    def _divide(self, arr: np.ndarray, kind: int) -> None:
+        if kind:
+            kreduce.divide_16(arr, self.size, 0, arr.shape[0], kind)
+        elif arr.dtype.kind == "f":
+            kreduce.divide_float(arr, self.size, 0, arr.shape[0])
+        else:
+            kreduce.divide_int(arr, self.size, 0, arr.shape[0])
+
+    def _cross_allreduce(self, part: np.ndarray, op: int, kind: int) -> None:
+        MPI = self._MPI
+        if kind:
+            gathered = np.empty((self.cross.Get_size(), part.shape[0]), part.dtype)
+            self._mpi_wait(self.cross.Iallgather(part, gathered), "allreduce across nodes", self.cross)
+            kreduce.reduce_many_16(part, gathered, op, 0, part.shape[0], kind, self._acc)
+        else:
+            mop = {kreduce.SUM: MPI.SUM, kreduce.AVG: MPI.SUM, kreduce.PROD: MPI.PROD,
+                   kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
+            self._mpi_wait(self.cross.Iallreduce(MPI.IN_PLACE, part, mop), "allreduce across nodes",
+                           self.cross)
+
+    def _use_mpi(self) -> bool:
+        return self.force_mpi or self.nnodes > 1 or not self.uniform
+
+    # -- collectives (bodies; the public functions in collectives.py wrap them) ------------------
+    def allreduce_views(self, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, kind: int,
+                        ckind: int = 0, coll: str = "allreduce", sig_buf: Buffer | None = None) -> None:
+        fs, fd = _Fused(srcs), _Fused(dsts)
+        if self.size == 1:
+            if srcs is not dsts:
+                for s, d in zip(srcs, dsts, strict=True):
+                    if ckind:  # same rounding as the multi-rank path
+                        tmp = np.empty(s.shape[0], np.uint16)
+                        compress(s, tmp, ckind)
+                        decompress(tmp, d, ckind)
+                    else:
+                        d[...] = s
+            elif ckind:
+                for s in srcs:
+                    tmp = np.empty(s.shape[0], np.uint16)
+                    compress(s, tmp, ckind)
+                    decompress(tmp, s, ckind)
+            return
+        rows_dtype = np.uint16 if (kind or ckind) else srcs[0].dtype
+        rkind = ckind or kind
+        if (fs.n * np.dtype(rows_dtype).itemsize <= _SMALL_BYTES and self.nnodes == 1
+                and not self.force_mpi):
+            self._small_allreduce(fs, fd, op, rows_dtype, rkind, ckind, coll, sig_buf)
+            return
+        self._agree(coll, op, sig_buf)
+        if self._use_mpi() and self.nnodes == 1 and not ckind:
+            self._mpi_allreduce(fs, fd, op, rkind)
+            return
+        if not self.uniform:
+            raise CommError("allreduce: nodes have different numbers of ranks; hierarchical "
+                            "reduction needs the same count on every node")
+        self._shm_allreduce(fs, fd, op, rows_dtype, rkind, ckind)
+
+    def _small_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int,
+                         coll: str, sig_buf: Buffer | None) -> None:
+        rows = self._rows(dtype)
+        h = self._half * (rows.shape[1] // 2)
+        self._half ^= 1
+        n = fs.n
+        fs.read(0, n, rows[self.local_rank, h:h + n], ckind)
+        self._check(coll, self.board.barrier(self.timeout, coll, self._signature(coll, op, sig_buf)))
+        block = rows[:, h:h + n]
+        direct = not ckind and len(fd.views) == 1
+        out = fd.views[0] if direct else np.empty(n, dtype)
+        if kind:
+            kreduce.reduce_many_16(out, block, op, 0, n, kind, self._acc)
+        else:
+            kreduce.reduce_many_native(out, block, op, 0, n)
+        if op == kreduce.AVG:
+            self._divide(out, kind)
+        if not direct:
+            fd.write(0, out, ckind)
+
+    def _mpi_allreduce(self, fs: _Fused, fd: _Fused, op: int, kind: int) -> None:
+        MPI = self._MPI
+        buf = np.empty(fs.n, fs.views[0].dtype if fs.views else np.float32)
+        fs.read(0, fs.n, buf)
+        if kind:
+            gathered = np.empty((self.size, fs.n), buf.dtype)
+            self._mpi_wait(self.comm.Iallgather(buf, gathered), "allreduce")
+            kreduce.reduce_many_16(buf, gathered, op, 0, fs.n, kind, self._acc)
+        else:
+            mop = {kreduce.SUM: MPI.SUM, kreduce.AVG: MPI.SUM, kreduce.PROD: MPI.PROD,
+                   kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
+            self._mpi_wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, mop), "allreduce")
+        if op == kreduce.AVG:
+            self._divide(buf, kind)
+        fd.write(0, buf)
+
+    def broadcast_flat(self, buf: Buffer, root: int) -> None:
+        if self.size == 1:
+            return
+        self._agree("broadcast", 0, buf, root)
+        if self._use_mpi():
+            self._mpi_wait(self.comm.Ibcast(buf.flat, root=root), "broadcast")
+            return
+        rows = self._rows(buf.flat.dtype)
+        lroot = self.board.ranks.index(root)
+        for c0, length, h in self._chunk_ranges(buf.size, buf.flat.itemsize):
+            if self.rank == root:
+                rows[lroot, h:h + length] = buf.flat[c0:c0 + length]
+            self.board.barrier(self.timeout, "broadcast")
+            if self.rank != root:
+                buf.flat[c0:c0 + length] = rows[lroot, h:h + length]
+
+    def allgather_flat(self, buf: Buffer, out: np.ndarray, root: int = -1) -> None:
+        """out: (size, n) flat rows; ``root`` >= 0 makes it a gather (only root fills out)."""
+        coll = "gather" if root >= 0 else "allgather"
+        if self.size == 1:
+            out[0] = buf.flat
+            return
+        self._agree(coll, 0, buf, root)
+        if self._use_mpi():
+            if root >= 0:
+                recv = out if self.rank == root else None
+                self._mpi_wait(self.comm.Igather(buf.flat, recv, root=root), coll)
+            else:
+                self._mpi_wait(self.comm.Iallgather(buf.flat, out), coll)
+            return
+        rows = self._rows(buf.flat.dtype)
+        me = self.local_rank
+        for c0, length, h in self._chunk_ranges(buf.size, buf.flat.itemsize):
+            rows[me, h:h + length] = buf.flat[c0:c0 + length]
+            self.board.barrier(self.timeout, coll)
+            if root < 0 or root == self.rank:
+                for q in range(self.local_size):
+                    out[self.board.ranks[q], c0:c0 + length] = rows[q, h:h + length]
+
+    def scatter_flat(self, full: Buffer, out: np.ndarray, root: int) -> None:
+        """full: (size * n) on every rank (read on root only); out: this rank's n elements."""
+        n = out.shape[0]
+        if self.size == 1:
+            out[...] = full.flat[:n]
+            return
+        self._agree("scatter", 0, full, root)
+        if self._use_mpi():
+            self._mpi_wait(self.comm.Iscatter(full.flat if self.rank == root else None, out, root=root),
+                           "scatter")
+            return
+        rows = self._rows(out.dtype)
+        me = self.local_rank
+        for c0, length, h in self._chunk_ranges(n, out.itemsize):
+            if self.rank == root:
+                for q in range(self.local_size):
+                    r = self.board.ranks[q]
+                    rows[q, h:h + length] = full.flat[r * n + c0:r * n + c0 + length]
+            self.board.barrier(self.timeout, "scatter")
+            out[c0:c0 + length] = rows[me, h:h + length]
+
+    def reduce_scatter_flat(self, buf: Buffer, out: np.ndarray, op: int) -> None:
+        """out: this rank's part (np.array_split over ranks) of the reduced flat buffer."""
+        n = buf.size
+        parts = _parts(n, self.size)
+        if self.size == 1:
+            out[...] = buf.flat
+            return
+        self._agree("reduce_scatter", op, buf)
+        if self._use_mpi() or buf.kind:
+            # Through a full allreduce: simple, and correct for every dtype and topology.
+            tmp = np.empty(n, buf.flat.dtype)
+            self._mpi_or_shm_allreduce(buf, tmp, op)
+            lo, hi = parts[self.rank]
+            out[...] = tmp[lo:hi]
+            return
+        rows = self._rows(buf.flat.dtype)
+        me = self.local_rank
+        lo_me, hi_me = parts[self.rank]
+        for c0, length, h in self._chunk_ranges(n, buf.flat.itemsize):
+            rows[me, h:h + length] = buf.flat[c0:c0 + length]
+            self.board.barrier(self.timeout, "reduce_scatter")
+            a, b = max(lo_me, c0), min(hi_me, c0 + length)
+            if b > a:
+                dst = out[a - lo_me:b - lo_me]
+                kreduce.reduce_many_native(dst, rows[:, h + a - c0:h + b - c0], op, 0, b - a)
+                if op == kreduce.AVG:
+                    self._divide(dst, 0)
+
+    def _mpi_or_shm_allreduce(self, buf: Buffer, tmp: np.ndarray, op: int) -> None:
+        fs, fd = _Fused([buf.flat]), _Fused([tmp])
+        if self._use_mpi() and self.nnodes == 1:
+            self._mpi_allreduce(fs, fd, op, buf.kind)
+        else:
+            self._shm_allreduce(fs, fd, op, buf.flat.dtype, buf.kind)
+
+    def reduce_flat(self, buf: Buffer, op: int, root: int) -> None:
+        if self.size == 1:
+            return
+        self._agree("reduce", op, buf, root)
+        tmp = buf.flat if self.rank == root else np.empty_like(buf.flat)
+        if self._use_mpi():
+            self._mpi_or_shm_allreduce(buf, tmp, op)
+            return
+        self._shm_allreduce(_Fused([buf.flat]), _Fused([tmp]), op, buf.flat.dtype, buf.kind, root=root)
+
+    def barrier(self) -> None:
+        if self.size == 1:
+            return
+        self._agree("barrier")
+        if self.nnodes > 1:
+            self._mpi_wait(self.comm.Ibarrier(), "barrier")
+
+    def send(self, buf: Buffer, dest: int, tag: int) -> None:
+        if self.comm is None:
+            raise CommError("send: a lone process has no peer")
+        self._mpi_wait(self.comm.Isend(buf.flat, dest=dest, tag=tag), f"send to rank {dest}")
+
+    def recv(self, buf: Buffer, source: int, tag: int) -> None:
+        if self.comm is None:
+            raise CommError("recv: a lone process has no peer")
+        self._mpi_wait(self.comm.Irecv(buf.flat, source=source, tag=tag), f"recv from rank {source}")

@@ -1,0 +1,224 @@
+"""Collectives against NumPy at 1, 2 and 4 ranks (the same bodies at every rank count)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import terrapipe.comm as comm
+
+DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
+OPS = ["sum", "avg", "min", "max", "prod"]
+SIZES = [0, 1, 7, 1000, 3 * (1 << 20) + 5]  # the last spans several shared-memory chunks
+
+
+def _data(rank, n, dtype, seed=0):
+    """Rank ``rank``'s input: small values so prod stays exact-ish; torch for bfloat16."""
+    g = np.random.default_rng(seed * 1000 + rank)
+    if dtype in ("int32", "int64"):
+        a = g.integers(-3, 4, n).astype(dtype)
+        return torch.from_numpy(a) if rank % 2 else a
+    v = g.uniform(0.5, 1.5, n) * (1 if g.random() < 0.5 else -1)
+    if dtype == "bfloat16":
+        return torch.from_numpy(v.astype(np.float32)).bfloat16()
+    a = v.astype(dtype)
+    return torch.from_numpy(a) if rank % 2 else a
+
+
+def _np(x):
+    return x.float().numpy().astype(np.float64) if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 \
+        else np.asarray(x).astype(np.float64)
+
+
+def _reference(size, n, dtype, op, seed=0):
+    xs = np.stack([_np(_data(r, n, dtype, seed)) for r in range(size)])
+    return {"sum": xs.sum(0), "avg": xs.sum(0) / size, "min": xs.min(0), "max": xs.max(0),
+            "prod": xs.prod(0)}[op]
+
+
+def _tol(dtype, op, size):
+    return {"float16": 4e-3, "bfloat16": 3e-2}.get(dtype, 1e-5) * (2 if op == "prod" else 1) * size
+
+
+@pytest.fixture
+def world(mpi_comm):
+    g = comm.init(timeout=60)
+    yield g
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=300)
+def test_allreduce_every_dtype_op_and_size(world):
+    r, p = comm.rank(), comm.size()
+    for n in SIZES:
+        for dtype in DTYPES:
+            for op in OPS:
+                if n > 10_000 and (op in ("prod", "min") or dtype not in ("float32", "bfloat16")):
+                    continue  # the large size once per reduction path, to keep the suite quick
+                x = _data(r, n, dtype)
+                if op == "avg" and dtype.startswith("int"):
+                    ref = np.floor_divide(_reference(p, n, dtype, "sum"), p)
+                else:
+                    ref = _reference(p, n, dtype, op)
+                out = comm.allreduce(x, op)
+                assert out is x
+                np.testing.assert_allclose(_np(out), ref, rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p),
+                                           err_msg=f"n={n} {dtype} {op}")
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=120)
+def test_out_of_place_noncontiguous_and_async_order(world):
+    r, p = comm.rank(), comm.size()
+    base = np.arange(40, dtype=np.float64).reshape(8, 5) * (r + 1)
+    view = base[:, ::2]  # non-contiguous
+    expect = np.arange(40, dtype=np.float64).reshape(8, 5)[:, ::2] * p * (p + 1) / 2
+    out = np.empty_like(view)
+    comm.allreduce(view, "sum", out=out)
+    np.testing.assert_array_equal(out, expect)
+    assert base[0, 2] == 2 * (r + 1)  # input untouched out of place
+    comm.allreduce(view, "sum")
+    np.testing.assert_array_equal(base[:, ::2], expect)  # written back through the view
+    t = torch.arange(12.0).reshape(3, 4).t() * (r + 1)  # non-contiguous tensor
+    comm.allreduce(t, "max")
+    assert torch.equal(t, torch.arange(12.0).reshape(3, 4).t() * p)
+    # Several outstanding async collectives complete in issue order with the right values.
+    xs = [np.full(1000 * (i + 1), float(r + i), np.float32) for i in range(6)]
+    handles = [comm.allreduce(x, "sum", async_op=True) for x in xs]
+    comm.allreduce(np.zeros(3), "sum")  # a sync call queues behind them
+    for i, (h, x) in enumerate(zip(handles, xs, strict=True)):
+        got = h.wait()
+        assert h.done() and got is x
+        assert np.all(x == sum(q + i for q in range(p)))
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=120)
+def test_broadcast_gather_scatter_reduce(world):
+    r, p = comm.rank(), comm.size()
+    for root in sorted({0, p - 1}):
+        for n in (0, 1, 13, 2_500_000):
+            x = np.arange(n, dtype=np.float32) + (100 if r == root else -1)
+            comm.broadcast(x, root)
+            np.testing.assert_array_equal(x, np.arange(n, dtype=np.float32) + 100)
+        t = torch.full((3, 2), float(r))
+        g = comm.gather(t, root)
+        if r == root:
+            assert torch.equal(g, torch.arange(p, dtype=torch.float32)[:, None, None].expand(p, 3, 2))
+        else:
+            assert g is None
+        full = np.arange(p * 5, dtype=np.int64).reshape(p, 5) * (1 if r == root else 0)
+        np.testing.assert_array_equal(comm.scatter(full, root), np.arange(5) + 5 * r)
+        y = np.full(10, r + 1.0)
+        comm.reduce(y, "sum", root)
+        np.testing.assert_array_equal(y, np.full(10, p * (p + 1) / 2 if r == root else r + 1.0))
+    ag = comm.allgather(np.array([r, -r], np.int32))
+    np.testing.assert_array_equal(ag, np.stack([np.arange(p), -np.arange(p)], 1))
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=120)
+def test_reduce_scatter_uneven_sizes(world):
+    r, p = comm.rank(), comm.size()
+    for n in (0, 1, p + 1, 1_000_003):
+        for dtype in ("float32", "int64", "bfloat16"):
+            x = _data(r, n, dtype, seed=2)
+            part = comm.reduce_scatter(x, "sum")
+            ref = np.array_split(_reference(p, n, dtype, "sum", seed=2), p)[r]
+            np.testing.assert_allclose(_np(part), ref, rtol=_tol(dtype, "sum", p), atol=_tol(dtype, "sum", p))
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=180)
+def test_jit_allreduce_mixed_shapes_dtypes_and_compression(world):
+    r, p = comm.rank(), comm.size()
+    g = torch.Generator().manual_seed(r)
+    shapes = [(3, 4), (1000,), (7, 7, 7), (1,), (300_000,), (0,)]
+    ts = [torch.randn(s, generator=g) for s in shapes] + [torch.arange(5, dtype=torch.int64) * r]
+    refs = []
+    for i, s in enumerate(shapes):
+        acc = torch.zeros(s, dtype=torch.float64)
+        for q in range(p):
+            gq = torch.Generator().manual_seed(q)
+            vals = [torch.randn(sh, generator=gq) for sh in shapes]
+            acc += vals[i].double()
+        refs.append(acc / p)
+    out = comm.jit_allreduce(ts, op="avg")
+    assert out is ts
+    for t, ref in zip(ts, refs, strict=False):
+        torch.testing.assert_close(t.double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ts[-1], torch.arange(5) * sum(range(p)) // p)
+    # bf16 on the wire, float32 accumulation: within bf16 rounding of the true mean.
+    g = torch.Generator().manual_seed(r)
+    ts = [torch.randn(s, generator=g) for s in shapes]
+    comm.jit_allreduce(ts, op="sum", compression="bf16")
+    for t, ref in zip(ts, refs, strict=True):
+        torch.testing.assert_close(t.double(), ref * p, rtol=2e-2, atol=2e-2 * p)
+    h = comm.jit_allreduce(torch.full((10,), float(r)), op="sum", compression="fp16", async_op=True)
+    assert torch.equal(h.wait(), torch.full((10,), float(sum(range(p)))))
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=180)
+def test_emulated_two_nodes_of_two(mpi_comm):
+    os.environ["TERRAPIPE_NODE_SIZE"] = "2"
+    g = comm.init(timeout=60)
+    assert (g.nnodes, g.local_size, g.local_rank) == (2, 2, comm.rank() % 2)
+    r, p = comm.rank(), comm.size()
+    for n in (1, 1000, 3_000_000):
+        for dtype, op in (("float32", "sum"), ("float64", "avg"), ("bfloat16", "sum"), ("int32", "max")):
+            x = _data(r, n, dtype, seed=3)
+            comm.allreduce(x, op)
+            np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=3),
+                                       rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
+    ts = [torch.full((100,), float(r)), torch.full((5, 5), 1.0)]
+    comm.jit_allreduce(ts, "avg", compression="bf16")
+    assert torch.equal(ts[0], torch.full((100,), 1.5)) and torch.equal(ts[1], torch.ones(5, 5))
+    x = np.arange(9.0) if r == 3 else np.zeros(9)
+    comm.broadcast(x, 3)
+    np.testing.assert_array_equal(x, np.arange(9.0))
+    comm.barrier()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=120)
+def test_mismatch_raises_on_every_rank_naming_ranks_and_shapes(world):
+    r = comm.rank()
+    with pytest.raises(comm.CollectiveMismatchError) as e:
+        comm.allreduce(np.zeros(4 if r == 1 else 3, np.float32))
+    assert "rank 1: float32 (4,)" in str(e.value) and "rank 0: float32 (3,)" in str(e.value)
+    with pytest.raises(comm.CollectiveMismatchError, match="op="):
+        comm.allreduce(np.zeros(5), "max" if r == 0 else "sum")
+    with pytest.raises(comm.CollectiveMismatchError, match="root="):
+        comm.broadcast(np.zeros(5), root=r % 2)
+    big = 2_000_000
+    with pytest.raises(comm.CollectiveMismatchError, match="float64"):
+        comm.allreduce(np.zeros(big, np.float64 if r == 0 else np.float32))
+    # The group is still usable afterwards.
+    x = np.ones(3)
+    comm.allreduce(x)
+    assert np.all(x == comm.size())
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_missing_rank_times_out_naming_it(mpi_comm):
+    comm.init(timeout=3)
+    if comm.rank() == 0:
+        with pytest.raises(comm.CollectiveTimeoutError, match="waiting for rank 1") as e:
+            comm.allreduce(np.zeros(10))
+        assert e.value.ranks == [1]
+        with pytest.raises(comm.CommError, match="unusable"):
+            comm.allreduce(np.zeros(10))
+    mpi_comm.Barrier()  # rank 1 skipped the collective; both meet again over plain MPI
+
+
+def test_lone_process_collectives_and_argument_errors():
+    g = comm.Group(None)
+    x = np.arange(5.0)
+    assert comm.allreduce(x, "avg", group=g) is x and np.all(x == np.arange(5.0))
+    assert comm.allgather(x, group=g).shape == (1, 5)
+    np.testing.assert_array_equal(comm.reduce_scatter(x, group=g), x)
+    with pytest.raises(ValueError, match="root=1"):
+        comm.broadcast(x, root=1, group=g)
+    with pytest.raises(ValueError, match="unknown reduction"):
+        comm.allreduce(x, "mean", group=g)
+    with pytest.raises(ValueError, match="compression"):
+        comm.jit_allreduce([torch.zeros(2)], compression="int8", group=g)
+    with pytest.raises(TypeError, match="x: expected"):
+        comm.allreduce([1, 2, 3], group=g)
+    with pytest.raises(ValueError, match="out"):
+        comm.allreduce(x, out=np.zeros(4), group=g)
