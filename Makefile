@@ -34,6 +34,8 @@ test: setup
 bench: setup
 	$(PY) -m benchmarks.kernels
 	$(PY) -m benchmarks.loader
+	$(PY) -m benchmarks.allreduce -n 2
+	$(PY) -m benchmarks.allreduce -n 4
 
 lint: setup
 	$(VENV)/bin/ruff check terrapipe tests benchmarks examples

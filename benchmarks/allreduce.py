@@ -1,0 +1,166 @@
+"""Allreduce bandwidth: terrapipe vs MPI (mpi4py + MPICH) vs torch.distributed Gloo.
+
+    python -m benchmarks.allreduce -n 2 [--max-mib 256] [--rounds 5]
+
+Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
+``--max-mib``), in each round and interleaved: ``comm.jit_allreduce`` (torch tensor),
+``comm.allreduce`` (NumPy array), ``MPI.COMM_WORLD.Allreduce`` in place, and
+``torch.distributed.all_reduce`` over Gloo, all summing in place. A sample is the slowest rank's
+time for a batch of calls. Reported: median algbw (bytes / time) and busbw (algbw x 2(p-1)/p),
+next to this machine's single-thread memory-copy bandwidth (bytes copied per second, np.copyto
+of 64 MiB) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .common import format_table, save
+
+CASES = ("jit_allreduce", "comm.allreduce", "mpi Allreduce", "gloo all_reduce")
+
+
+def _worker(max_mib: int, rounds: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import terrapipe.comm as comm
+
+    comm.init()
+    mpi = MPI.COMM_WORLD
+    rank, p = mpi.rank, mpi.size
+    port = None
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = mpi.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
+
+    sizes = []
+    b = 4 << 10
+    while b <= max_mib << 20:
+        sizes.append(b)
+        b *= 4
+    copy_src = np.ones(64 << 18, np.float32)  # 64 MiB
+    copy_dst = np.empty_like(copy_src)
+    copies = []
+    results = {}
+    for nbytes in sizes:
+        n = nbytes // 4
+        t = torch.ones(n)
+        a = np.ones(n, np.float32)
+        reps = max(1, min(200, (8 << 20) // nbytes))
+        fns = {
+            "jit_allreduce": lambda t=t: comm.jit_allreduce(t, op="sum"),
+            "comm.allreduce": lambda a=a: comm.allreduce(a, "sum"),
+            "mpi Allreduce": lambda a=a: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
+            "gloo all_reduce": lambda t=t: dist.all_reduce(t),
+        }
+        for fn in fns.values():
+            fn()  # warm-up (compilation, connections, page faults)
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t.fill_(1.0)
+                a.fill(1.0)
+                mpi.Barrier()
+                start = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                dt = (time.perf_counter() - start) / reps
+                dt = mpi.allreduce(dt, op=MPI.MAX)
+                results.setdefault((name, nbytes), []).append(dt)
+            if rank == 0:
+                start = time.perf_counter()
+                np.copyto(copy_dst, copy_src)
+                copies.append(copy_src.nbytes / (time.perf_counter() - start) / 1e9)
+            mpi.Barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        import json
+
+        print("RESULTS " + json.dumps({"p": p, "copy_gbs": copies,
+                                       "samples": [[k[0], k[1], v] for k, v in results.items()]}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", type=int, default=2, help="ranks")
+    p.add_argument("--max-mib", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.max_mib, args.rounds)
+        return
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(args.n), sys.executable, "-m",
+           "benchmarks.allreduce", "--worker", "--max-mib", str(args.max_mib), "--rounds", str(args.rounds)]
+    print(" ".join(cmd), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS ")), None)
+    if out.returncode != 0 or line is None:
+        sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    import json
+
+    data = json.loads(line[len("RESULTS "):])
+    nranks = data["p"]
+    copy = statistics.median(data["copy_gbs"])
+    med = {(c, b): statistics.median(v) for c, b, v in data["samples"]}
+    sizes = sorted({b for _, b, _ in data["samples"]})
+    factor = 2 * (nranks - 1) / nranks
+    rows, records = [], []
+    for b in sizes:
+        row = [_size(b)]
+        for c in CASES:
+            algbw = b / med[(c, b)] / 1e9
+            row.append(f"{algbw:.2f}/{algbw * factor:.2f}")
+            records.append({"case": c, "bytes": b, "seconds": med[(c, b)], "algbw": algbw,
+                            "busbw": algbw * factor,
+                            "samples_s": next(v for cc, bb, v in data["samples"] if cc == c and bb == b)})
+        row.append(f"{1e6 * med[('comm.allreduce', b)]:.0f}/{1e6 * med[('mpi Allreduce', b)]:.0f}")
+        row.append(f"{med[('gloo all_reduce', b)] / med[('jit_allreduce', b)]:.1f}x/"
+                   f"{med[('mpi Allreduce', b)] / med[('jit_allreduce', b)]:.1f}x")
+        rows.append(row)
+    print(f"\n{nranks} ranks, float32 sum in place, median of {args.rounds} interleaved rounds;"
+          f" algbw/busbw in GB/s; single-thread memcpy {copy:.1f} GB/s (bytes copied per second)")
+    print(format_table(["size", *CASES, "us comm/mpi", "jit vs gloo/mpi"], rows))
+    result = {"ranks": nranks, "copy_gbs": copy, "records": records}
+
+    def plot(path):
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for c in CASES:
+            ax.plot(sizes, [next(r["busbw"] for r in records if r["case"] == c and r["bytes"] == b)
+                            for b in sizes], marker="o", label=c)
+        ax.axhline(copy, color="k", linestyle="--", label="memcpy (1 thread)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message bytes")
+        ax.set_ylabel("busbw GB/s")
+        ax.set_title(f"allreduce, {nranks} ranks")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    for f in save(f"allreduce_n{nranks}", result, plot):
+        print(f"wrote {f}")
+
+
+def _size(b: int) -> str:
+    return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+
+if __name__ == "__main__":
+    main()
