@@ -26,7 +26,7 @@ def main() -> None:
                     num_threads=args.threads) as loader:
         start = time.perf_counter()
         seen = 0
-        for images, labels in loader:
+        for images, _labels in loader:
             seen += images.shape[0]
             print(f"\r{seen}/{len(ds)} images  {seen / (time.perf_counter() - start):.0f} img/s  "
                   f"batch {tuple(images.shape)} {images.dtype}", end="", flush=True)
