@@ -20,6 +20,7 @@ from ..kernels.floats import BF16, F16
 from .buffers import Buffer
 from .group import Group, Handle
 from .shm import remove_stale
+from .torch_backend import torch_env
 
 __all__ = [
     "init", "finalize", "world", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -35,8 +36,9 @@ _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "
 def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     """Join the world (idempotent) and return it.
 
-    Under ``mpiexec`` (or ``terrapipe run``) the world comes from mpi4py; a lone process needs
-    nothing. ``timeout``: seconds a collective waits for the other ranks before raising
+    Under ``mpiexec`` (or ``terrapipe run``) the world comes from mpi4py; under ``torchrun`` (or
+    SLURM with MASTER_ADDR) from torch.distributed over Gloo; a lone process needs nothing.
+    ``timeout``: seconds a collective waits for the other ranks before raising
     CollectiveTimeoutError. ``TERRAPIPE_NODE_SIZE=k`` groups ranks k per node (to emulate
     several nodes on one machine); ``TERRAPIPE_COMM_BACKEND=mpi`` routes every collective through
     MPI instead of shared memory. Also exports RANK / WORLD_SIZE / LOCAL_RANK for libraries that
@@ -45,15 +47,19 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     global _world
     if _world is not None:
         return _world
-    if backend not in ("auto", "mpi", "shm"):
-        raise ValueError(f"backend: expected 'auto', 'mpi' or 'shm', got {backend!r}")
+    if backend not in ("auto", "mpi", "shm", "torch"):
+        raise ValueError(f"backend: expected 'auto', 'mpi', 'shm' or 'torch', got {backend!r}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     remove_stale()
     launched = any(k in os.environ for k in _MPI_ENV)
     if backend == "mpi":
         os.environ["TERRAPIPE_COMM_BACKEND"] = "mpi"
-    if launched or backend != "auto":
+    if backend == "torch" or (backend == "auto" and not launched and torch_env()):
+        from .torch_backend import TorchGroup
+
+        _world = TorchGroup(timeout)
+    elif launched or backend != "auto":
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD.Dup()

@@ -119,9 +119,8 @@ class Group:
     communicator, or None for a lone process (every collective is then local).
     """
 
-    def __init__(self, mpi_comm=None, timeout: float = 300.0, node_size: int | None = None) -> None:
+    def _init_execution(self, timeout: float) -> None:
         self.timeout = float(timeout)
-        self.comm = mpi_comm
         self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
         self._pending = 0
@@ -129,6 +128,10 @@ class Group:
         self._half = 0
         self.segment = None
         self.force_mpi = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower() == "mpi"
+
+    def __init__(self, mpi_comm=None, timeout: float = 300.0, node_size: int | None = None) -> None:
+        self._init_execution(timeout)
+        self.comm = mpi_comm
         if mpi_comm is None:
             self.rank, self.size, self.local_rank, self.local_size, self.nnodes = 0, 1, 0, 1, 1
             self.node = self.cross = None

@@ -1,0 +1,83 @@
+"""terrapipe.comm under torchrun: the same collectives and errors over torch.distributed (Gloo)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np, torch
+    import terrapipe.comm as comm
+    from terrapipe.comm.torch_backend import TorchGroup
+
+    g = comm.init(timeout=float(sys.argv[1]))
+    assert isinstance(g, TorchGroup), type(g)
+    r, n = comm.rank(), comm.size()
+    if sys.argv[2] == "timeout":
+        if r == 0:
+            try:
+                comm.allreduce(np.zeros(10))
+            except comm.CollectiveTimeoutError as e:
+                print("TIMEOUT OK", e, flush=True)
+        else:
+            time.sleep(8)  # absent well past rank 0's 3 s timeout
+        sys.exit(0)
+    for dtype in (np.float32, np.float64, np.int64):
+        for op, ref in (("sum", n * (n + 1) / 2), ("max", n), ("min", 1), ("avg", (n + 1) / 2)):
+            x = np.full(1001, r + 1, dtype)
+            comm.allreduce(x, op)
+            want = np.floor(ref) if (op == "avg" and dtype == np.int64) else ref
+            assert np.all(x == want), (dtype, op, x[:3])
+    bf = torch.full((300,), float(r + 1), dtype=torch.bfloat16)
+    comm.allreduce(bf, "sum")
+    assert torch.all(bf == n * (n + 1) / 2)
+    ts = [torch.full((5,), float(r)), torch.full((3, 3), 2.0)]
+    comm.jit_allreduce(ts, compression="bf16")
+    assert torch.equal(ts[0], torch.full((5,), (n - 1) / 2)) and torch.equal(ts[1], torch.full((3, 3), 2.0))
+    b = np.arange(5.0) if r == n - 1 else np.zeros(5)
+    comm.broadcast(b, n - 1)
+    assert np.all(b == np.arange(5.0))
+    assert comm.allgather(np.array([r])).ravel().tolist() == list(range(n))
+    part = comm.reduce_scatter(np.arange(7.0))
+    assert part.tolist() == np.array_split(np.arange(7.0) * n, n)[r].tolist()
+    h = comm.allreduce(np.ones(4), async_op=True)
+    assert h.wait().tolist() == [n] * 4
+    try:
+        comm.allreduce(np.zeros(2 + r))
+        raise AssertionError("no mismatch raised")
+    except comm.CollectiveMismatchError as e:
+        assert "rank 0: float64 (2,)" in str(e) and "rank 1: float64 (3,)" in str(e)
+    sub = g.split(r % 2)
+    y = np.ones(3)
+    comm.allreduce(y, group=sub)
+    assert np.all(y == sub.size)
+    open(f"{sys.argv[3]}/rank{r}.ok", "w").close()
+    """
+)
+
+
+def _torchrun(tmp_path: Path, n: int, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(n), str(script), *args],
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_under_torchrun(tmp_path, n):
+    out = _torchrun(tmp_path, n, "60", "all", str(tmp_path))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("rank*.ok")) == [f"rank{r}.ok" for r in range(n)]
+
+
+def test_missing_rank_times_out_under_torchrun(tmp_path):
+    out = _torchrun(tmp_path, 2, "3", "timeout", str(tmp_path))
+    assert "TIMEOUT OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
