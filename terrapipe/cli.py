@@ -1,4 +1,8 @@
-"""The ``terrapipe`` command: ``terrapipe info`` reports what the library will run on."""
+"""The ``terrapipe`` command.
+
+    terrapipe info                       versions, CPUs, CUDA and MPI as terrapipe sees them
+    terrapipe run -n N [-H hosts] CMD... launch N ranks of CMD (see terrapipe.engine.launcher)
+"""
 
 from __future__ import annotations
 
@@ -47,9 +51,16 @@ def _info() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="terrapipe", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:
+        from .engine.launcher import main as run_main
+
+        return run_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="terrapipe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, CPUs, CUDA and MPI as terrapipe sees them")
+    sub.add_parser("run", help="launch ranks: terrapipe run -n N [-H hosts] [--] COMMAND...")
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()

@@ -11,6 +11,7 @@ from .collectives import (
     allreduce,
     barrier,
     broadcast,
+    broadcast_object,
     finalize,
     gather,
     init,
@@ -30,7 +31,8 @@ from .collectives import (
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 
 __all__ = [
-    "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "finalize", "gather",
+    "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "broadcast_object",
+    "finalize", "gather",
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError",

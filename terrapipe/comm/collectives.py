@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+import time
 
 import numpy as np
 
@@ -25,7 +27,7 @@ from .torch_backend import torch_env
 __all__ = [
     "init", "finalize", "world", "is_initialized", "rank", "size", "local_rank", "local_size",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather", "scatter",
-    "send", "recv", "barrier", "jit_allreduce",
+    "send", "recv", "barrier", "jit_allreduce", "broadcast_object",
 ]
 
 _world: Group | None = None
@@ -65,6 +67,8 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
         comm = MPI.COMM_WORLD.Dup()
         node_size = int(os.environ.get("TERRAPIPE_NODE_SIZE", "0")) or None
         _world = Group(comm, timeout, node_size)
+        if _world.size > 1:
+            _abort_on_uncaught_exception(MPI)
     else:
         _world = Group(None, timeout)
     os.environ.setdefault("RANK", str(_world.rank))
@@ -72,6 +76,28 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     os.environ.setdefault("LOCAL_RANK", str(_world.local_rank))
     atexit.register(finalize)
     return _world
+
+
+def _abort_on_uncaught_exception(MPI) -> None:
+    """An uncaught exception on one rank ends the whole job at once (as ``python -m mpi4py``
+    does): otherwise that rank waits in MPI_Finalize at exit while the others wait for it in
+    their next collective."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        status_dir = os.environ.get("TERRAPIPE_RUN_STATUS")  # set by `terrapipe run`
+        if status_dir:
+            # Recorded before aborting: the launcher kills every other process right after.
+            path = os.path.join(status_dir, f"rank{MPI.COMM_WORLD.Get_rank()}.status")
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{time.time()} 1")
+            os.replace(path + ".tmp", path)
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
 
 
 def finalize() -> None:
@@ -248,6 +274,24 @@ def recv(x, source: int, tag: int = 0, *, group: Group | None = None):
     g.recv(buf, source, tag)
     buf.commit()
     return x
+
+
+def broadcast_object(obj, root: int = 0, *, group: Group | None = None):
+    """Pickle ``obj`` on ``root`` and return it on every rank (small control data: configs,
+    optimizer state)."""
+    import pickle
+
+    g = _g(group)
+    _check_root(root, g)
+    if g.size == 1:
+        return obj
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if g.rank == root else np.empty(0, np.uint8)
+    n = np.array([payload.size], np.int64)
+    broadcast(n, root, group=g)
+    if g.rank != root:
+        payload = np.empty(int(n[0]), np.uint8)
+    broadcast(payload, root, group=g)
+    return obj if g.rank == root else pickle.loads(payload.tobytes())
 
 
 def _check_root(root: int, g: Group, name: str = "root") -> None:

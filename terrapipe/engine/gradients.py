@@ -1,0 +1,138 @@
+"""Bucketed gradient averaging overlapped with backward.
+
+NOTE [bucket launch order]
+    Parameters are bucketed in reverse registration order (roughly the order backward produces
+    their gradients). A bucket is reduced (an async ``jit_allreduce``, in place on the ``.grad``
+    tensors) as soon as it and every bucket before it are complete, so all ranks issue the same
+    collectives in the same order even when one rank's backward skips a parameter: such a bucket,
+    and all after it, are launched by ``synchronize()``, where missing gradients become zeros.
+    Until ``synchronize()`` returns, the ``.grad`` tensors of launched buckets belong to the
+    reduction; ``zero_grad()`` in that window raises.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .. import comm
+
+__all__ = ["DistributedGradients"]
+
+
+class DistributedGradients:
+    """Average ``model``'s gradients across ranks while backward runs.
+
+    bucket_mb: bucket size; first_bucket_mb: the first (last layers') bucket, small so its
+    reduction starts early; compression: None, "bf16" or "fp16" on the wire (float32
+    accumulation); op: "avg" or "sum"; backward_passes_per_step: reduce every k-th backward
+    (gradient accumulation); ``no_sync()`` skips reduction for the backward passes inside it.
+    Shared (tied) parameters are reduced once. Call :meth:`synchronize` before using gradients.
+    """
+
+    def __init__(self, model: torch.nn.Module, bucket_mb: float = 25, first_bucket_mb: float = 1,
+                 compression: str | None = None, op: str = "avg", backward_passes_per_step: int = 1,
+                 group: comm.Group | None = None) -> None:
+        if bucket_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError("bucket_mb and first_bucket_mb must be positive, got "
+                             f"{bucket_mb}, {first_bucket_mb}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if op not in ("avg", "sum"):
+            raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        self.group = group if group is not None else comm.world()
+        self.op = op
+        self.compression = compression
+        self.passes_per_step = backward_passes_per_step
+        params = [p for p in model.parameters() if p.requires_grad]  # parameters() dedupes ties
+        if not params:
+            raise ValueError("model: no parameters require gradients")
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        limit, current, size = first_bucket_mb * 2**20, [], 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > limit:
+                self.buckets.append(current)
+                current, size, limit = [], 0, bucket_mb * 2**20
+            current.append(p)
+            size += nbytes
+        if current:
+            self.buckets.append(current)
+        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self._counts = {id(p): 0 for p in params}
+        self._ready = [0] * len(self.buckets)
+        self._next = 0  # first bucket not yet launched
+        self._handles: list[comm.Handle] = []
+        self._passes = 0
+        self._skip = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._skip:
+            return
+        key = id(p)
+        self._counts[key] += 1
+        if self._counts[key] == self.passes_per_step:
+            b = self._bucket_of[key]
+            self._ready[b] += 1
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        grads = []
+        for p in self.buckets[b]:
+            if p.grad is None:  # no gradient on this rank: it contributes zeros
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        self._handles.append(comm.jit_allreduce(grads, op=self.op, compression=self.compression,
+                                                async_op=True, group=self.group))
+
+    # -- public ------------------------------------------------------------------------------
+    def in_flight(self) -> bool:
+        return bool(self._handles) or self._next > 0
+
+    def synchronize(self) -> None:
+        """Launch the buckets not yet launched (missing gradients as zeros), wait for all, and
+        start counting the next step. After this, every rank holds the averaged gradients."""
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.wait()
+        self._next = 0
+        self._ready = [0] * len(self.buckets)
+        for k in self._counts:
+            self._counts[k] = 0
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, with no communication."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.in_flight():
+            raise RuntimeError("zero_grad() while gradient reductions are in flight: call "
+                               "synchronize() (or optimizer.step()) first")
+        for bucket in self.buckets:
+            for p in bucket:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def remove(self) -> None:
+        """Detach the hooks from the model."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

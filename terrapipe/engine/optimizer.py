@@ -1,0 +1,60 @@
+"""DistributedOptimizer: any torch optimizer, stepping on gradients averaged across ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import comm
+from .gradients import DistributedGradients
+
+__all__ = ["DistributedOptimizer"]
+
+
+class DistributedOptimizer:
+    """Wrap ``optimizer`` (Horovod's DistributedOptimizer, TorchMPI's AllReduceSGD).
+
+    Gradients of ``model`` are averaged during backward by a :class:`DistributedGradients`
+    (``bucket_mb``, ``compression``, ``backward_passes_per_step``); ``step()`` waits for them,
+    then steps the wrapped optimizer. With ``backward_passes_per_step=k``, call ``step()`` after
+    every k-th backward. ``zero_grad()`` while reductions are in flight raises.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, bucket_mb: float = 25,
+                 compression: str | None = None, backward_passes_per_step: int = 1,
+                 first_bucket_mb: float = 1, op: str = "avg", group: comm.Group | None = None) -> None:
+        self.optimizer = optimizer
+        self.gradients = DistributedGradients(model, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+                                              compression=compression, op=op,
+                                              backward_passes_per_step=backward_passes_per_step,
+                                              group=group)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self, closure=None):
+        self.gradients.synchronize()
+        return self.optimizer.step(closure)
+
+    def synchronize(self) -> None:
+        self.gradients.synchronize()
+
+    def no_sync(self):
+        return self.gradients.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.gradients.zero_grad(set_to_none)
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"

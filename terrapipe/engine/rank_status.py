@@ -1,0 +1,47 @@
+"""Per-rank wrapper used by ``terrapipe run``: run the command, record how it ended.
+
+Writes ``<TERRAPIPE_RUN_STATUS>/rank<r>.status`` as "<time> <exit code>" (negative: killed by
+that signal) as soon as the command ends, then exits with the same code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _die_with_parent() -> None:
+    # If the launcher kills this wrapper (it does when another rank fails), the rank goes too.
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def main() -> int:
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    # close_fds=False: the MPI launcher hands each rank its PMI connection as an inherited fd.
+    proc = subprocess.Popen(sys.argv[1:], close_fds=False, preexec_fn=_die_with_parent)
+
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, forward)
+    rc = proc.wait()
+    status_dir = os.environ.get("TERRAPIPE_RUN_STATUS")
+    if status_dir and not os.path.exists(os.path.join(status_dir, f"rank{rank}.status")):
+        tmp = os.path.join(status_dir, f".rank{rank}.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{time.time()} {rc}")
+        os.replace(tmp, os.path.join(status_dir, f"rank{rank}.status"))
+    return rc if rc >= 0 else 128 - rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Data-parallel SGD at 1, 2 and 4 ranks equals one process on the union of the batches."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import terrapipe.comm as comm
+from terrapipe.engine import (
+    DistributedGradients,
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+
+
+class Net(nn.Module):
+    """A small convnet with a tied layer (used twice) and a branch only some ranks use."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.tied = nn.Linear(16, 16)
+        self.proj = nn.Linear(8 * 6 * 6, 16)
+        self.head = nn.Linear(16, 10)
+        self.extra = nn.Linear(16, 16)
+
+    def forward(self, x, use_extra=False):
+        h = F.relu(self.proj(F.relu(self.conv(x)).flatten(1)))
+        h = torch.tanh(self.tied(torch.tanh(self.tied(h))))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+def _batch(step, n):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _close(a: nn.Module, b: nn.Module, tol: float) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=tol, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+CONFIGS = [
+    dict(bucket_mb=1e-6),                      # every parameter its own bucket (smaller than one)
+    dict(bucket_mb=25, first_bucket_mb=0.001),
+    dict(compression="bf16"),
+]
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=300)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["tiny-buckets", "default", "bf16"])
+def test_steps_match_single_process_on_the_union_batch(mpi_comm, cfg):
+    comm.init(timeout=60)
+    r, p, b = comm.rank(), comm.size(), 4
+    ref = Net(seed=1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model = Net(seed=1 + r)  # different on purpose: broadcast_parameters makes them equal
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, **cfg)
+    broadcast_parameters(model, root=0)
+    broadcast_optimizer_state(opt, root=0)
+    for step in range(4):
+        x, y = _batch(step, b * p)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.cross_entropy(model(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b]).backward()
+        opt.step()
+    _close(model, ref, 3e-2 if cfg.get("compression") else 1e-5)
+
+
+@pytest.mark.mpi(ranks=(1, 2), timeout=300)
+@pytest.mark.parametrize("mode", ["no_sync", "passes_per_step"])
+def test_gradient_accumulation(mpi_comm, mode):
+    comm.init(timeout=60)
+    r, p, b = comm.rank(), comm.size(), 3
+    ref = Net(seed=2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = Net(seed=2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, bucket_mb=0.01,
+                               backward_passes_per_step=2 if mode == "passes_per_step" else 1)
+    for step in range(3):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = _batch(10 * step + micro, b * p)
+            F.cross_entropy(ref(x), y).backward()
+            loss = F.cross_entropy(model(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b])
+            if mode == "no_sync" and micro == 0:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        ref_opt.step()
+        opt.step()
+    _close(model, ref, 1e-5)
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_parameter_unused_on_one_rank_and_zero_grad_in_flight(mpi_comm):
+    comm.init(timeout=60)
+    r = comm.rank()
+    model = Net(seed=3)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=0.001)
+    x, y = _batch(0, 4)
+    F.cross_entropy(model(x, use_extra=(r == 0)), y).backward()
+    if r == 0:
+        # Rank 0 launched buckets during backward. Rank 1 launched none: its first bucket
+        # (`extra`, registered last) never completed, so it holds nothing in flight.
+        assert opt.gradients.in_flight()
+        with pytest.raises(RuntimeError, match="in flight"):
+            opt.zero_grad()
+    else:
+        assert not opt.gradients.in_flight()
+    opt.step()  # rank 1 contributes zeros for `extra`; nobody hangs
+    gathered = comm.allgather(torch.cat([q.detach().reshape(-1) for q in model.parameters()]))
+    assert torch.equal(gathered[0], gathered[1])  # every rank took the same step
+    opt.zero_grad()
+
+
+def test_argument_errors():
+    model = Net(seed=0)
+    with pytest.raises(ValueError, match="bucket_mb"):
+        DistributedGradients(model, bucket_mb=0, group=comm.Group(None))
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        DistributedGradients(model, backward_passes_per_step=0, group=comm.Group(None))
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters"):
+        DistributedGradients(frozen, group=comm.Group(None))
+
+
+FAILING = textwrap.dedent(
+    """
+    import torch, torch.nn.functional as F
+    import terrapipe.comm as comm
+    from terrapipe.engine import DistributedOptimizer
+    comm.init(timeout=60)
+    model = torch.nn.Linear(10, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    for step in range(100):
+        if comm.rank() == 1 and step == 3:
+            raise ValueError("bad batch on rank one")
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 10)), torch.zeros(4, 2)).backward()
+        opt.step()
+    """
+)
+
+
+def test_exception_on_one_rank_ends_every_rank(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING)
+    cmd = [sys.executable, "-m", "terrapipe.cli", "run", "-n", "2", sys.executable, str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "ValueError: bad batch on rank one" in out.stderr
+    assert "rank 1 failed first, with exit code 1" in out.stderr
+
+
+def test_launcher_reports_the_first_failing_rank_and_its_code():
+    code = "import os, sys; sys.exit(5 if os.environ['PMI_RANK'] == '2' else 0)"
+    cmd = [sys.executable, "-m", "terrapipe.cli", "run", "-n", "3", "--", sys.executable, "-c", code]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 5
+    assert "terrapipe run: " in out.stderr and "mpiexec -n 3" in out.stderr
+    assert "rank 2 failed first, with exit code 5" in out.stderr
+    cmd = [sys.executable, "-m", "terrapipe.cli", "run", "-n", "2", sys.executable, "-c", "pass"]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0
