@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["size", *CASES, "us comm/mpi", "jit vs gloo/mpi"], rows))
     result = {"ranks": nranks, "copy_gbs": copy, "records": records}
 
-    def plot(path):
+    def plot():
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_title(f"allreduce, {nranks} ranks")
         ax.legend()
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        return fig
 
     for f in save(f"allreduce_n{nranks}", result, plot):
         print(f"wrote {f}")

@@ -74,8 +74,9 @@ def machine() -> dict[str, object]:
     }
 
 
-def save(name: str, payload: dict, plot: Callable[[Path], None] | None = None) -> list[Path]:
-    """Write ``results/<name>.json`` (and ``<name>.png`` via ``plot`` if matplotlib is there)."""
+def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> list[Path]:
+    """Write ``results/<name>.json``, and ``<name>.png`` from the matplotlib figure ``plot()``
+    returns (skipped if matplotlib is missing)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = [RESULTS / f"{name}.json"]
     payload = {"benchmark": name, "machine": machine(), **payload}
@@ -87,7 +88,12 @@ def save(name: str, payload: dict, plot: Callable[[Path], None] | None = None) -
             matplotlib.use("Agg")
         except ImportError:
             return out
+        import matplotlib.pyplot as plt
+
         png = RESULTS / f"{name}.png"
-        plot(png)
+        fig = plot()
+        fig.tight_layout()
+        fig.savefig(png, dpi=100)
+        plt.close(fig)
         out.append(png)
     return out

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         args.mib, args.rounds = 64, 5
     result = run(args.mib, args.rounds)
 
-    def plot(path):
+    def plot():
         import matplotlib.pyplot as plt
 
         recs = [r for r in result["records"] if r["unit"] == "GB/s"]
@@ -176,9 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_xlabel("GB/s (bytes read + written)")
         ax.invert_yaxis()
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        return fig
 
     for f in save("kernels", result, plot):
         print(f"wrote {f}")

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or sorted({1, cores})
     result = run(args.data, args.images, args.batches, args.rounds, threads)
 
-    def plot(path):
+    def plot():
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -190,9 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.set_xticks(threads)
         ax.legend()
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        return fig
 
     for f in save("loader", result, plot):
         print(f"wrote {f}")
