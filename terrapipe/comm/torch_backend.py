@@ -42,7 +42,8 @@ class TorchGroup(Group):
         import torch.distributed as dist
 
         self._torch, self._dist = torch, dist
-        if not dist.is_initialized():
+        self._owns_init = pg is None and not dist.is_initialized()
+        if self._owns_init:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
         self._init_execution(timeout)
         self.pg = pg
@@ -182,4 +183,9 @@ class TorchGroup(Group):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._owns_init and self._dist.is_initialized():
+            # Torn down here, not by the interpreter's exit: process groups destroyed during
+            # shutdown (split() subgroups included) can abort in C++ ("terminate called ...").
+            self._dist.destroy_process_group()
+            self._owns_init = False
 
