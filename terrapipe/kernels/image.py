@@ -41,7 +41,6 @@ __all__ = [
 
 # Pillow's fixed point for 8-bit resampling: 32 bits - 8 bits of value - 2 bits of headroom.
 PRECISION_BITS = 22
-_HALF = 1 << (PRECISION_BITS - 1)
 
 
 def max_taps(in_len: float, out_len: int) -> int:
