@@ -71,9 +71,11 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
             _abort_on_uncaught_exception(MPI)
     else:
         _world = Group(None, timeout)
-    os.environ.setdefault("RANK", str(_world.rank))
-    os.environ.setdefault("WORLD_SIZE", str(_world.size))
-    os.environ.setdefault("LOCAL_RANK", str(_world.local_rank))
+    # Overwritten, not defaulted: values inherited from a parent process must not win over the
+    # world this process actually joined.
+    os.environ["RANK"] = str(_world.rank)
+    os.environ["WORLD_SIZE"] = str(_world.size)
+    os.environ["LOCAL_RANK"] = str(_world.local_rank)
     atexit.register(finalize)
     return _world
 

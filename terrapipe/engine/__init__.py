@@ -2,12 +2,14 @@
 
 broadcast_parameters / broadcast_optimizer_state start every rank from the same state;
 DistributedGradients averages gradients in buckets overlapped with backward;
-DistributedOptimizer wraps any torch optimizer on top of it; ``terrapipe run`` launches ranks.
+DistributedOptimizer wraps any torch optimizer on top of it; Engine runs train/test loops with
+hooks, progress, metrics and checkpoints; ``terrapipe run`` launches ranks.
 """
 
 from .gradients import DistributedGradients
 from .optimizer import DistributedOptimizer
 from .sync import broadcast_optimizer_state, broadcast_parameters
+from .trainer import HOOKS, Engine
 
-__all__ = ["DistributedGradients", "DistributedOptimizer", "broadcast_optimizer_state",
-           "broadcast_parameters"]
+__all__ = ["DistributedGradients", "DistributedOptimizer", "Engine", "HOOKS",
+           "broadcast_optimizer_state", "broadcast_parameters"]

@@ -45,8 +45,9 @@ class SampleError(RuntimeError):
 def _default_world() -> tuple[int, int]:
     # terrapipe.comm is not imported here (pipeline never imports comm): the launcher and
     # torchrun both export RANK / WORLD_SIZE, and comm.init() does too once it runs.
-    names = (("RANK", "WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
-             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+    # An MPI launcher's own variables first: RANK / WORLD_SIZE may be inherited from a parent.
+    names = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+             ("RANK", "WORLD_SIZE"))
     for r, w in names:
         if r in os.environ and w in os.environ:
             return int(os.environ[r]), int(os.environ[w])

@@ -210,6 +210,22 @@ def test_bad_arguments(kwargs, match):
         FastLoader(ds, **kwargs)
 
 
+def test_default_shard_prefers_the_mpi_launchers_variables(monkeypatch):
+    # Regression: RANK/WORLD_SIZE inherited from a parent process (0/1) once beat mpiexec's
+    # PMI_RANK/PMI_SIZE, so no rank sharded its data.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("PMI_RANK", "1")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    ds = ArrayDataset(np.zeros((10, 4, 4, 3), np.uint8), range(10))
+    with FastLoader(ds, batch_size=2) as loader:
+        assert (loader.rank, loader.world_size, len(loader)) == (1, 2, 3)
+    monkeypatch.delenv("PMI_RANK")
+    monkeypatch.delenv("PMI_SIZE")
+    with FastLoader(ds, batch_size=2) as loader:
+        assert (loader.rank, loader.world_size) == (0, 1)
+
+
 def test_bad_transforms_and_datasets():
     with pytest.raises(ValueError, match="size"):
         RandomResizedCrop(0)

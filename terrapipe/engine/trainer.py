@@ -1,0 +1,191 @@
+"""Engine: torchnet-style train and test loops with hooks, for one or many ranks.
+
+    engine = Engine(model, criterion, optimizer, train_loader, val_loader, checkpoint_dir="ckpt")
+    engine.hooks["on_forward"] = lambda state: ...
+    engine.train(epochs=10)
+
+Hooks receive the mutable ``state`` dict (model, optimizer, epoch, step, sample, output, loss,
+metrics, ...) and run in this order: on_start; per epoch: per batch on_batch (after loading),
+on_forward (after the loss), on_backward, on_update (after the optimizer step); on_epoch_end
+(after metrics are averaged across ranks and validation ran); on_end.
+
+Metrics (loss, accuracy, img/s) are summed locally and averaged across ranks once per epoch.
+Rank 0 shows a tqdm bar and writes checkpoints atomically (temp file + rename): model,
+optimizer, epoch and the train loader's state. ``train`` resumes from the newest checkpoint on
+every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import comm
+
+__all__ = ["Engine", "HOOKS"]
+
+HOOKS = ("on_start", "on_batch", "on_forward", "on_backward", "on_update", "on_epoch_end", "on_end")
+
+
+class Engine:
+    """Train ``model`` with ``criterion`` and ``optimizer`` (a DistributedOptimizer under several
+    ranks) on ``train_loader`` batches ``(inputs, targets)``; ``val_loader`` is evaluated after
+    each epoch. ``amp``: autocast (bfloat16 on CPU, float16 with a GradScaler on CUDA)."""
+
+    def __init__(self, model: torch.nn.Module, criterion: Callable, optimizer, train_loader,
+                 val_loader=None, *, checkpoint_dir: str | os.PathLike | None = None,
+                 amp: bool = False, progress: bool = True, device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.criterion = criterion
+        self.optimizer = optimizer
+        self.train_loader = train_loader
+        self.val_loader = val_loader
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.device = torch.device(device)
+        self.amp = amp
+        self.progress = progress
+        self.hooks: dict[str, Callable[[dict], None]] = {}
+        self.history: list[dict] = []
+        cuda = self.device.type == "cuda"
+        self._scaler = torch.amp.GradScaler("cuda") if (amp and cuda) else None
+        self._amp_dtype = torch.float16 if cuda else torch.bfloat16
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _hook(self, name: str, state: dict) -> None:
+        if name not in HOOKS:
+            raise ValueError(f"unknown hook {name!r}; hooks are {HOOKS}")
+        fn = self.hooks.get(name)
+        if fn is not None:
+            fn(state)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def _checkpoint_path(self, epoch: int) -> Path:
+        return self.checkpoint_dir / f"epoch{epoch:04d}.pt"
+
+    def save_checkpoint(self, epoch: int) -> Path | None:
+        """Rank 0 writes ``epoch{N}.pt`` atomically; every rank waits until it exists."""
+        if self.checkpoint_dir is None:
+            return None
+        path = self._checkpoint_path(epoch)
+        if comm.rank() == 0:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            loader = self.train_loader
+            loader_state = loader.state_dict() if hasattr(loader, "state_dict") else None
+            payload = {"epoch": epoch, "model": self.model.state_dict(),
+                       "optimizer": self.optimizer.state_dict(), "loader": loader_state,
+                       "history": self.history}
+            tmp = path.with_suffix(".tmp")
+            torch.save(payload, tmp)
+            os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint
+        comm.barrier()
+        return path
+
+    def _resume(self) -> int:
+        if self.checkpoint_dir is None or not self.checkpoint_dir.is_dir():
+            return 0
+        found = sorted(self.checkpoint_dir.glob("epoch*.pt"))
+        if not found:
+            return 0
+        state = torch.load(found[-1], map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.history = list(state.get("history", []))
+        return int(state["epoch"]) + 1
+
+    # -- loops -------------------------------------------------------------------------------------
+    def _forward(self, inputs, targets):
+        with torch.autocast(self.device.type, dtype=self._amp_dtype, enabled=self.amp):
+            output = self.model(inputs)
+            loss = self.criterion(output, targets)
+        return output, loss
+
+    @staticmethod
+    def _accumulate(sums: np.ndarray, loss, output, targets) -> None:
+        n = targets.shape[0]
+        sums[0] += float(loss.detach()) * n
+        if output.dim() == 2 and targets.dim() == 1:
+            sums[1] += float((output.detach().argmax(1) == targets).sum())
+        sums[2] += n
+
+    def _averaged(self, sums: np.ndarray, seconds: float) -> dict:
+        total = comm.allreduce(sums.copy(), "sum")
+        n = max(total[2], 1.0)
+        rate = comm.allreduce(np.array([sums[2] / max(seconds, 1e-9)]), "sum")[0]
+        return {"loss": total[0] / n, "accuracy": total[1] / n, "samples": int(total[2]),
+                "img_per_s": float(rate)}
+
+    def train(self, epochs: int) -> list[dict]:
+        """Run epochs ``[resumed, epochs)``; returns the per-epoch metrics history."""
+        start_epoch = self._resume()
+        state = {"model": self.model, "optimizer": self.optimizer, "epoch": start_epoch, "step": 0,
+                 "engine": self, "train": True}
+        self._hook("on_start", state)
+        for epoch in range(start_epoch, epochs):
+            state["epoch"] = epoch
+            if hasattr(self.train_loader, "set_epoch"):
+                self.train_loader.set_epoch(epoch)
+            self.model.train()
+            sums = np.zeros(3)
+            bar = self._bar(len(self.train_loader), f"epoch {epoch}")
+            began = time.perf_counter()
+            for inputs, targets in self.train_loader:
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                state.update(sample=(inputs, targets))
+                self._hook("on_batch", state)
+                self.optimizer.zero_grad()
+                output, loss = self._forward(inputs, targets)
+                state.update(output=output, loss=loss)
+                self._hook("on_forward", state)
+                if self._scaler is not None:
+                    self._scaler.scale(loss).backward()
+                    self._hook("on_backward", state)
+                    self._scaler.step(self.optimizer)
+                    self._scaler.update()
+                else:
+                    loss.backward()
+                    self._hook("on_backward", state)
+                    self.optimizer.step()
+                state["step"] += 1
+                self._hook("on_update", state)
+                self._accumulate(sums, loss, output, targets)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+            metrics = {"epoch": epoch, **{f"train_{k}": v for k, v in
+                                          self._averaged(sums, time.perf_counter() - began).items()}}
+            if bar is not None:
+                bar.close()
+            if self.val_loader is not None:
+                metrics.update({f"val_{k}": v for k, v in self.test(self.val_loader).items()})
+            self.history.append(metrics)
+            state["metrics"] = metrics
+            self._hook("on_epoch_end", state)
+            self.save_checkpoint(epoch)
+        self._hook("on_end", state)
+        return self.history
+
+    @torch.no_grad()
+    def test(self, loader) -> dict:
+        """Loss and accuracy over ``loader``, averaged across ranks."""
+        self.model.eval()
+        sums = np.zeros(3)
+        began = time.perf_counter()
+        for inputs, targets in loader:
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            output, loss = self._forward(inputs, targets)
+            self._accumulate(sums, loss, output, targets)
+        return self._averaged(sums, time.perf_counter() - began)
+
+    def _bar(self, total: int, desc: str):
+        if not self.progress or comm.rank() != 0:
+            return None
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
