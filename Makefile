@@ -36,6 +36,7 @@ bench: setup
 	$(PY) -m benchmarks.loader
 	$(PY) -m benchmarks.allreduce -n 2
 	$(PY) -m benchmarks.allreduce -n 4
+	$(PY) -m benchmarks.train -n 2
 
 lint: setup
 	$(VENV)/bin/ruff check terrapipe tests benchmarks examples

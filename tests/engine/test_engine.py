@@ -92,3 +92,28 @@ def test_example_trains_at_two_ranks_well_above_chance(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     accs = [float(a) for a in re.findall(r"val loss [\d.]+ acc ([\d.]+)", out.stdout)]
     assert len(accs) == 4 and accs[-1] > 0.5, out.stdout
+
+
+def test_amp_on_cpu_trains_in_bfloat16_autocast():
+    engine = _engine(None)
+    engine.amp = True
+    seen = []
+    engine.hooks["on_forward"] = lambda state: seen.append(state["output"].dtype)
+    history = engine.train(epochs=2)
+    assert set(seen) == {torch.bfloat16}  # the linear layer ran under autocast
+    assert np.isfinite(history[-1]["train_loss"]) and history[-1]["val_accuracy"] > 0.5
+
+
+def test_example_runs_unchanged_under_torchrun(tmp_path):
+    import os
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI"))}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "examples" / "train_synthetic.py"),
+           "--data", str(tmp_path / "data"), "--epochs", "4", "--per-class", "300"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    accs = [float(a) for a in re.findall(r"val loss [\d.]+ acc ([\d.]+)", out.stdout)]
+    assert len(accs) == 4 and accs[-1] > 0.5 and "over 2 ranks" in out.stdout
