@@ -353,22 +353,16 @@ class Group:
     # -- collectives (bodies; the public functions in collectives.py wrap them) ------------------
     def allreduce_views(self, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, kind: int,
                         ckind: int = 0, coll: str = "allreduce", sig_buf: Buffer | None = None) -> None:
-        fs, fd = _Fused(srcs), _Fused(dsts)
         if self.size == 1:
-            if srcs is not dsts:
-                for s, d in zip(srcs, dsts, strict=True):
-                    if ckind:  # same rounding as the multi-rank path
-                        tmp = np.empty(s.shape[0], np.uint16)
-                        compress(s, tmp, ckind)
-                        decompress(tmp, d, ckind)
-                    else:
-                        d[...] = s
-            elif ckind:
-                for s in srcs:
-                    tmp = np.empty(s.shape[0], np.uint16)
-                    compress(s, tmp, ckind)
-                    decompress(tmp, s, ckind)
+            for src, dst in zip(srcs, dsts, strict=True):
+                if ckind:  # the same 16-bit rounding as the multi-rank path
+                    tmp = np.empty(src.shape[0], np.uint16)
+                    compress(src, tmp, ckind)
+                    decompress(tmp, dst, ckind)
+                elif dst is not src:
+                    dst[...] = src
             return
+        fs, fd = _Fused(srcs), _Fused(dsts)
         rows_dtype = np.uint16 if (kind or ckind) else srcs[0].dtype
         rkind = ckind or kind
         if (fs.n * np.dtype(rows_dtype).itemsize <= _SMALL_BYTES and self.nnodes == 1
@@ -376,13 +370,20 @@ class Group:
             self._small_allreduce(fs, fd, op, rows_dtype, rkind, ckind, coll, sig_buf)
             return
         self._agree(coll, op, sig_buf)
+        self._allreduce_agreed(fs, fd, op, rows_dtype, rkind, ckind)
+
+    def _allreduce_agreed(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int = 0,
+                          root: int = -1) -> None:
+        """The data movement of an allreduce (or reduce to ``root``) whose signature the ranks
+        already agreed on: MPI on one node when forced, else shared memory (hierarchical across
+        nodes, which needs the same number of ranks on every node)."""
         if self._use_mpi() and self.nnodes == 1 and not ckind:
-            self._mpi_allreduce(fs, fd, op, rkind)
+            self._mpi_allreduce(fs, fd, op, kind)
             return
         if not self.uniform:
             raise CommError("allreduce: nodes have different numbers of ranks; hierarchical "
                             "reduction needs the same count on every node")
-        self._shm_allreduce(fs, fd, op, rows_dtype, rkind, ckind)
+        self._shm_allreduce(fs, fd, op, dtype, kind, ckind, root)
 
     def _small_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int,
                          coll: str, sig_buf: Buffer | None) -> None:
@@ -486,7 +487,7 @@ class Group:
         if self._use_mpi() or buf.kind:
             # Through a full allreduce: simple, and correct for every dtype and topology.
             tmp = np.empty(n, buf.flat.dtype)
-            self._mpi_or_shm_allreduce(buf, tmp, op)
+            self._allreduce_agreed(_Fused([buf.flat]), _Fused([tmp]), op, buf.flat.dtype, buf.kind)
             lo, hi = parts[self.rank]
             out[...] = tmp[lo:hi]
             return
@@ -504,22 +505,12 @@ class Group:
                 if op == kreduce.AVG:
                     self._divide(dst, 0)
 
-    def _mpi_or_shm_allreduce(self, buf: Buffer, tmp: np.ndarray, op: int) -> None:
-        fs, fd = _Fused([buf.flat]), _Fused([tmp])
-        if self._use_mpi() and self.nnodes == 1:
-            self._mpi_allreduce(fs, fd, op, buf.kind)
-        else:
-            self._shm_allreduce(fs, fd, op, buf.flat.dtype, buf.kind)
-
     def reduce_flat(self, buf: Buffer, op: int, root: int) -> None:
         if self.size == 1:
             return
         self._agree("reduce", op, buf, root)
         tmp = buf.flat if self.rank == root else np.empty_like(buf.flat)
-        if self._use_mpi():
-            self._mpi_or_shm_allreduce(buf, tmp, op)
-            return
-        self._shm_allreduce(_Fused([buf.flat]), _Fused([tmp]), op, buf.flat.dtype, buf.kind, root=root)
+        self._allreduce_agreed(_Fused([buf.flat]), _Fused([tmp]), op, buf.flat.dtype, buf.kind, root=root)
 
     def barrier(self) -> None:
         if self.size == 1:

@@ -118,12 +118,9 @@ class Plan:
             return geometry.random_resized_crop_box(
                 w, h, r.scale[0], r.scale[1], math.log(r.ratio[0]), math.log(r.ratio[1]),
                 seed, epoch, index, _OP_CROP)
-        if self.out_hw is None or (self.resize == 0 and self.center is None):
+        if self.center is None:  # no geometry (compile_plan rejects Resize without CenterCrop)
             return 0.0, 0.0, float(w), float(h)
-        ch, cw = self.center if self.center is not None else (0, 0)
-        if self.center is None:  # Resize alone: the output size depends on the image
-            return 0.0, 0.0, float(w), float(h)
-        return geometry.resize_center_crop_box(w, h, self.resize, ch, cw)
+        return geometry.resize_center_crop_box(w, h, self.resize, *self.center)
 
     def flip(self, seed: int, epoch: int, index: int) -> bool:
         return self.flip_p > 0 and rng.uniform(seed, epoch, index, _OP_FLIP, 0) < self.flip_p
