@@ -9,11 +9,13 @@ All arrays may be arbitrary strided views, which is how the loader fuses steps f
 
 Resampling uses Pillow's ``Image.resize(size, BILINEAR, box=...)`` filter: a separable triangle
 filter whose support widens by the scale factor when downscaling (antialiasing), with Pillow's
-22-bit fixed-point weights. The passes run in the other order than Pillow's: vertical first, as a
-contiguous (vectorized) loop over whole interleaved source rows of the crop, into a 16-bit
-intermediate with 8 fractional bits, then horizontal on only the output rows. Rounding happens
-once, at the end, so results stay within one level of Pillow's (which rounds twice) and within
-two of pillow-simd's, at a fraction of the cost of a horizontal pass over every source row.
+22-bit fixed-point weights. The passes run in the other order than Pillow's, 8 output rows at a
+time: vertical first, as a contiguous (vectorized) loop over whole interleaved source rows of the
+crop, into a 16-bit intermediate with 8 fractional bits stored row-interleaved; then horizontal
+on only the output rows, where each tap multiplies the 8 rows x channels of one pixel as one
+contiguous vector (14-bit weights, so the int32 sum is exact). Rounding happens once, at the end,
+so results stay within one level of Pillow's (which rounds twice) and of pillow-simd's, at a
+fraction of the cost of a horizontal pass over every source row.
 
 Scratch memory is the caller's: weights from :func:`alloc_resize_scratch`, reused across calls.
 """
@@ -41,6 +43,15 @@ __all__ = [
 
 # Pillow's fixed point for 8-bit resampling: 32 bits - 8 bits of value - 2 bits of headroom.
 PRECISION_BITS = 22
+# Fixed point of the 16-bit intermediate: value * 2**_FRAC.
+_FRAC = 8
+_VSHIFT = PRECISION_BITS - _FRAC
+# Horizontal weights: 16-bit value x 14-bit weight, summed over weights totalling 2**14, fits int32.
+_HBITS = 14
+_HSHIFT = _HBITS + _FRAC
+# Output rows resampled together: the horizontal pass's vector width (8 x int32 = one AVX2 lane set
+# per channel).
+_ROWS = 8
 
 
 def max_taps(in_len: float, out_len: int) -> int:
@@ -53,10 +64,11 @@ def alloc_resize_scratch(
     max_src_h: int, max_src_w: int, out_h: int, out_w: int, channels: int
 ) -> tuple[np.ndarray, ...]:
     """Scratch for :func:`resize_crop_bilinear` covering any box within a ``max_src_h x max_src_w``
-    source: ``(tmp, acc, xbounds, xweights, ybounds, yweights)``.
+    source: ``(block, acc, hacc, xbounds, xweights, ybounds, yweights)``.
 
-    tmp: uint16 (out_h, max_src_w * channels), vertically resampled rows (8 fractional bits);
-    acc: int32 (max_src_w * channels,), the vertical pass's accumulator row;
+    block: uint16 (max_src_w * channels * 8,), 8 vertically resampled rows (8 fractional bits),
+    interleaved by row; acc: int32 (8, max_src_w * channels), the vertical pass's accumulators;
+    hacc: int32 (channels * 8,), the horizontal pass's;
     ``channels`` here is the source's bytes per pixel (4 for RGBX sources).
     xbounds/ybounds: int32 (out, 2), first tap and tap count per output pixel;
     xweights/yweights: int32 (out, taps), fixed-point weights.
@@ -64,9 +76,12 @@ def alloc_resize_scratch(
     """
     if min(max_src_h, max_src_w, out_h, out_w, channels) <= 0:
         raise ValueError("alloc_resize_scratch: every size must be positive")
+    row = max_src_w * channels
     return (
-        np.empty((out_h, max_src_w * channels), np.uint16),
-        np.empty(max_src_w * channels, np.int32),
+        np.empty(row * _ROWS, np.uint16),
+        # Zeroed: rows of a short last block are read (never stored), and must hold bounded values.
+        np.zeros((_ROWS, row), np.int32),
+        np.empty(channels * _ROWS, np.int32),
         np.empty((out_w, 2), np.int32),
         np.empty((out_w, max_taps(max_src_w, out_w)), np.int32),
         np.empty((out_h, 2), np.int32),
@@ -129,10 +144,6 @@ def bilinear_coeffs(in_size, lo, hi, out_size, bounds, weights):
     return ksize
 
 
-# Fixed point of the 16-bit intermediate: value * 2**_FRAC.
-_FRAC = 8
-_VSHIFT = PRECISION_BITS - _FRAC
-_HSHIFT = PRECISION_BITS + _FRAC
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -147,7 +158,7 @@ def _round8(ss):
 
 @njit(nogil=True, cache=True)
 def resize_crop_bilinear(
-    src, x0, y0, x1, y1, out, lut, flip, tmp, acc, xbounds, xweights, ybounds, yweights
+    src, x0, y0, x1, y1, out, lut, flip, block, acc, hacc, xbounds, xweights, ybounds, yweights
 ):
     """Crop, resample (bilinear, antialiased), flip, map through ``lut``, write planar: one call.
 
@@ -159,7 +170,8 @@ def resize_crop_bilinear(
     lut: (C, 256); out[c, y, x] = lut[c, resampled value]. :func:`identity_lut` for uint8,
     :func:`build_normalize_lut` for mean/std normalisation to float32/float16/bfloat16.
     flip: mirror horizontally.
-    tmp, acc, xbounds, xweights, ybounds, yweights: scratch from :func:`alloc_resize_scratch`.
+    block, acc, hacc, xbounds, xweights, ybounds, yweights: scratch from
+    :func:`alloc_resize_scratch`.
     """
     in_h, in_w, stride = src.shape
     channels = out.shape[0]
@@ -171,82 +183,84 @@ def resize_crop_bilinear(
 
     bilinear_coeffs(in_w, x0, x1, out_w, xbounds, xweights)
     bilinear_coeffs(in_h, y0, y1, out_h, ybounds, yweights)
+    # The horizontal pass multiplies 16-bit intermediates, so its weights drop to _HBITS bits
+    # to keep the int32 sum exact.
+    for x in range(out_w):
+        for t in range(xbounds[x, 1]):
+            xweights[x, t] = (xweights[x, t] + (1 << (PRECISION_BITS - _HBITS - 1))) >> (
+                PRECISION_BITS - _HBITS)
     # Only source columns [col_first, col_last) feed the horizontal taps.
     col_first = xbounds[0, 0]
     col_last = xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1]
     j0 = col_first * stride
     span = (col_last - col_first) * stride
-    if span > tmp.shape[1] or span > acc.shape[0] or out_h > tmp.shape[0]:
+    if span * _ROWS > block.shape[0] or span > acc.shape[1] or stride * _ROWS > hacc.shape[0]:
         raise ValueError("resize_crop_bilinear: scratch is too small for this box")
 
-    _vertical_pass(flat, j0, span, out_h, ybounds, yweights, tmp, acc)
-    _horizontal_pass(tmp, col_first, out, lut, flip, stride, xbounds, xweights)
+    for o0 in range(0, out_h, _ROWS):
+        rows = min(_ROWS, out_h - o0)
+        _vertical_pass(flat, j0, span, o0, rows, ybounds, yweights, block, acc)
+        _horizontal_pass(block, col_first, out, o0, rows, lut, flip, stride, xbounds, xweights, hacc)
 
 
 @njit(nogil=True, cache=True)
-def _vertical_pass(flat, j0, span, out_h, ybounds, yweights, tmp, acc):
-    # tmp[o, :span] = sum_t w[o, t] * flat[ymin + t, j0 : j0 + span]: contiguous, vectorized.
-    for o in range(out_h):
+def _vertical_pass(flat, j0, span, o0, rows, ybounds, yweights, block, acc):
+    # acc[r, :span] = sum_t w[o0 + r, t] * flat[ymin + t, j0 : j0 + span]: contiguous, vectorized.
+    for r in range(rows):
+        o = o0 + r
         ymin = ybounds[o, 0]
         n = ybounds[o, 1]
+        a = acc[r]
         for j in range(span):
-            acc[j] = 1 << (_VSHIFT - 1)
+            a[j] = 1 << (_VSHIFT - 1)
         for t in range(n):
             wt = yweights[o, t]
             row = flat[ymin + t, j0 : j0 + span]
             for j in range(span):
-                acc[j] += np.int32(row[j]) * wt
-        trow = tmp[o]
-        for j in range(span):
-            trow[j] = np.uint16(acc[j] >> _VSHIFT)
+                a[j] += np.int32(row[j]) * wt
+    # Interleave the rows (block[j * _ROWS + r]) so the horizontal taps read _ROWS rows of one
+    # pixel as one contiguous vector. Rows past ``rows`` carry stale, bounded values that are
+    # never stored. The literal-width inner loop is what LLVM turns into shuffles.
+    for j in range(span):
+        for r in range(_ROWS):
+            block[j * _ROWS + r] = np.uint16(acc[r, j] >> _VSHIFT)
+
 
 @njit(nogil=True, cache=True)
-def _horizontal_pass(tmp, col_first, out, lut, flip, stride, xbounds, xweights):
-    # Output rows only; the store applies the table and the flip. ``stride``: bytes per pixel
-    # in tmp rows (the source's), of which the first out.shape[0] are channels.
+def _horizontal_pass(block, col_first, out, o0, rows, lut, flip, stride, xbounds, xweights, hacc):
+    # The common shapes get their own copy of the loop with literal sizes: fixed trip counts are
+    # what turn the taps into a few vector instructions and the stores into straight-line code.
     channels = out.shape[0]
-    out_h = out.shape[1]
-    out_w = out.shape[2]
-    last = out_w - 1
-    for o in range(out_h):
-        trow = tmp[o]
-        if channels == 3:
-            # Named accumulators and per-row views keep the RGB loop in registers. Unsigned
-            # indices spare Numba's negative-index fix-up, which costs more than the arithmetic.
-            p0 = out[0, o]
-            p1 = out[1, o]
-            p2 = out[2, o]
-            l0 = lut[0]
-            l1 = lut[1]
-            l2 = lut[2]
-            us = np.uint64(stride)
-            for x in range(out_w):
-                xmin = np.uint64(xbounds[x, 0] - col_first) * us
-                n = np.uint64(xbounds[x, 1])
-                s0 = np.int64(0)
-                s1 = np.int64(0)
-                s2 = np.int64(0)
-                for t in range(n):
-                    wt = np.int64(xweights[x, t])
-                    j = xmin + t * us
-                    s0 += np.int64(trow[j]) * wt
-                    s1 += np.int64(trow[j + np.uint64(1)]) * wt
-                    s2 += np.int64(trow[j + np.uint64(2)]) * wt
-                xo = np.uint64(last - x if flip else x)
-                p0[xo] = l0[_round8(s0)]
-                p1[xo] = l1[_round8(s1)]
-                p2[xo] = l2[_round8(s2)]
-        else:
-            for x in range(out_w):
-                xmin = np.uint64(xbounds[x, 0] - col_first) * np.uint64(stride)
-                n = np.uint64(xbounds[x, 1])
-                xo = last - x if flip else x
-                for c in range(channels):
-                    ss = np.int64(0)
-                    for t in range(n):
-                        j = xmin + t * np.uint64(stride) + np.uint64(c)
-                        ss += np.int64(trow[j]) * np.int64(xweights[x, t])
-                    out[c, o, xo] = lut[c, _round8(ss)]
+    if rows == _ROWS and channels == 3 and stride == 4:
+        _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, 4, 3, _ROWS)
+    elif rows == _ROWS and channels == 3 and stride == 3:
+        _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, 3, 3, _ROWS)
+    else:
+        _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, stride, channels, rows)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, stride, channels, rows):
+    # hacc[c * _ROWS + r] = sum_t w[x, t] * (pixel xmin + t, channel c, row o0 + r): each tap is
+    # one contiguous run of stride * _ROWS values. ``stride``: bytes per source pixel, of which
+    # the first ``channels`` are used.
+    last = out.shape[2] - 1
+    width = stride * _ROWS
+    for x in range(out.shape[2]):
+        base = (xbounds[x, 0] - col_first) * width
+        for k in range(width):
+            hacc[k] = 0
+        for t in range(xbounds[x, 1]):
+            wt = xweights[x, t]
+            b = base + t * width
+            for k in range(width):
+                hacc[k] += np.int32(block[b + k]) * wt
+        xo = last - x if flip else x
+        for c in range(channels):
+            plane = out[c]
+            table = lut[c]
+            for r in range(rows):
+                plane[o0 + r, xo] = table[_round8(hacc[c * _ROWS + r])]
 
 
 @njit(nogil=True, cache=True)
