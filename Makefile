@@ -37,6 +37,7 @@ bench: setup
 	$(PY) -m benchmarks.allreduce -n 2
 	$(PY) -m benchmarks.allreduce -n 4
 	$(PY) -m benchmarks.train -n 2
+	$(PY) -m benchmarks.gpu_feed
 
 lint: setup
 	$(VENV)/bin/ruff check terrapipe tests benchmarks examples

@@ -24,6 +24,7 @@ import torch
 
 from ..kernels import image as kimage
 from . import decode
+from .device import DeviceFeed, resolve_device
 from .order import epoch_indices
 from .sources import Source
 from .transforms import Plan, compile_plan
@@ -54,6 +55,21 @@ def _default_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype: torch.dtype,
+                channels_last: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """One host batch buffer: the torch tensor handed out (NCHW shape, channels_last strides if
+    asked) and the NumPy view of the same memory pool threads write (kernel outputs take any
+    strides, so the layout costs nothing). 16-bit floats are stored as their uint16 bits."""
+    n, c, h, w = shape
+    arr = np.empty((n, h, w, c) if channels_last else shape, np_dtype)
+    t = torch.from_numpy(arr)
+    if torch_dtype in (torch.float16, torch.bfloat16):
+        t = t.view(torch_dtype)
+    if channels_last:
+        return t.permute(0, 3, 1, 2), arr.transpose(0, 3, 1, 2)
+    return t, arr
+
+
 class _Scratch(threading.local):
     def __init__(self) -> None:
         self.key: tuple[int, ...] = ()
@@ -72,10 +88,16 @@ class _Scratch(threading.local):
 class FastLoader:
     """Drop-in for ``torch.utils.data.DataLoader`` over a terrapipe source.
 
-    Yields ``(images, labels)``: images NCHW (float per ``Normalize``, else uint8), labels int64.
+    Yields ``(images, labels)``: images (N, C, H, W) (float per ``Normalize``, else uint8;
+    ``channels_last=True`` gives channels-last strides), labels int64 (N,), on ``device``.
     Yielded tensors are views of reused buffers (NOTE [batch buffer ownership]); pass
     ``copy=True`` for owned tensors. Augmentation is a pure function of (seed, epoch, sample
     index), so any ``num_threads`` gives the same bytes.
+
+    ``device="cuda"`` / ``"cuda:N"`` (default index under a multi-process launch: the local
+    rank's GPU, round-robin): host buffers are pinned, uint8 crosses the bus on a side stream and
+    Normalize runs on the device; the consumer's current stream is made to wait for each batch,
+    never the host (NOTE [device feed streams]). Without usable CUDA this raises at construction.
     """
 
     def __init__(
@@ -89,7 +111,8 @@ class FastLoader:
         drop_last: bool = False,
         num_threads: int | None = None,
         prefetch: int = 3,
-        device: str = "cpu",
+        device: str | torch.device = "cpu",
+        channels_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
         on_error: str = "raise",
@@ -106,8 +129,7 @@ class FastLoader:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if str(device) != "cpu":
-            raise ValueError(f"device: only 'cpu' is supported by this build, got {device!r}")
+        self.device = resolve_device(device)
         if num_threads is None:
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if num_threads <= 0:
@@ -142,13 +164,24 @@ class FastLoader:
             self.plan.out_hw = (first.shape[0], first.shape[1])
         oh, ow = self.plan.out_hw
         ring = self.prefetch + 2
-        np_dtype = self.plan.lut.dtype
-        self._images = [np.empty((batch_size, channels, oh, ow), np_dtype) for _ in range(ring)]
-        self._labels = [np.empty(batch_size, np.int64) for _ in range(ring)]
-        tdtype = self.plan.torch_dtype
-        self._images_t = [torch.from_numpy(a).view(tdtype) if tdtype in (torch.float16, torch.bfloat16)
-                          else torch.from_numpy(a) for a in self._images]
-        self._labels_t = [torch.from_numpy(a) for a in self._labels]
+        self.channels_last = bool(channels_last)
+        shape = (batch_size, channels, oh, ow)
+        self._feed: DeviceFeed | None = None
+        if self.device.type == "cuda":
+            # uint8 crosses the bus; Normalize runs on the device (NOTE [device feed streams]).
+            self._lut = kimage.identity_lut(channels)
+            self._feed = DeviceFeed(self.device, ring, shape, self.plan.torch_dtype, torch.uint8,
+                                    self.plan.norm, self.channels_last)
+            self._images, self._labels = self._feed.host_views()
+        else:
+            self._lut = self.plan.lut
+            self._images_t, self._images = [], []
+            for _ in range(ring):
+                t, a = _host_batch(shape, self._lut.dtype, self.plan.torch_dtype, self.channels_last)
+                self._images_t.append(t)
+                self._images.append(a)
+            self._labels = [np.empty(batch_size, np.int64) for _ in range(ring)]
+            self._labels_t = [torch.from_numpy(a) for a in self._labels]
         self._scratch = _Scratch()
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="terrapipe-loader")
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=True, cancel_futures=True)
@@ -202,7 +235,7 @@ class FastLoader:
             arr = np.ascontiguousarray(arr)
         scratch = self._scratch.get(h, w, oh, ow, arr.shape[2])
         flip = plan.flip(self.seed, self.epoch, index)
-        kimage.resize_crop_bilinear(arr, box[0], box[1], box[2], box[3], out, plan.lut, flip, *scratch)
+        kimage.resize_crop_bilinear(arr, box[0], box[1], box[2], box[3], out, self._lut, flip, *scratch)
         return label
 
     def _fill(self, slot: int, row0: int, indices: np.ndarray) -> None:
@@ -244,21 +277,43 @@ class FastLoader:
         ring = self.prefetch + 2
         pending: dict[int, list[Future]] = {}
 
+        feed = self._feed
+        if feed is not None:
+            feed.start_pass()
+
         def submit(b: int) -> None:
             if b < nb and b not in pending:
+                if feed is not None:
+                    feed.host_slot_writable(b % ring)
                 pending[b] = self._submit(b % ring, indices[b * self.batch_size:(b + 1) * self.batch_size])
+
+        def rows(b: int) -> int:
+            return min(self.batch_size, len(indices) - b * self.batch_size)
 
         try:
             for b in range(start, nb):
                 for ahead in range(b, b + self.prefetch + 1):
                     submit(ahead)
                 futures = pending.pop(b)
-                for f in futures:
-                    f.result()  # re-raises a SampleError from a worker
                 slot = b % ring
-                count = min(self.batch_size, len(indices) - b * self.batch_size)
+                count = rows(b)
+                if feed is None:
+                    for f in futures:
+                        f.result()  # re-raises a SampleError from a worker
+                    images, labels = self._images_t[slot][:count], self._labels_t[slot][:count]
+                else:
+                    feed.request()
+                    if not feed.is_enqueued(b):
+                        for f in futures:
+                            f.result()
+                        feed.issue(b, slot, count)
+                    images, labels = feed.hand_out(b, count)
+                    # Copy the next batch ahead if its samples are already decoded, so the copy
+                    # overlaps the consumer's step; a failed one is left to raise in its turn.
+                    nxt = pending.get(b + 1)
+                    if nxt and all(f.done() and f.exception() is None for f in nxt):
+                        feed.issue(b + 1, (b + 1) % ring, rows(b + 1))
                 self._next_batch = b + 1
-                images, labels = self._images_t[slot][:count], self._labels_t[slot][:count]
                 if self.copy:
                     images, labels = images.clone(), labels.clone()
                 yield images, labels
@@ -277,9 +332,11 @@ class FastLoader:
                             pass
 
     def close(self) -> None:
-        """Stop the pool; no loader thread survives this call."""
+        """Stop the pool; no loader thread survives this call, and no copy is left in flight."""
         self._closed = True
         self._finalizer()
+        if self._feed is not None:
+            self._feed.drain()
 
     def __enter__(self) -> FastLoader:
         return self

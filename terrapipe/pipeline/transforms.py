@@ -110,6 +110,7 @@ class Plan:
     flip_p: float
     lut: np.ndarray  # (C, 256) of the kernel's output dtype
     torch_dtype: torch.dtype
+    norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # per-channel (mean, std)
 
     def box(self, w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, ...]:
         """Crop box (x0, y0, x1, y1) in source pixels for sample ``index`` (drawn before decode)."""
@@ -173,7 +174,9 @@ def compile_plan(transforms, channels: int = 3) -> Plan:
         std = np.broadcast_to(np.asarray(norm.std), (channels,))
         lut = image.build_normalize_lut(mean, std, _DTYPES[norm.dtype])
         tdtype = norm.dtype
+        mean_std = (tuple(float(m) for m in mean), tuple(float(s) for s in std))
     else:
         lut = image.identity_lut(channels)
         tdtype = torch.uint8
-    return Plan(out_hw, channels, rrc, resize, center, flip_p, lut, tdtype)
+        mean_std = None
+    return Plan(out_hw, channels, rrc, resize, center, flip_p, lut, tdtype, mean_std)

@@ -202,7 +202,8 @@ def test_yielded_views_stay_valid_until_reuse():
     ({"num_threads": 0}, "num_threads"),
     ({"on_error": "ignore"}, "on_error"),
     ({"rank": 2, "world_size": 2}, "rank"),
-    ({"device": "cuda"}, "device"),
+    ({"device": "mps"}, "device"),
+    ({"device": "not-a-device"}, "device"),
 ])
 def test_bad_arguments(kwargs, match):
     ds = ArrayDataset(np.zeros((4, 4, 4, 3), np.uint8), range(4))

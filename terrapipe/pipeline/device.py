@@ -1,0 +1,255 @@
+"""The loader's device stage: pinned host batches -> device batches on a side stream.
+
+NOTE [device feed streams]
+    Pool threads fill *host* slots (pinned; uint8 when a Normalize is present). The thread that
+    iterates the loader enqueues, on the loader's own side stream, each batch's copy from its
+    host slot into one of ``DEVICE_RING`` device slots, then normalization on the device, and
+    records that slot's ``copied`` event. Three fences, and never a device-wide
+    ``torch.cuda.synchronize()``:
+
+    * consumer waits for data: a batch is handed out after the consumer's current stream
+      ``wait_event(copied[slot])``: a device-side wait, the Python thread goes on at once.
+    * device slot reuse: the consumer owns a batch until its second request after it (the rule
+      of NOTE [batch buffer ownership], counted over requests, across epochs and ``break``).
+      Every request records ``mark`` on the stream current at that moment, after every kernel
+      the consumer has enqueued so far; a copy into a slot that held a handed-out batch first
+      waits on the latest ``mark``. A slot is chosen only once its batch is released, and one of
+      the three always is: the consumer holds two, at most one more is copied ahead. Work the
+      consumer moves to other streams is its own to fence (``record_stream`` serves the caching
+      allocator; these buffers never go back to it).
+    * host slot reuse: ``host_free[slot]`` is recorded after the copy out of a host slot; before
+      pool threads may refill it the iterating thread waits on that one event. The copy was
+      enqueued batches earlier, so this is almost never a real wait.
+
+    The device staging buffer (uint8) and the float32 work buffer are touched only by the side
+    stream, whose order makes one of each enough.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["DEVICE_RING", "resolve_device", "local_rank_from_env", "pick_cuda_index", "normalize_into",
+           "SlotLedger", "DeviceFeed"]
+
+# Device slots: the two batches the consumer may hold + one copied ahead.
+DEVICE_RING = 3
+
+# Launchers' local-rank variables, most specific first: comm.init() and torchrun export
+# LOCAL_RANK; MPICH's hydra, Open MPI, MVAPICH and SLURM their own.
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank_from_env(env: Mapping[str, str] = os.environ) -> int | None:
+    """This process's rank on its node, from the launcher's environment; None if not launched."""
+    for name in _LOCAL_RANK_VARS:
+        value = env.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+def pick_cuda_index(index: int | None, device_count: int, local_rank: int | None, current: int) -> int:
+    """The CUDA device a loader uses: ``index`` if given (checked against ``device_count``);
+    else under a multi-process launch the local rank's GPU, round-robin when ranks outnumber
+    GPUs (TorchMPI's rule); else the current device."""
+    if device_count <= 0:
+        raise RuntimeError("device: no CUDA device is visible to this process")
+    if index is not None:
+        if not 0 <= index < device_count:
+            raise ValueError(f"device: cuda:{index} does not exist; this process sees {device_count} "
+                             f"CUDA device(s)")
+        return index
+    if local_rank is not None:
+        return local_rank % device_count
+    return current
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Check ``device`` ("cpu", "cuda", "cuda:N" or a torch.device) eagerly; a CUDA device gets
+    its index filled in (:func:`pick_cuda_index`). Raises RuntimeError naming the device when
+    CUDA is not usable here, ValueError for anything else unsupported."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {device!r} is not a device ({exc})") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device: FastLoader feeds 'cpu' or 'cuda' devices, got {device!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"device={str(device)!r}: CUDA is not available in this process (torch "
+            f"{torch.__version__}, built with CUDA {torch.version.cuda or 'none'}, "
+            f"{torch.cuda.device_count()} device(s) visible); use device='cpu'")
+    count = torch.cuda.device_count()
+    return torch.device("cuda", pick_cuda_index(dev.index, count, local_rank_from_env(),
+                                                torch.cuda.current_device()))
+
+
+def normalize_into(out: torch.Tensor, images: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                   work: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = ((images / 255) - mean) / std`` with float32 arithmetic, rounded once to out's dtype.
+
+    images: uint8 (N, C, H, W); out: (N, C, H, W) float32/float16/bfloat16, any memory format;
+    mean, std: float32 broadcastable to (1, C, 1, 1), on the same device. work: float32 of
+    out's shape and memory format, needed (and overwritten) when out is not float32. The steps
+    and their order are those of :func:`terrapipe.kernels.image.build_normalize_lut`, so IEEE
+    arithmetic on any device gives the CPU path's values bit for bit. Allocates nothing.
+    """
+    acc = out if out.dtype == torch.float32 else work
+    if acc is None or acc.dtype != torch.float32 or acc.shape != out.shape:
+        raise ValueError(f"work: a float32 buffer of shape {tuple(out.shape)} is needed for "
+                         f"{out.dtype} output")
+    acc.copy_(images)
+    acc.div_(255.0)
+    acc.sub_(mean)
+    acc.div_(std)
+    if acc is not out:
+        out.copy_(acc)
+    return out
+
+
+class SlotLedger:
+    """Which device slot a batch may be copied into (NOTE [device feed streams]); no CUDA here.
+
+    A batch handed out at request r stays the consumer's until request r + 2. ``take`` returns
+    a slot holding no such batch and no batch enqueued in this pass, and whether its last
+    batch was handed out (so the copy must wait on the consumer's latest mark).
+    """
+
+    def __init__(self, slots: int = DEVICE_RING) -> None:
+        self.requests = 0
+        self.handed_at: list[int | None] = [None] * slots  # request that handed the slot's batch out
+        self.pending: dict[int, int] = {}  # batch -> slot, enqueued in this pass, not handed out
+
+    def start_pass(self) -> None:
+        self.pending.clear()  # batches copied ahead by an abandoned pass are never handed out
+
+    def request(self) -> None:
+        self.requests += 1
+
+    def is_enqueued(self, batch: int) -> bool:
+        return batch in self.pending
+
+    def take(self, batch: int) -> tuple[int, bool]:
+        busy = set(self.pending.values())
+        free = [d for d, h in enumerate(self.handed_at)
+                if d not in busy and (h is None or h + 2 <= self.requests)]
+        # A slot never handed out needs no wait on the consumer: prefer it.
+        free.sort(key=lambda d: self.handed_at[d] is not None)
+        if free:
+            d = free[0]
+            was_handed_out = self.handed_at[d] is not None
+            self.pending[batch] = d
+            self.handed_at[d] = None
+            return d, was_handed_out
+        raise AssertionError("device feed: no released slot (NOTE [device feed streams])")
+
+    def hand_out(self, batch: int) -> int:
+        d = self.pending.pop(batch)
+        self.handed_at[d] = self.requests
+        return d
+
+
+class DeviceFeed:
+    """Pinned host slots, device slots and the side stream that moves batches between them.
+
+    Owned by one FastLoader and driven from the thread that iterates it (NOTE [device feed
+    streams]); pool threads only write the numpy views from :meth:`host_views`.
+
+    device: a resolved CUDA device; host_ring: number of host slots; shape: (N, C, H, W) of a
+    full batch; out_dtype: the consumer's image dtype; norm: (mean, std) per channel in [0, 1]
+    units when normalizing on the device (host slots then hold uint8), else None (host slots
+    already hold ``out_dtype``); channels_last: the device images' memory format.
+    """
+
+    def __init__(self, device: torch.device, host_ring: int, shape: Sequence[int], out_dtype: torch.dtype,
+                 host_dtype: torch.dtype, norm: tuple[Sequence[float], Sequence[float]] | None,
+                 channels_last: bool) -> None:
+        self.device = device
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        n = shape[0]
+        self.host_images = [torch.empty(tuple(shape), dtype=host_dtype, pin_memory=True)
+                            for _ in range(host_ring)]
+        self.host_labels = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(host_ring)]
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+            self.images = [torch.empty(tuple(shape), dtype=out_dtype, device=device, memory_format=fmt)
+                           for _ in range(DEVICE_RING)]
+            self.labels = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(DEVICE_RING)]
+            # A direct copy needs the host layout and dtype on the device; otherwise stage uint8.
+            direct = norm is None and not channels_last and host_dtype == out_dtype
+            self.staging = None if direct else torch.empty(tuple(shape), dtype=host_dtype, device=device)
+            self.work = (torch.empty(tuple(shape), dtype=torch.float32, device=device, memory_format=fmt)
+                         if norm is not None and out_dtype != torch.float32 else None)
+            if norm is not None:
+                c = shape[1]
+                mean = np.broadcast_to(np.asarray(norm[0], np.float32), (c,))
+                std = np.broadcast_to(np.asarray(norm[1], np.float32), (c,))
+                self.mean = torch.tensor(mean, device=device).view(1, c, 1, 1)
+                self.std = torch.tensor(std, device=device).view(1, c, 1, 1)
+        self.norm = norm is not None
+        self.copied = [torch.cuda.Event() for _ in range(DEVICE_RING)]
+        self.host_free = [torch.cuda.Event() for _ in range(host_ring)]
+        self.mark = torch.cuda.Event()
+        self.ledger = SlotLedger()
+
+    def host_views(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """NumPy views of the pinned host slots, for pool threads to write into."""
+        return [t.numpy() for t in self.host_images], [t.numpy() for t in self.host_labels]
+
+    def start_pass(self) -> None:
+        """A new iteration: batches copied ahead by an abandoned pass are never handed out."""
+        self.ledger.start_pass()
+
+    def host_slot_writable(self, slot: int) -> None:
+        """Block until no enqueued copy still reads host slot ``slot`` (host slot reuse)."""
+        self.host_free[slot].synchronize()
+
+    def request(self) -> None:
+        """The consumer asks for its next batch: everything it enqueued so far is fenced."""
+        self.ledger.request()
+        self.mark.record(torch.cuda.current_stream(self.device))
+
+    def is_enqueued(self, batch: int) -> bool:
+        return self.ledger.is_enqueued(batch)
+
+    def issue(self, batch: int, slot: int, count: int) -> None:
+        """Enqueue batch ``batch`` (``count`` rows of host slot ``slot``) on the side stream."""
+        d, was_handed_out = self.ledger.take(batch)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if was_handed_out:
+                self.stream.wait_event(self.mark)
+            out = self.images[d][:count]
+            src = self.host_images[slot][:count]
+            self.labels[d][:count].copy_(self.host_labels[slot][:count], non_blocking=True)
+            if self.staging is None:
+                out.copy_(src, non_blocking=True)
+                self.host_free[slot].record(self.stream)
+            else:
+                staged = self.staging[:count]
+                staged.copy_(src, non_blocking=True)
+                self.host_free[slot].record(self.stream)
+                if self.norm:
+                    normalize_into(out, staged, self.mean, self.std,
+                                   None if self.work is None else self.work[:count])
+                else:
+                    out.copy_(staged)  # layout change only (channels_last)
+            self.copied[d].record(self.stream)
+
+    def hand_out(self, batch: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``batch`` (enqueued) as device tensors, ordered after its copy on the current
+        stream; owned by the consumer until its second request from now."""
+        d = self.ledger.hand_out(batch)
+        torch.cuda.current_stream(self.device).wait_event(self.copied[d])
+        return self.images[d][:count], self.labels[d][:count]
+
+    def drain(self) -> None:
+        """Wait for everything enqueued on the side stream (close(); not the whole device)."""
+        self.stream.synchronize()
