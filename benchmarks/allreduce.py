@@ -4,11 +4,12 @@
 
 Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
 ``--max-mib``), in each round and interleaved: ``comm.jit_allreduce`` (torch tensor),
-``comm.allreduce`` (NumPy array), ``MPI.COMM_WORLD.Allreduce`` in place, and
-``torch.distributed.all_reduce`` over Gloo, all summing in place. A sample is the slowest rank's
-time for a batch of calls. Reported: median algbw (bytes / time) and busbw (algbw x 2(p-1)/p),
-next to this machine's single-thread memory-copy bandwidth (bytes copied per second, np.copyto
-of 64 MiB) measured in the same run.
+``comm.allreduce`` (NumPy array), our chunked ring over MPI point-to-point (the path
+``comm.allreduce`` takes between nodes and under ``backend="mpi"`` from 1 MiB),
+``MPI.COMM_WORLD.Allreduce`` in place, and ``torch.distributed.all_reduce`` over Gloo, all
+summing in place. A sample is the slowest rank's time for a batch of calls. Reported: median
+algbw (bytes / time) and busbw (algbw x 2(p-1)/p), next to this machine's single-thread
+memory-copy bandwidth (bytes copied per second, np.copyto of 64 MiB) measured in the same run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from .common import format_table, save
 
-CASES = ("jit_allreduce", "comm.allreduce", "mpi Allreduce", "gloo all_reduce")
+CASES = ("jit_allreduce", "comm.allreduce", "ring over MPI", "mpi Allreduce", "gloo all_reduce")
 
 
 def _worker(max_mib: int, rounds: int) -> None:
@@ -34,9 +35,12 @@ def _worker(max_mib: int, rounds: int) -> None:
     from mpi4py import MPI
 
     import terrapipe.comm as comm
+    from terrapipe.comm.ring import ring_allreduce
+    from terrapipe.kernels.reduce import SUM
 
     comm.init()
     mpi = MPI.COMM_WORLD
+    ring_comm = mpi.Dup()
     rank, p = mpi.rank, mpi.size
     port = None
     if rank == 0:
@@ -63,6 +67,7 @@ def _worker(max_mib: int, rounds: int) -> None:
         fns = {
             "jit_allreduce": lambda t=t: comm.jit_allreduce(t, op="sum"),
             "comm.allreduce": lambda a=a: comm.allreduce(a, "sum"),
+            "ring over MPI": lambda a=a: ring_allreduce(ring_comm, a, SUM, 0, lambda req, _: req.Wait()),
             "mpi Allreduce": lambda a=a: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
             "gloo all_reduce": lambda t=t: dist.all_reduce(t),
         }

@@ -42,8 +42,10 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     SLURM with MASTER_ADDR) from torch.distributed over Gloo; a lone process needs nothing.
     ``timeout``: seconds a collective waits for the other ranks before raising
     CollectiveTimeoutError. ``TERRAPIPE_NODE_SIZE=k`` groups ranks k per node (to emulate
-    several nodes on one machine); ``TERRAPIPE_COMM_BACKEND=mpi`` routes every collective through
-    MPI instead of shared memory. Also exports RANK / WORLD_SIZE / LOCAL_RANK for libraries that
+    several nodes on one machine). ``backend`` (or ``TERRAPIPE_COMM_BACKEND``) "mpi" routes every
+    collective through MPI; "shm" keeps large allreduces on one node in shared memory, where
+    "auto" sends those from ``TERRAPIPE_RING_BYTES`` (1 MiB) through the MPI ring, measured
+    faster here. Also exports RANK / WORLD_SIZE / LOCAL_RANK for libraries that
     read them (FastLoader's sharding defaults).
     """
     global _world
@@ -55,8 +57,8 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
         raise ValueError(f"timeout must be positive, got {timeout}")
     remove_stale()
     launched = any(k in os.environ for k in _MPI_ENV)
-    if backend == "mpi":
-        os.environ["TERRAPIPE_COMM_BACKEND"] = "mpi"
+    if backend in ("mpi", "shm"):
+        os.environ["TERRAPIPE_COMM_BACKEND"] = backend
     if backend == "torch" or (backend == "auto" and not launched and torch_env()):
         from .torch_backend import TorchGroup
 
@@ -305,9 +307,10 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
                   async_op: bool = False, group: Group | None = None):
     """The CPU-staged gradient path: allreduce a list of tensors (or one) as one fused buffer.
 
-    Tensors are grouped by dtype; each group streams through the node's shared segment in chunks
+    Tensors are grouped by dtype; each group is reduced as one buffer made of the tensors' own
+    memory (no staging copy of the whole group): through the node's shared segment in chunks
     (copy in, reduce-scatter with the JIT kernels, allreduce of each part across nodes over MPI,
-    all-gather, copy out), so no separate staging copy of the whole group is made. With
+    all-gather, copy out), or through the MPI ring for large groups on one node. With
     ``compression="bf16"`` or ``"fp16"`` float32 tensors travel as 16-bit values and are
     accumulated in float32. CUDA tensors are staged through host memory. In place; returns the
     list (or a Handle).

@@ -33,6 +33,7 @@ from ..kernels import reduce as kreduce
 from ..kernels.floats import compress, decompress
 from .buffers import DTYPE_CODES, Buffer
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
+from .ring import ring_allreduce, segments
 from .shm import SIG_WORDS, Board, Segment
 
 __all__ = ["Group", "Handle"]
@@ -45,6 +46,8 @@ _ROW_BYTES = int(os.environ.get("TERRAPIPE_SHM_ROW_BYTES", 1 << 20)) // 64 * 64
 # At or below this many bytes an allreduce is one barrier: data and signature are published
 # together and every rank reduces the whole message (latency over bandwidth).
 _SMALL_BYTES = 64 << 10
+# At or above this many bytes an MPI allreduce runs as our chunked ring (comm/ring.py).
+_RING_BYTES = int(os.environ.get("TERRAPIPE_RING_BYTES", 1 << 20))
 
 
 class Handle:
@@ -58,17 +61,6 @@ class Handle:
 
     def done(self) -> bool:
         return self._future.done()
-
-
-def _parts(n: int, p: int) -> list[tuple[int, int]]:
-    """np.array_split boundaries of n elements over p owners."""
-    q, r = divmod(n, p)
-    out, lo = [], 0
-    for i in range(p):
-        hi = lo + q + (1 if i < r else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 class _Fused:
@@ -127,7 +119,8 @@ class Group:
         self._failed: str | None = None
         self._half = 0
         self.segment = None
-        self.force_mpi = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower() == "mpi"
+        forced = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower()
+        self.force_mpi, self.force_shm = forced == "mpi", forced == "shm"
 
     def __init__(self, mpi_comm=None, timeout: float = 300.0, node_size: int | None = None) -> None:
         self._init_execution(timeout)
@@ -151,6 +144,7 @@ class Group:
         self.node = mpi_comm.Split(color, key=self.rank)
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = mpi_comm.Split(self.local_rank, key=self.rank)
+        self._ring_comm = mpi_comm.Dup()  # ring traffic never meets the user's send/recv tags
         colors = mpi_comm.allgather(color)
         self.nnodes = len(set(colors))
         sizes = {colors.count(c) for c in set(colors)}
@@ -312,7 +306,7 @@ class Group:
         for c0, length, h in self._chunk_ranges(srcs.n, item):
             srcs.read(c0, length, rows[me, h:h + length], ckind)
             self.board.barrier(self.timeout, "allreduce")
-            parts = _parts(length, p)
+            parts = segments(length, p)
             lo, hi = parts[me]
             if hi > lo:
                 self._reduce_rows(rows, op, h + lo, hi - lo, kind)
@@ -336,16 +330,8 @@ class Group:
             kreduce.divide_int(arr, self.size, 0, arr.shape[0])
 
     def _cross_allreduce(self, part: np.ndarray, op: int, kind: int) -> None:
-        MPI = self._MPI
-        if kind:
-            gathered = np.empty((self.cross.Get_size(), part.shape[0]), part.dtype)
-            self._mpi_wait(self.cross.Iallgather(part, gathered), "allreduce across nodes", self.cross)
-            kreduce.reduce_many_16(part, gathered, op, 0, part.shape[0], kind, self._acc)
-        else:
-            mop = {kreduce.SUM: MPI.SUM, kreduce.AVG: MPI.SUM, kreduce.PROD: MPI.PROD,
-                   kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
-            self._mpi_wait(self.cross.Iallreduce(MPI.IN_PLACE, part, mop), "allreduce across nodes",
-                           self.cross)
+        # self.cross carries nothing else, so the ring may use it too.
+        self._mpi_allreduce_array(self.cross, self.cross, part, op, kind, "allreduce across nodes")
 
     def _use_mpi(self) -> bool:
         return self.force_mpi or self.nnodes > 1 or not self.uniform
@@ -375,15 +361,15 @@ class Group:
     def _allreduce_agreed(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int = 0,
                           root: int = -1) -> None:
         """The data movement of an allreduce (or reduce to ``root``) whose signature the ranks
-        already agreed on: MPI on one node when forced, else shared memory (hierarchical across
-        nodes, which needs the same number of ranks on every node)."""
-        if self._use_mpi() and self.nnodes == 1 and not ckind:
-            self._mpi_allreduce(fs, fd, op, kind)
-            return
-        if not self.uniform:
-            raise CommError("allreduce: nodes have different numbers of ranks; hierarchical "
-                            "reduction needs the same count on every node")
-        self._shm_allreduce(fs, fd, op, dtype, kind, ckind, root)
+        already agreed on. Flat over MPI (the ring when large) when nodes differ in rank count,
+        when MPI is forced, or for large messages on one node, where the ring's single copy
+        beats shared memory's copy-in/copy-out (benchmarks.allreduce); otherwise shared memory,
+        hierarchical across nodes."""
+        large = fs.n * np.dtype(dtype).itemsize >= _RING_BYTES
+        if not self.uniform or (self.nnodes == 1 and (self.force_mpi or (large and not self.force_shm))):
+            self._mpi_allreduce(fs, fd, op, dtype, kind, ckind, root)
+        else:
+            self._shm_allreduce(fs, fd, op, dtype, kind, ckind, root)
 
     def _small_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int,
                          coll: str, sig_buf: Buffer | None) -> None:
@@ -400,21 +386,40 @@ class Group:
             self._divide(out, kind)
         fd.write(0, out, ckind)
 
-    def _mpi_allreduce(self, fs: _Fused, fd: _Fused, op: int, kind: int) -> None:
-        MPI = self._MPI
-        buf = np.empty(fs.n, fs.views[0].dtype if fs.views else np.float32)
-        fs.read(0, fs.n, buf)
-        if kind:
-            gathered = np.empty((self.size, fs.n), buf.dtype)
-            self._mpi_wait(self.comm.Iallgather(buf, gathered), "allreduce")
-            kreduce.reduce_many_16(buf, gathered, op, 0, fs.n, kind, self._acc)
+    def _mpi_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int,
+                       root: int = -1) -> None:
+        out = fd.views[0] if len(fd.views) == 1 else None
+        # Reduce straight in the destination when it is one flat array this rank may overwrite.
+        direct = (out is not None and not ckind and out.dtype == np.dtype(dtype) and out.flags.c_contiguous
+                  and (root < 0 or root == self.rank))
+        if direct:
+            buf = out
+            if not (len(fs.views) == 1 and fs.views[0].ctypes.data == out.ctypes.data):
+                fs.read(0, fs.n, buf)
         else:
-            mop = {kreduce.SUM: MPI.SUM, kreduce.AVG: MPI.SUM, kreduce.PROD: MPI.PROD,
-                   kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
-            self._mpi_wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, mop), "allreduce")
+            buf = np.empty(fs.n, dtype)
+            fs.read(0, fs.n, buf, ckind)
+        self._mpi_allreduce_array(self.comm, self._ring_comm, buf, op, kind, "allreduce")
         if op == kreduce.AVG:
             self._divide(buf, kind)
-        fd.write(0, buf)
+        if not direct and (root < 0 or root == self.rank):
+            fd.write(0, buf, ckind)
+
+    def _mpi_allreduce_array(self, comm, ring_comm, buf: np.ndarray, op: int, kind: int, what: str) -> None:
+        """In place over ``comm`` (AVG sums): the chunked ring for large buffers (NOTE [ring
+        schedule]); below that MPI's own allreduce, or for 16-bit formats an allgather reduced
+        here with float32 accumulation."""
+        if buf.nbytes >= _RING_BYTES:
+            ring_allreduce(ring_comm, buf, op, kind, lambda req, w: self._mpi_wait(req, f"{what}: {w}", comm))
+        elif kind:
+            gathered = np.empty((comm.Get_size(), buf.shape[0]), buf.dtype)
+            self._mpi_wait(comm.Iallgather(buf, gathered), what, comm)
+            kreduce.reduce_many_16(buf, gathered, op, 0, buf.shape[0], kind, self._acc)
+        else:
+            MPI = self._MPI
+            mop = {kreduce.SUM: MPI.SUM, kreduce.AVG: MPI.SUM, kreduce.PROD: MPI.PROD,
+                   kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
+            self._mpi_wait(comm.Iallreduce(MPI.IN_PLACE, buf, mop), what, comm)
 
     def broadcast_flat(self, buf: Buffer, root: int) -> None:
         if self.size == 1:
@@ -479,7 +484,7 @@ class Group:
     def reduce_scatter_flat(self, buf: Buffer, out: np.ndarray, op: int) -> None:
         """out: this rank's part (np.array_split over ranks) of the reduced flat buffer."""
         n = buf.size
-        parts = _parts(n, self.size)
+        parts = segments(n, self.size)
         if self.size == 1:
             out[...] = buf.flat
             return

@@ -175,6 +175,58 @@ def test_emulated_two_nodes_of_two(mpi_comm):
     comm.barrier()
 
 
+def _check_allreduce_paths(r, p, sizes):
+    for n in sizes:
+        for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("bfloat16", "sum"),
+                          ("float16", "min"), ("int64", "avg")):
+            x = _data(r, n, dtype, seed=5)
+            if op == "avg" and dtype.startswith("int"):
+                ref = np.floor_divide(_reference(p, n, dtype, "sum", seed=5), p)
+            else:
+                ref = _reference(p, n, dtype, op, seed=5)
+            comm.allreduce(x, op)
+            np.testing.assert_allclose(_np(x), ref, rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p),
+                                       err_msg=f"n={n} {dtype} {op}")
+
+
+# 300_001 float32 (1.2 MB) and up go through the chunked ring (TERRAPIPE_RING_BYTES, 1 MiB).
+RING_SIZES = [0, 1, 1001, 300_001, 2_000_003]
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_forced_mpi_backend_small_and_ring_paths(mpi_comm):
+    comm.init(backend="mpi", timeout=60)
+    r, p = comm.rank(), comm.size()
+    _check_allreduce_paths(r, p, RING_SIZES)
+    # Compressed jit_allreduce on the flat MPI path: 16-bit on the wire, ring for the large one.
+    ts = [torch.full((700_000,), float(r)), torch.full((3, 3), 1.0)]
+    comm.jit_allreduce(ts, "avg", compression="bf16")
+    assert torch.equal(ts[0], torch.full((700_000,), (p - 1) / 2)) and torch.equal(ts[1], torch.ones(3, 3))
+    x = np.full(500_000, float(r + 1))
+    comm.reduce(x, "sum", root=p - 1)
+    if r == p - 1:
+        assert np.all(x == p * (p + 1) / 2)
+    parts = comm.reduce_scatter(np.arange(600_001, dtype=np.float64) * (r + 1), "sum")
+    lo = sum(len(a) for a in np.array_split(np.arange(600_001), p)[:r])
+    np.testing.assert_array_equal(parts, np.arange(lo, lo + len(parts)) * p * (p + 1) / 2)
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_forced_shm_backend_keeps_large_messages_in_shared_memory(mpi_comm):
+    comm.init(backend="shm", timeout=60)
+    _check_allreduce_paths(comm.rank(), comm.size(), [300_001, 2_000_003])
+
+
+@pytest.mark.mpi(ranks=(3,), timeout=240)
+def test_nodes_with_different_rank_counts_reduce_flat_over_mpi(mpi_comm):
+    # Ranks 0, 1 on one emulated node and rank 2 alone: no hierarchical split fits, so
+    # reductions run flat over MPI (the ring for large ones) instead of refusing.
+    os.environ["TERRAPIPE_NODE_SIZE"] = "2"
+    g = comm.init(timeout=60)
+    assert (g.nnodes, g.uniform) == (2, False)
+    _check_allreduce_paths(comm.rank(), comm.size(), RING_SIZES)
+
+
 @pytest.mark.mpi(ranks=(2, 4), timeout=120)
 def test_mismatch_raises_on_every_rank_naming_ranks_and_shapes(world):
     r = comm.rank()

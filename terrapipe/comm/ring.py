@@ -1,0 +1,90 @@
+"""Chunked ring allreduce over MPI point-to-point, reducing received chunks with the JIT kernels.
+
+Used for large messages between nodes (one rank per node per part, NOTE [row halves] in
+group.py) and when every collective is forced through MPI. Bandwidth-optimal: each rank sends
+and receives 2 (p - 1) / p of the buffer, whatever p.
+
+NOTE [ring schedule]
+    The buffer is cut into p segments (:func:`segments`). Reduce-scatter: at step s = 0 .. p-2, rank r
+    sends segment (r - s) mod p to rank r + 1 and receives segment (r - s - 1) mod p from r - 1,
+    combining it into its own copy; after p - 1 steps rank r holds the full result of segment
+    (r + 1) mod p. All-gather: at step s rank r sends segment (r + 1 - s) mod p and stores the
+    received segment (r - s) mod p. A segment travels in chunks; two receive buffers let chunk
+    k + 1 arrive while chunk k is reduced, and all sends of a step are posted at once (a step
+    only sends data final before it began). Messages between two ranks on one communicator and
+    tag arrive in order, so one tag serves every step; callers give the ring a communicator no
+    one else sends on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..kernels import reduce as kreduce
+
+__all__ = ["RING_TAG", "ring_allreduce", "segments"]
+
+RING_TAG = 7201
+_CHUNK_BYTES = 256 << 10  # fits L2 beside the destination chunk; amortises per-message cost
+
+
+def segments(n: int, p: int) -> list[tuple[int, int]]:
+    """[start, end) of each of p owners' segments of n elements (np.array_split's boundaries:
+    sizes differ by at most one, the first ones larger)."""
+    q, r = divmod(n, p)
+    bounds = [i * q + min(i, r) for i in range(p + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int, wait: Callable[[object, str], None],
+                   chunk_bytes: int = _CHUNK_BYTES) -> None:
+    """In place: ``buf`` = op over every rank's ``buf`` (AVG sums; the caller divides).
+
+    comm: an mpi4py communicator reserved for this traffic; buf: 1-D C-contiguous, native
+    float32/float64/int32/int64, or uint16 holding float16/bfloat16 (``kind``: kreduce.F16 or
+    BF16; sums accumulate in float32 and round once per step); wait(request, what): completes
+    an MPI request or raises (the caller's timeout). Same length and dtype on every rank.
+    """
+    p, r = comm.Get_size(), comm.Get_rank()
+    n = buf.shape[0]
+    if p == 1 or n == 0:
+        return
+    parts = segments(n, p)
+    right, left = (r + 1) % p, (r - 1) % p
+    chunk = max(1, chunk_bytes // buf.itemsize)
+    spare = [np.empty(min(chunk, parts[0][1] - parts[0][0]), buf.dtype) for _ in range(2)]
+    for s in range(p - 1):
+        _step(comm, buf, parts[(r - s) % p], parts[(r - s - 1) % p], right, left, chunk, spare,
+              op, kind, wait, "reduce-scatter")
+    for s in range(p - 1):
+        _step(comm, buf, parts[(r + 1 - s) % p], parts[(r - s) % p], right, left, chunk, None,
+              op, kind, wait, "all-gather")
+
+
+def _step(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what) -> None:
+    sends = [comm.Isend(buf[a:min(a + chunk, send[1])], right, RING_TAG)
+             for a in range(send[0], send[1], chunk)]
+    starts = list(range(recv[0], recv[1], chunk))
+
+    def post(k):
+        a = starts[k]
+        b = min(a + chunk, recv[1])
+        # All-gather receives straight into place; reduce-scatter into a spare buffer.
+        dst = buf[a:b] if spare is None else spare[k % 2][:b - a]
+        return comm.Irecv(dst, left, RING_TAG), dst, a
+
+    inflight = post(0) if starts else None
+    for k in range(len(starts)):
+        req, dst, a = inflight
+        wait(req, f"ring allreduce ({what}) from rank {left}")
+        inflight = post(k + 1) if k + 1 < len(starts) else None
+        if spare is not None:
+            m = dst.shape[0]
+            if kind:
+                kreduce.reduce_16(buf[a:a + m], dst, op, 0, m, kind)
+            else:
+                kreduce.reduce_native(buf[a:a + m], dst, op, 0, m)
+    for req in sends:
+        wait(req, f"ring allreduce ({what}) to rank {right}")
