@@ -163,19 +163,18 @@ class DeviceFeed:
     Owned by one FastLoader and driven from the thread that iterates it (NOTE [device feed
     streams]); pool threads only write the numpy views from :meth:`host_views`.
 
-    device: a resolved CUDA device; host_ring: number of host slots; shape: (N, C, H, W) of a
-    full batch; out_dtype: the consumer's image dtype; norm: (mean, std) per channel in [0, 1]
-    units when normalizing on the device (host slots then hold uint8), else None (host slots
-    already hold ``out_dtype``); channels_last: the device images' memory format.
+    device: a resolved CUDA device; host_ring: number of host slots, which hold uint8 (N, C, H, W)
+    batches; shape: (N, C, H, W) of a full batch; out_dtype: the consumer's image dtype (uint8
+    when ``norm`` is None); norm: C means and C stds in [0, 1] units (Plan.norm), applied on the
+    device; channels_last: the device images' memory format.
     """
 
     def __init__(self, device: torch.device, host_ring: int, shape: Sequence[int], out_dtype: torch.dtype,
-                 host_dtype: torch.dtype, norm: tuple[Sequence[float], Sequence[float]] | None,
-                 channels_last: bool) -> None:
+                 norm: tuple[Sequence[float], Sequence[float]] | None, channels_last: bool) -> None:
         self.device = device
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         n = shape[0]
-        self.host_images = [torch.empty(tuple(shape), dtype=host_dtype, pin_memory=True)
+        self.host_images = [torch.empty(tuple(shape), dtype=torch.uint8, pin_memory=True)
                             for _ in range(host_ring)]
         self.host_labels = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(host_ring)]
         with torch.cuda.device(device):
@@ -184,16 +183,13 @@ class DeviceFeed:
                            for _ in range(DEVICE_RING)]
             self.labels = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(DEVICE_RING)]
             # A direct copy needs the host layout and dtype on the device; otherwise stage uint8.
-            direct = norm is None and not channels_last and host_dtype == out_dtype
-            self.staging = None if direct else torch.empty(tuple(shape), dtype=host_dtype, device=device)
+            direct = norm is None and not channels_last
+            self.staging = None if direct else torch.empty(tuple(shape), dtype=torch.uint8, device=device)
             self.work = (torch.empty(tuple(shape), dtype=torch.float32, device=device, memory_format=fmt)
                          if norm is not None and out_dtype != torch.float32 else None)
             if norm is not None:
-                c = shape[1]
-                mean = np.broadcast_to(np.asarray(norm[0], np.float32), (c,))
-                std = np.broadcast_to(np.asarray(norm[1], np.float32), (c,))
-                self.mean = torch.tensor(mean, device=device).view(1, c, 1, 1)
-                self.std = torch.tensor(std, device=device).view(1, c, 1, 1)
+                self.mean = torch.tensor(norm[0], dtype=torch.float32, device=device).view(1, -1, 1, 1)
+                self.std = torch.tensor(norm[1], dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.norm = norm is not None
         self.copied = [torch.cuda.Event() for _ in range(DEVICE_RING)]
         self.host_free = [torch.cuda.Event() for _ in range(host_ring)]

@@ -170,8 +170,8 @@ class FastLoader:
         if self.device.type == "cuda":
             # uint8 crosses the bus; Normalize runs on the device (NOTE [device feed streams]).
             self._lut = kimage.identity_lut(channels)
-            self._feed = DeviceFeed(self.device, ring, shape, self.plan.torch_dtype, torch.uint8,
-                                    self.plan.norm, self.channels_last)
+            self._feed = DeviceFeed(self.device, ring, shape, self.plan.torch_dtype, self.plan.norm,
+                                    self.channels_last)
             self._images, self._labels = self._feed.host_views()
         else:
             self._lut = self.plan.lut
