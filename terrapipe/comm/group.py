@@ -29,8 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from ..kernels import oneshot
 from ..kernels import reduce as kreduce
-from ..kernels.floats import compress, decompress
+from ..kernels.floats import F16, compress, decompress
+from ..kernels.sync import rows_equal
 from .buffers import DTYPE_CODES, Buffer
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 from .ring import ring_allreduce, segments
@@ -46,6 +48,8 @@ _ROW_BYTES = int(os.environ.get("TERRAPIPE_SHM_ROW_BYTES", 1 << 20)) // 64 * 64
 # At or below this many bytes an allreduce is one barrier: data and signature are published
 # together and every rank reduces the whole message (latency over bandwidth).
 _SMALL_BYTES = 64 << 10
+# Polls before a one-shot allreduce leaves its compiled call to wait while yielding the core.
+_ONESHOT_SPINS = 2000
 # At or above this many bytes an MPI allreduce runs as our chunked ring (comm/ring.py).
 _RING_BYTES = int(os.environ.get("TERRAPIPE_RING_BYTES", 1 << 20))
 
@@ -90,6 +94,9 @@ class _Fused:
             i += 1
 
     def read(self, c0: int, length: int, out: np.ndarray, ckind: int = 0) -> None:
+        if len(self.views) == 1 and not ckind:
+            out[:length] = self.views[0][c0:c0 + length]
+            return
         for v, a, b, o in self._pieces(c0, length):
             if ckind:
                 compress(v[a:b], out[o:o + b - a], ckind)
@@ -97,6 +104,9 @@ class _Fused:
                 out[o:o + b - a] = v[a:b]
 
     def write(self, c0: int, src: np.ndarray, ckind: int = 0) -> None:
+        if len(self.views) == 1 and not ckind:
+            self.views[0][c0:c0 + src.shape[0]] = src
+            return
         for v, a, b, o in self._pieces(c0, src.shape[0]):
             if ckind:
                 decompress(src[o:o + b - a], v[a:b], ckind)
@@ -119,6 +129,8 @@ class Group:
         self._failed: str | None = None
         self._half = 0
         self.segment = None
+        self._views: dict[np.dtype, tuple[np.ndarray, np.ndarray]] = {}  # rows, scratch by dtype
+        self._small_entries: dict[tuple, tuple | None] = {}  # allreduce_small's plans
         forced = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower()
         self.force_mpi, self.force_shm = forced == "mpi", forced == "shm"
 
@@ -196,10 +208,10 @@ class Group:
         with self._lock:
             self._pending -= 1
 
-    def _guarded(self, fn):
+    def _guarded(self, fn, *args):
         with self._lock:
             try:
-                return fn()
+                return fn(*args)
             except CollectiveTimeoutError as e:
                 self._failed = str(e)  # step counters are out of step now: no further use
                 raise
@@ -226,7 +238,7 @@ class Group:
 
     def _check(self, coll: str, step: int) -> None:
         sigs = self.board.sigs(step)
-        if not (sigs == sigs[0]).all():
+        if rows_equal(sigs) >= 0:
             self._mismatch(coll, sigs, self.board.ranks)
 
     def _agree(self, coll: str, op: int = 0, buf: Buffer | None = None, root: int = -1) -> None:
@@ -373,18 +385,90 @@ class Group:
 
     def _small_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int,
                          coll: str, sig_buf: Buffer | None) -> None:
-        rows = self._rows(dtype)
+        src = fs.views[0] if len(fs.views) == 1 else np.empty(fs.n, fs.views[0].dtype)
+        dst = fd.views[0] if len(fd.views) == 1 else np.empty(fd.n, fd.views[0].dtype)
+        if src is not fs.views[0]:
+            fs.read(0, fs.n, src)
+        self._oneshot(src, dst, np.dtype(dtype), op, kind, ckind, coll, self._signature(coll, op, sig_buf))
+        if dst is not fd.views[0]:
+            fd.write(0, dst)
+
+    def allreduce_small(self, x: np.ndarray, op: int, coll: str = "allreduce", ckind: int = 0,
+                        sig_shape: tuple | None = None) -> bool:
+        """The latency path of a sync, in-place allreduce of ``x``: True when done here, False
+        when ``x`` does not qualify (the caller takes the general path). Qualifies: a
+        C-contiguous array of a reducible dtype, at most 64 KiB as exchanged, on a one-node
+        shared-memory group with no async collective pending. ``ckind``: float32 sent as 16-bit;
+        ``sig_shape``: the shape the signature names (default ``x.shape``). Same signature and
+        step accounting as the general small path, so ranks may mix the two."""
+        key = (x.dtype, x.shape, op, coll, ckind)
+        entry = self._small_entries.get(key)
+        if entry is None:
+            if len(self._small_entries) > 1024:
+                self._small_entries.clear()
+            entry = self._small_entries[key] = self._small_entry(
+                x.dtype, x.size, op, coll, ckind, x.shape if sig_shape is None else sig_shape)
+        if not entry or self._pending or not x.flags.c_contiguous:
+            return False
+        sig, dtype, kind = entry
+        flat = x.reshape(-1)
+        if kind and not ckind:
+            flat = flat.view(np.uint16)
+        with self._lock:
+            if self._pending:
+                return False
+            if self._failed:
+                raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
+            self._guarded(self._oneshot, flat, flat, dtype, op, kind, ckind, coll, sig)
+        return True
+
+    def _small_entry(self, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, shape: tuple):
+        name = dtype.name
+        kind = ckind or (F16 if name == "float16" else 0)
+        rows_dtype = np.dtype(np.uint16) if kind else dtype
+        if (self.segment is None or self.size == 1 or self.nnodes > 1 or self.force_mpi
+                or name not in ("float32", "float64", "int32", "int64", "float16")
+                or (ckind and name != "float32") or size * rows_dtype.itemsize > _SMALL_BYTES):
+            return False
+        return self._signature_of(coll, op, name, size, tuple(shape), -1), rows_dtype, kind
+
+    def _oneshot(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int,
+                 ckind: int, coll: str, sig: np.ndarray) -> None:
+        """A small allreduce in one compiled call (kernels/oneshot.py): data and signature are
+        published together and every rank reduces the whole message into a private scratch
+        row, never into its shared row, which the others are still reading. ``src``/``dst``:
+        1-D, ``dtype`` (the rows' dtype) unless ``ckind`` (float32, sent as 16-bit)."""
+        views = self._views.get(dtype)
+        if views is None:
+            views = self._views[dtype] = (self._rows_u8.view(dtype), self._private_u8.view(dtype))
+        rows, scratch = views
         h = self._half * (rows.shape[1] // 2)
         self._half ^= 1
-        n = fs.n
-        fs.read(0, n, rows[self.local_rank, h:h + n], ckind)
-        self._check(coll, self.board.barrier(self.timeout, coll, self._signature(coll, op, sig_buf)))
-        # Every rank reduces the whole message, reading every row: the result goes to a private
-        # scratch row, never to my shared row, which the others are still reading.
-        out = self._reduce_rows(rows, op, h, n, kind, private=True)[h:h + n]
-        if op == kreduce.AVG:
-            self._divide(out, kind)
-        fd.write(0, out, ckind)
+        board = self.board
+        step, col = board.reserve()
+        divisor = self.size if op == kreduce.AVG else 1
+        me = self.local_rank
+        if ckind:
+            state = oneshot.oneshot_compressed(src, dst, rows, h, me, board.table, col, sig, step, op,
+                                               divisor, ckind, scratch, self._acc, _ONESHOT_SPINS)
+        elif kind:
+            state = oneshot.oneshot_16(src, dst, rows, h, me, board.table, col, sig, step, op,
+                                       divisor, kind, scratch, self._acc, _ONESHOT_SPINS)
+        else:
+            state = oneshot.oneshot_native(src, dst, rows, h, me, board.table, col, sig, step, op,
+                                           divisor, dtype.kind == "i", scratch, _ONESHOT_SPINS)
+        if state == oneshot.WAITING:
+            board.wait(step, self.timeout, coll)
+            state = rows_equal(board.sigs(step))
+            if state < 0:
+                if ckind:
+                    oneshot.finish_compressed(dst, rows, h, op, divisor, ckind, scratch, self._acc)
+                elif kind:
+                    oneshot.finish_16(dst, rows, h, op, divisor, kind, scratch, self._acc)
+                else:
+                    oneshot.finish_native(dst, rows, h, op, divisor, dtype.kind == "i", scratch)
+        if state >= 0:
+            self._mismatch(coll, board.sigs(step), board.ranks)
 
     def _mpi_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int,
                        root: int = -1) -> None:

@@ -13,7 +13,8 @@ NOTE [board protocol]
     a fast rank may publish the next collective's signature while a slow one still compares the
     current one, but it cannot get two signature steps ahead (that needs the slow rank's step).
     A rank publishes data (copies into its row), then stores
-    its counter; x86-64 keeps stores in order, so a peer that sees the counter also sees the data.
+    its counter with release ordering and peers poll it with acquire loads (kernels/sync.py), so a
+    peer that sees the counter also sees the data and the signature.
     ``wait`` returns once every counter reaches the step, or raises CollectiveTimeoutError naming
     the ranks that did not (immediately if their pid is gone).
 """
@@ -27,6 +28,7 @@ import time
 
 import numpy as np
 
+from ..kernels.sync import publish_step, release_step, spin_until
 from .errors import CollectiveTimeoutError
 
 __all__ = ["Segment", "Board", "remove_stale", "PREFIX"]
@@ -35,6 +37,11 @@ PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
 _SLOT = 64  # int64 words per rank on the board: one cache line for the counter, then the rest
 SIG_WORDS = 24
+_SIG_COLS = (8, 32)  # the two signature slots (by step parity); column 0 is the counter
+# Polls of the step counters before a waiting rank first yields its core (a few microseconds:
+# the usual wait when every rank has a core), then per round between yields.
+_FIRST_SPINS = 2000
+_ROUND_SPINS = 64
 
 
 def remove_stale() -> list[str]:
@@ -109,7 +116,7 @@ class Board:
     def __init__(self, words: np.ndarray, nlocal: int, me: int, ranks: list[int]) -> None:
         self.table = words[: nlocal * _SLOT].reshape(nlocal, _SLOT)
         self.steps = self.table[:, 0]
-        self._sig_slots = (self.table[:, 8 : 8 + SIG_WORDS], self.table[:, 32 : 32 + SIG_WORDS])
+        self._sig_slots = tuple(self.table[:, c : c + SIG_WORDS] for c in _SIG_COLS)
         self.pids = self.table[:, 60]
         self.me = me
         self.ranks = ranks  # world rank of each local rank, for messages
@@ -120,31 +127,33 @@ class Board:
     def nbytes(nlocal: int) -> int:
         return nlocal * _SLOT * 8
 
+    def reserve(self) -> tuple[int, int]:
+        """For a caller that publishes its signature itself (kernels/oneshot.py): the next step
+        and the first column of its signature slot in ``table``. The caller must publish exactly
+        that step (then :meth:`sigs` reads the slot back)."""
+        self.step += 1
+        return self.step, _SIG_COLS[self.step % 2]
+
     def publish(self, sig: np.ndarray | None = None) -> int:
         """Advance this rank's counter (after writing ``sig`` if given); returns the new step."""
-        if sig is not None:
-            slot = self._sig_slots[(self.step + 1) % 2]
-            slot[self.me, : len(sig)] = sig
-            slot[self.me, len(sig):] = 0
         self.step += 1
-        self.steps[self.me] = self.step
+        if sig is None:
+            release_step(self.steps, self.me, self.step)
+        else:
+            publish_step(self._sig_slots[self.step % 2], self.me, sig, self.steps, self.step)
         return self.step
 
     def wait(self, step: int, timeout: float, what: str) -> None:
         steps = self.steps
-        if steps.min() >= step:
+        if spin_until(steps, step, _FIRST_SPINS):
             return
         start = time.monotonic()
-        spins = 0
-        while True:
-            if steps.min() >= step:
-                return
-            spins += 1
-            if spins < 200:
-                continue
-            # Past a short spin, yield the core: ranks may outnumber cores.
+        rounds = 0
+        while not spin_until(steps, step, _ROUND_SPINS):
+            # Past the first spin, yield the core between short rounds: ranks may outnumber cores.
             os.sched_yield()
-            if spins % 256:
+            rounds += 1
+            if rounds % 256:
                 continue
             late = [int(q) for q in np.nonzero(steps < step)[0]]
             if not late:

@@ -154,6 +154,31 @@ def test_jit_allreduce_mixed_shapes_dtypes_and_compression(world):
     assert torch.equal(h.wait(), torch.full((10,), float(sum(range(p)))))
 
 
+@pytest.mark.mpi(ranks=(2, 4), timeout=120)
+def test_latency_path_and_general_path_mix_across_ranks(world):
+    # Small sync allreduces of plain arrays take a latency path (Group.allreduce_small); the
+    # general path must stay interchangeable with it: same signatures, same steps.
+    r, p = comm.rank(), comm.size()
+    total = float(p * (p + 1) // 2)
+    for compression in (None, "bf16", "fp16"):
+        t = torch.full((33,), float(r + 1))
+        comm.jit_allreduce(t if r % 2 == 0 else [t], op="sum", compression=compression)
+        assert torch.equal(t, torch.full((33,), total)), compression
+    base = np.zeros((5, 2))
+    x = np.full(5, r + 1.0) if r % 2 == 0 else base[:, 0]  # contiguous vs strided
+    x[...] = r + 1.0
+    comm.allreduce(x, "avg")
+    assert np.all(x == total / p)
+    t = torch.full((6,), float(r + 1), requires_grad=(r % 2 == 1))  # grad: the general path
+    comm.allreduce(t.data if r % 2 == 0 else t, "max")
+    assert torch.equal(t.detach(), torch.full((6,), float(p)))
+    with pytest.raises(comm.CollectiveMismatchError, match="jit_allreduce"):
+        comm.jit_allreduce(torch.zeros(8) if r == 0 else [torch.zeros(8), torch.zeros(1)])
+    y = np.ones(4, np.int64)
+    comm.allreduce(y)
+    assert np.all(y == p)
+
+
 @pytest.mark.mpi(ranks=(4,), timeout=180)
 def test_emulated_two_nodes_of_two(mpi_comm):
     os.environ["TERRAPIPE_NODE_SIZE"] = "2"

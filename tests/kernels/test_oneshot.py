@@ -1,0 +1,216 @@
+"""The one-shot allreduce and the step-counter primitives, in one process.
+
+The peers of a one-shot allreduce are simulated: their rows, signatures and step counters are
+written into the arrays before the call, as a peer process would have written them. The real
+multi-process runs are in tests/comm.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from terrapipe.kernels import oneshot
+from terrapipe.kernels.floats import BF16, F16
+from terrapipe.kernels.reduce import AVG, MIN, OPS, PROD, SUM, TILE
+from terrapipe.kernels.sync import publish_step, release_step, rows_equal, spin_until
+
+SIG_COL = 8
+WORDS = 24
+
+
+def _to_f32(bits: np.ndarray, kind: int) -> np.ndarray:
+    if kind == F16:
+        return bits.view(np.float16).astype(np.float32)
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float().numpy()
+
+
+def _to_16(x: np.ndarray, kind: int) -> np.ndarray:
+    if kind == F16:
+        return x.astype(np.float32).astype(np.float16).view(np.uint16)
+    return torch.from_numpy(x.astype(np.float32)).bfloat16().view(torch.int16).numpy().view(np.uint16)
+
+
+def _fold(rows: np.ndarray, op: int) -> np.ndarray:
+    """Row 0 combined with rows 1, 2, ... in order, in the rows' dtype (the kernels' order)."""
+    acc = rows[0].copy()
+    for r in rows[1:]:
+        if op in (SUM, AVG):
+            acc = acc + r
+        elif op == PROD:
+            acc = acc * r
+        elif op == MIN:
+            acc = np.minimum(acc, r)
+        else:
+            acc = np.maximum(acc, r)
+    return acc
+
+
+def _reference(rows: np.ndarray, op: int, p: int, kind: int) -> np.ndarray:
+    """NumPy result of the allreduce over rows: native dtype, or 16-bit bits (float32 math)."""
+    if kind:
+        out = _to_16(_fold(np.stack([_to_f32(r, kind) for r in rows]), op), kind)
+        if op == AVG:
+            out = _to_16(_to_f32(out, kind) / np.float32(p), kind)
+        return out
+    out = _fold(rows, op)
+    if op == AVG:
+        out = out // rows.dtype.type(p) if rows.dtype.kind == "i" else out / rows.dtype.type(p)
+    return out.astype(rows.dtype)
+
+
+def _peers(p, me, step, sig, board):
+    for q in range(p):
+        if q != me:
+            board[q, SIG_COL:SIG_COL + WORDS] = sig
+            board[q, 0] = step
+
+
+CASES = st.sampled_from(["float32", "float64", "int32", "int64", "float16", "bfloat16", "compressed"])
+
+
+@given(p=st.integers(1, 4), n=st.integers(0, TILE + 37), case=CASES, op=st.sampled_from(sorted(OPS.values())),
+       data=st.data())
+def test_oneshot_matches_numpy_for_every_dtype_and_op(p, n, case, op, data):
+    me = data.draw(st.integers(0, p - 1))
+    half = data.draw(st.sampled_from([0, 1]))
+    kind = {"float16": F16, "bfloat16": BF16}.get(case, 0)
+    if case == "compressed":
+        kind = data.draw(st.sampled_from([F16, BF16]))
+    rng = np.random.default_rng(n * 31 + p)
+    row_len = 2 * (n + 3)
+    h = half * (row_len // 2)
+    if kind:
+        rows = np.zeros((p, row_len), np.uint16)
+        vals = rng.uniform(-3, 3, (p, n)).astype(np.float32)
+        rows[:, h:h + n] = _to_16(vals, kind)
+    elif case.startswith("int"):
+        rows = np.zeros((p, row_len), case)
+        rows[:, h:h + n] = rng.integers(-4, 5, (p, n))
+    else:
+        rows = np.zeros((p, row_len), case)
+        rows[:, h:h + n] = rng.uniform(-3, 3, (p, n))
+    expect_rows = rows[:, h:h + n].copy()
+    if case == "compressed":
+        src = vals[me].copy()  # float32, rounded to 16 bits on the way into the row
+    else:
+        src = rows[me, h:h + n].copy()
+    rows[me] = 0  # the kernel must write its own row from src
+    board = np.zeros((p, 64), np.int64)
+    sig = np.arange(WORDS, dtype=np.int64) + 7
+    step = 11
+    _peers(p, me, step, sig, board)
+    divisor = p if op == AVG else 1
+    scratch = np.zeros_like(rows[0])
+    acc = np.empty(TILE, np.float32)
+    dst = np.zeros(n, np.float32 if case == "compressed" else rows.dtype)
+    if case == "compressed":
+        state = oneshot.oneshot_compressed(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor,
+                                           kind, scratch, acc, 100)
+    elif kind:
+        state = oneshot.oneshot_16(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor, kind,
+                                   scratch, acc, 100)
+    else:
+        state = oneshot.oneshot_native(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor,
+                                       rows.dtype.kind == "i", scratch, 100)
+    assert state == -1
+    assert board[me, 0] == step and np.array_equal(board[me, SIG_COL:SIG_COL + WORDS], sig)
+    np.testing.assert_array_equal(rows[me, h:h + n], expect_rows[me])  # published for the peers
+    ref = _reference(expect_rows, op, p, kind)
+    if case == "compressed":
+        ref = _to_f32(ref, kind)
+    np.testing.assert_array_equal(dst, ref)
+
+
+def _native_call(p=3, me=1, late=None, bad=None):
+    rows = np.arange(p * 20, dtype=np.float32).reshape(p, 20)
+    board = np.zeros((p, 64), np.int64)
+    sig = np.arange(WORDS, dtype=np.int64)
+    _peers(p, me, 5, sig, board)
+    if late is not None:
+        board[late, 0] = 4
+    if bad is not None:
+        board[bad, SIG_COL + 3] += 1
+    src = np.full(10, 2.0, np.float32)
+    dst = np.full(10, -1.0, np.float32)
+    state = oneshot.oneshot_native(src, dst, rows, 0, me, board, SIG_COL, sig, 5, SUM, 1, False,
+                                   np.zeros(20, np.float32), 50)
+    return state, dst, rows, board
+
+
+def test_oneshot_reports_a_mismatched_signature_and_reduces_nothing():
+    state, dst, _, _ = _native_call(bad=2)
+    assert state == 2
+    assert np.all(dst == -1.0)
+    state, dst, _, _ = _native_call(me=1, bad=0)  # row 0 is the odd one: row 1 differs from it
+    assert state == 1 and np.all(dst == -1.0)
+
+
+def test_oneshot_returns_waiting_then_finish_completes_it():
+    state, dst, rows, board = _native_call(late=2)
+    assert state == oneshot.WAITING
+    assert np.all(dst == -1.0)
+    assert board[1, 0] == 5 and np.all(rows[1, :10] == 2.0)  # arrived: published before waiting
+    board[2, 0] = 5  # the late peer arrives
+    assert spin_until(board[:, 0], 5, 1)
+    oneshot.finish_native(dst, rows, 0, SUM, 1, False, np.zeros(20, np.float32))
+    np.testing.assert_array_equal(dst, rows[0, :10] + rows[1, :10] + rows[2, :10])
+
+
+def test_publish_step_writes_the_signature_then_the_step():
+    board = np.zeros((3, 64), np.int64)
+    board[1, SIG_COL:SIG_COL + WORDS] = 99  # stale words beyond a shorter signature are cleared
+    sig = np.arange(5, dtype=np.int64) + 1
+    publish_step(board[:, SIG_COL:SIG_COL + WORDS], 1, sig, board[:, 0], 7)
+    assert board[1, 0] == 7
+    np.testing.assert_array_equal(board[1, SIG_COL:SIG_COL + WORDS], np.r_[sig, np.zeros(WORDS - 5)])
+    assert not board[[0, 2]].any()
+
+
+def test_rows_equal_names_the_first_differing_row():
+    t = np.ones((4, 6), np.int64)
+    assert rows_equal(t) == -1
+    t[2, 5] = 0
+    assert rows_equal(t) == 2
+    t[1, 0] = 3
+    assert rows_equal(t) == 1
+    assert rows_equal(t[:1]) == -1
+
+
+def test_spin_until_sees_a_store_from_another_thread():
+    # A poll the compiler hoisted out of the loop would never see the store and spin for 2**62
+    # rounds; the acquire load sees it as soon as the other thread releases it.
+    steps = np.zeros(64, np.int64)[::32]  # two counters a cache line apart, as on the board
+    steps[0] = 3
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(spin_until(steps, 3, 2**62)), daemon=True)
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive() and not result  # counter 1 is still behind
+    release_step(steps, 1, 3)
+    waiter.join(10)
+    assert result == [True]
+
+
+def test_spin_until_gives_up_after_its_polls():
+    steps = np.array([5, 4], np.int64)
+    assert not spin_until(steps, 5, 1000)
+    assert spin_until(steps, 4, 1)
+
+
+@pytest.mark.parametrize("spins", [0, 1])
+def test_oneshot_with_no_polls_left_waits_even_when_peers_are_there(spins):
+    p, me, step = 2, 0, 3
+    rows = np.ones((p, 8), np.float64)
+    board = np.zeros((p, 64), np.int64)
+    sig = np.zeros(WORDS, np.int64)
+    _peers(p, me, step, sig, board)
+    dst = np.zeros(4)
+    state = oneshot.oneshot_native(np.ones(4), dst, rows, 0, me, board, SIG_COL, sig, step, SUM, 1, False,
+                                   np.zeros(8), spins)
+    assert state == (oneshot.WAITING if spins == 0 else -1)
+    assert np.all(dst == (0.0 if spins == 0 else 2.0))
