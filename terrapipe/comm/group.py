@@ -365,7 +365,7 @@ class Group:
         rkind = ckind or kind
         if (fs.n * np.dtype(rows_dtype).itemsize <= _SMALL_BYTES and self.nnodes == 1
                 and not self.force_mpi):
-            self._small_allreduce(fs, fd, op, rows_dtype, rkind, ckind, coll, sig_buf)
+            self._small_allreduce(fs, fd, op, rows_dtype, rkind, coll, sig_buf)
             return
         self._agree(coll, op, sig_buf)
         self._allreduce_agreed(fs, fd, op, rows_dtype, rkind, ckind)
@@ -383,13 +383,13 @@ class Group:
         else:
             self._shm_allreduce(fs, fd, op, dtype, kind, ckind, root)
 
-    def _small_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int,
-                         coll: str, sig_buf: Buffer | None) -> None:
+    def _small_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, coll: str,
+                         sig_buf: Buffer | None) -> None:
         src = fs.views[0] if len(fs.views) == 1 else np.empty(fs.n, fs.views[0].dtype)
         dst = fd.views[0] if len(fd.views) == 1 else np.empty(fd.n, fd.views[0].dtype)
         if src is not fs.views[0]:
             fs.read(0, fs.n, src)
-        self._oneshot(src, dst, np.dtype(dtype), op, kind, ckind, coll, self._signature(coll, op, sig_buf))
+        self._oneshot(src, dst, np.dtype(dtype), op, kind, coll, self._signature(coll, op, sig_buf))
         if dst is not fd.views[0]:
             fd.write(0, dst)
 
@@ -419,7 +419,7 @@ class Group:
                 return False
             if self._failed:
                 raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
-            self._guarded(self._oneshot, flat, flat, dtype, op, kind, ckind, coll, sig)
+            self._guarded(self._oneshot, flat, flat, dtype, op, kind, coll, sig)
         return True
 
     def _small_entry(self, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, shape: tuple):
@@ -432,12 +432,13 @@ class Group:
             return False
         return self._signature_of(coll, op, name, size, tuple(shape), -1), rows_dtype, kind
 
-    def _oneshot(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int,
-                 ckind: int, coll: str, sig: np.ndarray) -> None:
+    def _oneshot(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,
+                 sig: np.ndarray) -> None:
         """A small allreduce in one compiled call (kernels/oneshot.py): data and signature are
         published together and every rank reduces the whole message into a private scratch
         row, never into its shared row, which the others are still reading. ``src``/``dst``:
-        1-D, ``dtype`` (the rows' dtype) unless ``ckind`` (float32, sent as 16-bit)."""
+        1-D, ``dtype`` (the rows' dtype), or float32 over uint16 rows of 16-bit format ``kind``
+        (sent rounded)."""
         views = self._views.get(dtype)
         if views is None:
             views = self._views[dtype] = (self._rows_u8.view(dtype), self._private_u8.view(dtype))
@@ -447,26 +448,13 @@ class Group:
         board = self.board
         step, col = board.reserve()
         divisor = self.size if op == kreduce.AVG else 1
-        me = self.local_rank
-        if ckind:
-            state = oneshot.oneshot_compressed(src, dst, rows, h, me, board.table, col, sig, step, op,
-                                               divisor, ckind, scratch, self._acc, _ONESHOT_SPINS)
-        elif kind:
-            state = oneshot.oneshot_16(src, dst, rows, h, me, board.table, col, sig, step, op,
-                                       divisor, kind, scratch, self._acc, _ONESHOT_SPINS)
-        else:
-            state = oneshot.oneshot_native(src, dst, rows, h, me, board.table, col, sig, step, op,
-                                           divisor, dtype.kind == "i", scratch, _ONESHOT_SPINS)
+        state = oneshot.oneshot_allreduce(src, dst, rows, h, self.local_rank, board.table, col, sig, step,
+                                          op, divisor, kind, scratch, self._acc, _ONESHOT_SPINS)
         if state == oneshot.WAITING:
             board.wait(step, self.timeout, coll)
             state = rows_equal(board.sigs(step))
             if state < 0:
-                if ckind:
-                    oneshot.finish_compressed(dst, rows, h, op, divisor, ckind, scratch, self._acc)
-                elif kind:
-                    oneshot.finish_16(dst, rows, h, op, divisor, kind, scratch, self._acc)
-                else:
-                    oneshot.finish_native(dst, rows, h, op, divisor, dtype.kind == "i", scratch)
+                oneshot.finish(dst, rows, h, op, divisor, kind, scratch, self._acc)
         if state >= 0:
             self._mismatch(coll, board.sigs(step), board.ranks)
 

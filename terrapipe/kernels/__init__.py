@@ -10,9 +10,11 @@ Modules:
   reduce  ``dst op= src`` and multi-source reductions over chunks, for collectives
   rng     counter-based Philox keyed by (seed, epoch, sample index, op id)
   floats  float16 / bfloat16 held as uint16
+  sync    step counters shared between processes: acquire loads, release stores, bounded spins
+  oneshot a small allreduce through shared rows (publish, wait, check, reduce) in one call
 """
 
-from . import floats, image, reduce, rng
+from . import floats, image, oneshot, reduce, rng, sync
 from .image import (
     alloc_resize_scratch,
     build_normalize_lut,
@@ -29,8 +31,10 @@ from .rng import fill_uniform, philox4x64, randint, random_u64, uniform
 __all__ = [
     "floats",
     "image",
+    "oneshot",
     "reduce",
     "rng",
+    "sync",
     "alloc_resize_scratch",
     "build_normalize_lut",
     "hflip",

@@ -16,23 +16,86 @@ each array argument costs about 0.1 us of dispatch, a large part of a 4 KiB allr
 
 Returns: ``-1`` done; ``r >= 0`` the signature of row ``r`` differs from row 0 (nothing was
 reduced); ``WAITING`` (-2) when a peer had not arrived within ``spins`` polls: the caller waits
-(looking at the clock and at its peers' liveness), checks the signatures and calls the matching
-``finish_*`` kernel. The row must not be written again before every peer has passed a later step
+(looking at the clock and at its peers' liveness), checks the signatures and calls
+:func:`finish`. The row must not be written again before every peer has passed a later step
 (the caller alternates halves of the row: NOTE [row halves] in ``terrapipe.comm.group``).
 """
 
 from __future__ import annotations
 
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from .floats import compress, decompress
 from .reduce import divide_16, divide_float, divide_int, reduce_many_16, reduce_many_native
 from .sync import publish_step, rows_equal, spin_until
 
-__all__ = ["WAITING", "oneshot_native", "oneshot_16", "oneshot_compressed",
-           "finish_native", "finish_16", "finish_compressed"]
+__all__ = ["WAITING", "oneshot_allreduce", "finish"]
 
 WAITING = -2
+
+
+# The three layouts (native rows; 16-bit rows; float32 sent as 16-bit) differ only in how data goes
+# into a row, how rows are reduced and how the result comes out. Those three steps are chosen from
+# the argument types when the kernel is compiled, so one kernel serves every layout and the choice
+# costs nothing at run time (Numba types every branch of a runtime ``if``, so a flag cannot do it).
+
+def _into_row(src, row, kind):
+    """``row[:] = src``, rounding float32 to 16-bit ``kind`` when ``row`` is uint16 bits."""
+    raise NotImplementedError("compiled use only")
+
+
+def _reduce_rows(scratch, rows, op, h, n, divisor, kind, acc):
+    """``scratch[h:h+n] = op over rows[:, h:h+n]``, divided once by ``divisor`` when > 1."""
+    raise NotImplementedError("compiled use only")
+
+
+def _out_of_row(out, dst, kind):
+    """``dst[:] = out``, widening 16-bit ``kind`` bits when ``dst`` is float32."""
+    raise NotImplementedError("compiled use only")
+
+
+def _converts(a, b) -> bool:
+    return a.dtype != b.dtype
+
+
+@overload(_into_row, inline="always")
+def _into_row_impl(src, row, kind):
+    if _converts(src, row):
+        return lambda src, row, kind: compress(src, row, kind)
+
+    def copy(src, row, kind):
+        for i in range(src.shape[0]):
+            row[i] = src[i]
+    return copy
+
+
+@overload(_out_of_row, inline="always")
+def _out_of_row_impl(out, dst, kind):
+    if _converts(out, dst):
+        return lambda out, dst, kind: decompress(out, dst, kind)
+
+    def copy(out, dst, kind):
+        for i in range(out.shape[0]):
+            dst[i] = out[i]
+    return copy
+
+
+@overload(_reduce_rows, inline="always")
+def _reduce_rows_impl(scratch, rows, op, h, n, divisor, kind, acc):
+    if rows.dtype == types.uint16:
+        def bits16(scratch, rows, op, h, n, divisor, kind, acc):
+            reduce_many_16(scratch, rows, op, h, n, kind, acc)
+            if divisor > 1:
+                divide_16(scratch, divisor, h, n, kind)
+        return bits16
+    divide = divide_int if isinstance(rows.dtype, types.Integer) else divide_float
+
+    def native(scratch, rows, op, h, n, divisor, kind, acc):
+        reduce_many_native(scratch, rows, op, h, n)
+        if divisor > 1:
+            divide(scratch, divisor, h, n)
+    return native
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -46,79 +109,25 @@ def _meet(board, sig_col, me, sig, step, spins):
 
 
 @njit(nogil=True, cache=True)
-def finish_native(dst, rows, h, op, divisor, is_int, scratch):
-    """Reduce ``rows[:, h:h+n]`` (n = ``dst.shape[0]``, float32/float64/int32/int64) into ``dst``;
-    ``divisor`` > 1 divides once (floor division when ``is_int``)."""
+def finish(dst, rows, h, op, divisor, kind, scratch, acc):
+    """Reduce ``rows[:, h:h+n]`` (n = ``dst.shape[0]``) into ``dst``: native rows
+    (float32/float64/int32/int64; floor division for integers) or uint16-held 16-bit floats of
+    format ``kind`` accumulated in float32 and rounded once; a float32 ``dst`` over uint16 rows
+    receives the widened result."""
     n = dst.shape[0]
-    reduce_many_native(scratch, rows, op, h, n)
-    if divisor > 1:
-        if is_int:
-            divide_int(scratch, divisor, h, n)
-        else:
-            divide_float(scratch, divisor, h, n)
-    out = scratch[h:h + n]
-    for i in range(n):
-        dst[i] = out[i]
+    _reduce_rows(scratch, rows, op, h, n, divisor, kind, acc)
+    _out_of_row(scratch[h:h + n], dst, kind)
 
 
 @njit(nogil=True, cache=True)
-def oneshot_native(src, dst, rows, h, me, board, sig_col, sig, step, op, divisor, is_int, scratch,
-                   spins):
-    """The whole allreduce for native dtypes: ``src``/``dst`` 1-D of ``rows``' dtype (may alias)."""
+def oneshot_allreduce(src, dst, rows, h, me, board, sig_col, sig, step, op, divisor, kind, scratch, acc,
+                      spins):
+    """The whole allreduce: ``src`` and ``dst`` 1-D (may alias) of ``rows``' dtype, or float32
+    over uint16 rows (sent rounded to 16-bit ``kind``). Arguments as in :func:`finish` and the
+    module's layouts."""
     n = src.shape[0]
-    row = rows[me, h:h + n]
-    for i in range(n):
-        row[i] = src[i]
+    _into_row(src, rows[me, h:h + n], kind)
     state = _meet(board, sig_col, me, sig, step, spins)
     if state == -1:
-        finish_native(dst, rows, h, op, divisor, is_int, scratch)
-    return state
-
-
-@njit(nogil=True, cache=True)
-def finish_16(dst, rows, h, op, divisor, kind, scratch, acc):
-    """Reduce uint16-held float16/bfloat16 rows (``kind``) into ``dst`` (uint16) in float32."""
-    n = dst.shape[0]
-    reduce_many_16(scratch, rows, op, h, n, kind, acc)
-    if divisor > 1:
-        divide_16(scratch, divisor, h, n, kind)
-    out = scratch[h:h + n]
-    for i in range(n):
-        dst[i] = out[i]
-
-
-@njit(nogil=True, cache=True)
-def oneshot_16(src, dst, rows, h, me, board, sig_col, sig, step, op, divisor, kind, scratch, acc,
-               spins):
-    """The whole allreduce for float16/bfloat16 held as uint16 (``src``, ``dst``, ``rows``)."""
-    n = src.shape[0]
-    row = rows[me, h:h + n]
-    for i in range(n):
-        row[i] = src[i]
-    state = _meet(board, sig_col, me, sig, step, spins)
-    if state == -1:
-        finish_16(dst, rows, h, op, divisor, kind, scratch, acc)
-    return state
-
-
-@njit(nogil=True, cache=True)
-def finish_compressed(dst, rows, h, op, divisor, kind, scratch, acc):
-    """As :func:`finish_16`, then widen the 16-bit result into float32 ``dst``."""
-    n = dst.shape[0]
-    reduce_many_16(scratch, rows, op, h, n, kind, acc)
-    if divisor > 1:
-        divide_16(scratch, divisor, h, n, kind)
-    decompress(scratch[h:h + n], dst, kind)
-
-
-@njit(nogil=True, cache=True)
-def oneshot_compressed(src, dst, rows, h, me, board, sig_col, sig, step, op, divisor, kind, scratch,
-                       acc, spins):
-    """The whole allreduce of float32 ``src`` sent as 16-bit ``kind`` (float16/bfloat16) and
-    accumulated in float32; the result is widened back into float32 ``dst``."""
-    n = src.shape[0]
-    compress(src, rows[me, h:h + n], kind)
-    state = _meet(board, sig_col, me, sig, step, spins)
-    if state == -1:
-        finish_compressed(dst, rows, h, op, divisor, kind, scratch, acc)
+        finish(dst, rows, h, op, divisor, kind, scratch, acc)
     return state

@@ -21,6 +21,7 @@ from terrapipe.kernels.sync import publish_step, release_step, rows_equal, spin_
 
 SIG_COL = 8
 WORDS = 24
+ACC = np.empty(TILE, np.float32)
 
 
 def _to_f32(bits: np.ndarray, kind: int) -> np.ndarray:
@@ -108,15 +109,8 @@ def test_oneshot_matches_numpy_for_every_dtype_and_op(p, n, case, op, data):
     scratch = np.zeros_like(rows[0])
     acc = np.empty(TILE, np.float32)
     dst = np.zeros(n, np.float32 if case == "compressed" else rows.dtype)
-    if case == "compressed":
-        state = oneshot.oneshot_compressed(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor,
-                                           kind, scratch, acc, 100)
-    elif kind:
-        state = oneshot.oneshot_16(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor, kind,
-                                   scratch, acc, 100)
-    else:
-        state = oneshot.oneshot_native(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor,
-                                       rows.dtype.kind == "i", scratch, 100)
+    state = oneshot.oneshot_allreduce(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor, kind,
+                                      scratch, acc, 100)
     assert state == -1
     assert board[me, 0] == step and np.array_equal(board[me, SIG_COL:SIG_COL + WORDS], sig)
     np.testing.assert_array_equal(rows[me, h:h + n], expect_rows[me])  # published for the peers
@@ -137,8 +131,8 @@ def _native_call(p=3, me=1, late=None, bad=None):
         board[bad, SIG_COL + 3] += 1
     src = np.full(10, 2.0, np.float32)
     dst = np.full(10, -1.0, np.float32)
-    state = oneshot.oneshot_native(src, dst, rows, 0, me, board, SIG_COL, sig, 5, SUM, 1, False,
-                                   np.zeros(20, np.float32), 50)
+    state = oneshot.oneshot_allreduce(src, dst, rows, 0, me, board, SIG_COL, sig, 5, SUM, 1, 0,
+                                      np.zeros(20, np.float32), ACC, 50)
     return state, dst, rows, board
 
 
@@ -157,7 +151,7 @@ def test_oneshot_returns_waiting_then_finish_completes_it():
     assert board[1, 0] == 5 and np.all(rows[1, :10] == 2.0)  # arrived: published before waiting
     board[2, 0] = 5  # the late peer arrives
     assert spin_until(board[:, 0], 5, 1)
-    oneshot.finish_native(dst, rows, 0, SUM, 1, False, np.zeros(20, np.float32))
+    oneshot.finish(dst, rows, 0, SUM, 1, 0, np.zeros(20, np.float32), ACC)
     np.testing.assert_array_equal(dst, rows[0, :10] + rows[1, :10] + rows[2, :10])
 
 
@@ -210,7 +204,7 @@ def test_oneshot_with_no_polls_left_waits_even_when_peers_are_there(spins):
     sig = np.zeros(WORDS, np.int64)
     _peers(p, me, step, sig, board)
     dst = np.zeros(4)
-    state = oneshot.oneshot_native(np.ones(4), dst, rows, 0, me, board, SIG_COL, sig, step, SUM, 1, False,
-                                   np.zeros(8), spins)
+    state = oneshot.oneshot_allreduce(np.ones(4), dst, rows, 0, me, board, SIG_COL, sig, step, SUM, 1, 0,
+                                      np.zeros(8), ACC, spins)
     assert state == (oneshot.WAITING if spins == 0 else -1)
     assert np.all(dst == (0.0 if spins == 0 else 2.0))
