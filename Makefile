@@ -38,6 +38,7 @@ bench: setup
 	$(PY) -m benchmarks.allreduce -n 4
 	$(PY) -m benchmarks.train -n 2
 	$(PY) -m benchmarks.gpu_feed
+	$(PY) -m benchmarks.cuda_allreduce -n 2
 
 lint: setup
 	$(VENV)/bin/ruff check terrapipe tests benchmarks examples

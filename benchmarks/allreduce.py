@@ -14,17 +14,13 @@ memory-copy bandwidth (bytes copied per second, np.copyto of 64 MiB) measured in
 
 from __future__ import annotations
 
-import argparse
-import os
 import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-from .common import format_table, save
+from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save
 
 CASES = ("jit_allreduce", "comm.allreduce", "ring over MPI", "mpi Allreduce", "gloo all_reduce")
 
@@ -91,33 +87,17 @@ def _worker(max_mib: int, rounds: int) -> None:
             mpi.Barrier()
     dist.destroy_process_group()
     if rank == 0:
-        import json
-
-        print("RESULTS " + json.dumps({"p": p, "copy_gbs": copies,
-                                       "samples": [[k[0], k[1], v] for k, v in results.items()]}))
+        report_from_rank0({"p": p, "copy_gbs": copies,
+                           "samples": [[k[0], k[1], v] for k, v in results.items()]})
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", type=int, default=2, help="ranks")
-    p.add_argument("--max-mib", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = rank_sweep_args(__doc__, argv)
     if args.worker:
         _worker(args.max_mib, args.rounds)
         return
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(args.n), sys.executable, "-m",
-           "benchmarks.allreduce", "--worker", "--max-mib", str(args.max_mib), "--rounds", str(args.rounds)]
-    print(" ".join(cmd), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS ")), None)
-    if out.returncode != 0 or line is None:
-        sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
-    import json
-
-    data = json.loads(line[len("RESULTS "):])
+    data = run_ranks("benchmarks.allreduce", args.n,
+                     ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)])
     nranks = data["p"]
     copy = statistics.median(data["copy_gbs"])
     med = {(c, b): statistics.median(v) for c, b, v in data["samples"]}

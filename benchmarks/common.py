@@ -97,3 +97,42 @@ def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> 
         plt.close(fig)
         out.append(png)
     return out
+
+
+def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] | None = None) -> dict:
+    """Run ``python -m <module> --worker <worker_args>`` on ``n`` ranks under the mpiexec beside
+    this interpreter (the MPI wheel's), print the command, and return the JSON that rank 0
+    printed with :func:`report_from_rank0`. Exits with both output streams if the run fails."""
+    import subprocess
+    import sys
+
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(n), sys.executable, "-m",
+           module, "--worker", *worker_args]
+    print(" ".join(cmd), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith(_RESULTS_TAG)), None)
+    if out.returncode != 0 or line is None:
+        sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return json.loads(line[len(_RESULTS_TAG):])
+
+
+_RESULTS_TAG = "RESULTS "
+
+
+def report_from_rank0(payload: dict) -> None:
+    """What a worker started by :func:`run_ranks` hands back (call it on rank 0 only)."""
+    print(_RESULTS_TAG + json.dumps(payload), flush=True)
+
+
+def rank_sweep_args(doc: str | None, argv: list[str] | None):
+    """The command line of a benchmark that sweeps message sizes over ranks: ``-n`` ranks,
+    ``--max-mib``, ``--rounds`` and the hidden ``--worker`` that :func:`run_ranks` passes."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", type=int, default=2, help="ranks")
+    p.add_argument("--max-mib", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)

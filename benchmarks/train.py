@@ -14,15 +14,11 @@ the communication overhead fraction (t - t_none) / t.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import socket
 import statistics
-import subprocess
-import sys
 import time
 
-from .common import format_table, save
+from .common import format_table, report_from_rank0, run_ranks, save
 
 CASES = ("none", "terrapipe", "ddp")
 
@@ -85,7 +81,7 @@ def _worker(rounds: int, steps: int, hidden: int) -> None:
     dist.destroy_process_group()
     if mpi.rank == 0:
         nparams = sum(p.numel() for p in models["none"].parameters())
-        print("RESULTS " + json.dumps({"p": mpi.size, "params": nparams, "samples": samples}))
+        report_from_rank0({"p": mpi.size, "params": nparams, "samples": samples})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,16 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args.rounds, args.steps, args.hidden)
         return
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(args.n), sys.executable, "-m",
-           "benchmarks.train", "--worker", "--rounds", str(args.rounds), "--steps", str(args.steps),
-           "--hidden", str(args.hidden)]
-    print(" ".join(cmd), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULTS ")), None)
-    if out.returncode != 0 or line is None:
-        sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
-    data = json.loads(line[len("RESULTS "):])
+    data = run_ranks("benchmarks.train", args.n,
+                     ["--rounds", str(args.rounds), "--steps", str(args.steps), "--hidden", str(args.hidden)],
+                     env={"OMP_NUM_THREADS": "1"})
     med = {c: statistics.median(v) for c, v in data["samples"].items()}
     rows = []
     for c in CASES:

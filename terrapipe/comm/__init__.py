@@ -1,7 +1,8 @@
 """terrapipe.comm: process groups and collectives (imports kernels, never pipeline).
 
 Ranks on a node exchange through shared memory and reduce with the kernels; nodes exchange
-through MPI (mpi4py). See collectives.py for the functions and group.py for how they run.
+through MPI (mpi4py). See collectives.py for the functions, group.py for how they run,
+staging.py for CUDA tensors copied through pinned host memory and nccl.py for NCCL.
 """
 
 from .collectives import (

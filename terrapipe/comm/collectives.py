@@ -3,9 +3,11 @@
 Every function takes an optional ``group`` (default: the world from :func:`init`) and
 ``async_op``: with ``async_op=True`` it returns a :class:`~terrapipe.comm.group.Handle` whose
 ``wait()`` gives the result; several may be outstanding and they complete in issue order.
-Arrays and tensors may be non-contiguous (results are written back) or CUDA tensors (staged
-through host memory). Ranks must call collectives in the same order with matching arguments;
-otherwise every rank raises CollectiveMismatchError (see NOTE [collective ordering]).
+Arrays and tensors may be non-contiguous (results are written back) or CUDA tensors: NCCL for
+allreduce, broadcast and allgather where every rank can use it (comm/nccl.py), else copied
+through host memory (pinned and overlapped for jit_allreduce: comm/staging.py). Ranks must
+call collectives in the same order with matching arguments; otherwise every rank raises
+CollectiveMismatchError (see NOTE [collective ordering]).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import atexit
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
 from ..kernels import reduce as kreduce
 from ..kernels.floats import BF16, F16
+from . import nccl
 from .buffers import Buffer, plain_array
 from .group import Group, Handle
 from .shm import remove_stale
@@ -94,11 +98,15 @@ def _abort_on_uncaught_exception(MPI) -> None:
         sys.stdout.flush()
         status_dir = os.environ.get("TERRAPIPE_RUN_STATUS")  # set by `terrapipe run`
         if status_dir:
-            # Recorded before aborting: the launcher kills every other process right after.
-            path = os.path.join(status_dir, f"rank{MPI.COMM_WORLD.Get_rank()}.status")
-            with open(path + ".tmp", "w") as f:
-                f.write(f"{time.time()} 1")
-            os.replace(path + ".tmp", path)
+            # Recorded before aborting: the launcher kills every other process right after, and
+            # the abort may cut the traceback short on its way through mpiexec, so the launcher
+            # also gets the exception itself to name in its summary.
+            base = os.path.join(status_dir, f"rank{MPI.COMM_WORLD.Get_rank()}")
+            for suffix, text in ((".error", "".join(traceback.format_exception_only(kind, value))),
+                                 (".status", f"{time.time()} 1")):
+                with open(base + suffix + ".tmp", "w") as f:
+                    f.write(text)
+                os.replace(base + suffix + ".tmp", base + suffix)
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook
@@ -157,6 +165,29 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
         arr = plain_array(x)
         if arr is not None and g.allreduce_small(arr, code):
             return x
+    if _is_cuda(x) and nccl.wanted(g):
+        if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
+            raise ValueError(f"out: expected {x.dtype} {tuple(x.shape)} on {x.device}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+
+        def on_nccl(pg, t):
+            target = (x if out is None else out).detach()
+            work = t if t.is_contiguous() else t.contiguous()
+            rop, floor = nccl.reduce_op(code, work.is_floating_point())
+            _dist().all_reduce(work, op=rop, group=pg)
+            if floor:
+                work.floor_divide_(g.size)
+            if work is not target:
+                target.copy_(work)
+            return x if out is None else out
+
+        return _via_nccl(g, x, "allreduce", code, -1, on_nccl,
+                         lambda: _allreduce_staged(g, x, out, code)(), async_op)
+    return _run(g, _allreduce_staged(g, x, out, code), async_op)
+
+
+def _allreduce_staged(g: Group, x, out, code: int):
+    """The body of an allreduce of host memory (CUDA tensors copied through it)."""
     src = Buffer(x, "x")
     dst = src if out is None else Buffer(out, "out")
     if dst is not src and (dst.shape != src.shape or dst.dtype_name != src.dtype_name):
@@ -169,6 +200,30 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
         dst.commit()
         return dst.orig
 
+    return body
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _via_nccl(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, async_op: bool):
+    """Run ``on_nccl(pg, x.detach())`` on the caller's current stream after the ranks agree on
+    the ``nccl_<coll>`` signature, or ``staged()`` when the group decides against NCCL (see
+    comm/nccl.py). The stream is captured here, in the caller's thread: async bodies run on the
+    group's worker thread."""
+    torch = sys.modules["torch"]
+    caller = torch.cuda.current_stream(x.device)
+    sig = _Sig(str(x.dtype).removeprefix("torch."), x.numel(), tuple(x.shape))
+
+    def body():
+        with torch.cuda.stream(caller):
+            g._agree(f"nccl_{coll}", code, sig, root)
+            pg = nccl.process_group(g, x.device)
+            return staged() if pg is None else on_nccl(pg, x.detach())
+
     return _run(g, body, async_op)
 
 
@@ -176,27 +231,47 @@ def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None =
     """Copy ``x`` of rank ``root`` into ``x`` on every rank (in place)."""
     g = _g(group)
     _check_root(root, g)
-    buf = Buffer(x, "x")
+    use_nccl = _is_cuda(x) and nccl.wanted(g)
+    first = None if use_nccl else Buffer(x, "x")  # made in the caller's thread (and stream)
 
-    def body():
+    def staged():
+        buf = first or Buffer(x, "x")
         g.broadcast_flat(buf, root)
         buf.commit()
         return buf.orig
 
-    return _run(g, body, async_op)
+    if use_nccl:
+        def on_nccl(pg, t):
+            work = t if t.is_contiguous() else t.contiguous()
+            _dist().broadcast(work, src=root, group=pg)
+            if work is not t:
+                t.copy_(work)
+            return x
+
+        return _via_nccl(g, x, "broadcast", 0, root, on_nccl, staged, async_op)
+    return _run(g, staged, async_op)
 
 
 def allgather(x, *, async_op: bool = False, group: Group | None = None):
     """Every rank's ``x`` stacked: a new array/tensor of shape (size, *x.shape)."""
     g = _g(group)
-    buf = Buffer(x, "x")
-    out, obuf = buf.like((g.size, *buf.shape))
+    use_nccl = _is_cuda(x) and nccl.wanted(g)
+    first = None if use_nccl else Buffer(x, "x")  # made in the caller's thread (and stream)
 
-    def body():
+    def staged():
+        buf = first or Buffer(x, "x")
+        out, obuf = buf.like((g.size, *buf.shape))
         g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size))
-        return out
+        return _like_input(out, x)
 
-    return _run(g, body, async_op)
+    if use_nccl:
+        def on_nccl(pg, t):
+            out = t.new_empty((g.size, *t.shape))
+            _dist().all_gather_into_tensor(out, t.contiguous(), group=pg)
+            return out
+
+        return _via_nccl(g, x, "allgather", 0, -1, on_nccl, staged, async_op)
+    return _run(g, staged, async_op)
 
 
 def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
@@ -208,7 +283,7 @@ def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = No
 
     def body():
         g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size), root=root)
-        return out if g.rank == root else None
+        return _like_input(out, x) if g.rank == root else None
 
     return _run(g, body, async_op)
 
@@ -225,7 +300,7 @@ def scatter(x, root: int = 0, *, async_op: bool = False, group: Group | None = N
 
     def body():
         g.scatter_flat(buf, obuf.flat, root)
-        return out
+        return _like_input(out, x)
 
     return _run(g, body, async_op)
 
@@ -258,7 +333,7 @@ def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group |
 
     def body():
         g.reduce_scatter_flat(buf, obuf.flat, code)
-        return out
+        return _like_input(out, x)
 
     return _run(g, body, async_op)
 
@@ -317,8 +392,14 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
     (copy in, reduce-scatter with the JIT kernels, allreduce of each part across nodes over MPI,
     all-gather, copy out), or through the MPI ring for large groups on one node. With
     ``compression="bf16"`` or ``"fp16"`` float32 tensors travel as 16-bit values and are
-    accumulated in float32. CUDA tensors are staged through host memory. In place; returns the
-    list (or a Handle).
+    accumulated in float32. In place; returns the list (or a Handle).
+
+    CUDA tensors (one device per call) are copied into one pinned host buffer on a side stream,
+    in pieces, while the chunks already there are reduced, and each reduced piece is copied back
+    at once (NOTE [staging streams] in comm/staging.py). The host never waits for the whole
+    device: when the call returns (or ``Handle.wait()`` does), the caller's current stream is
+    ordered after the copies back, so work queued on it sees the result. Until then the tensors
+    belong to the collective.
     """
     g = _g(group)
     code = kreduce.op_code(op)
@@ -332,34 +413,63 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
         use_c = ckind if arr is not None and arr.dtype == np.float32 else 0
         if arr is not None and g.allreduce_small(arr, code, "jit_allreduce", use_c, (arr.size, 1)):
             return tensors
-    bufs = [Buffer(t, f"tensors[{i}]") for i, t in enumerate(items)]
-    groups: dict[str, list[Buffer]] = {}
-    for b in bufs:
-        groups.setdefault(b.dtype_name, []).append(b)
+    # One plan per dtype: the Buffers of host tensors, or a StagedGroup when CUDA tensors are
+    # among them (pinned staging overlapped with the reduction: NOTE [staging streams]).
+    groups: dict[str, list] = {}
+    for i, t in enumerate(items):
+        m = t if _is_cuda(t) else Buffer(t, f"tensors[{i}]")
+        name = m.dtype_name if isinstance(m, Buffer) else str(t.dtype).removeprefix("torch.")
+        groups.setdefault(name, []).append((i, m))
+    plans = []
+    for name in sorted(groups):
+        members = [m for _, m in groups[name]]
+        if all(isinstance(m, Buffer) for m in members):
+            plans.append((name, members, None))
+        else:
+            from .staging import StagedGroup  # imports torch: only when CUDA tensors come
+
+            names = [f"tensors[{i}]" for i, _ in groups[name]]
+            plans.append((name, members, StagedGroup(members, names, g)))  # records the producer
 
     def body():
-        for name in sorted(groups):
-            members = groups[name]
-            views = [b.flat for b in members]
-            kind = members[0].kind
+        for name, members, staged in plans:
             use_c = ckind if name == "float32" else 0
-            sig = _FusedSig(name, sum(v.shape[0] for v in views), len(views))
-            g.allreduce_views(views, views, code, kind, use_c, coll="jit_allreduce", sig_buf=sig)
-            for b in members:
-                b.commit()
+            if staged is not None:
+                staged.start()
+                views, kind = staged.views, staged.kind
+            else:
+                views, kind = [b.flat for b in members], members[0].kind
+            n = sum(v.shape[0] for v in views)
+            sig = _Sig(name, n, (n, len(views)))  # dtype, total elements, tensor count
+            g.allreduce_views(views, views, code, kind, use_c, coll="jit_allreduce", sig_buf=sig,
+                              gate=staged)
+            if staged is not None:
+                staged.finish()
+            else:
+                for b in members:
+                    b.commit()
         return tensors
 
     return _run(g, body, async_op)
 
 
-class _FusedSig:
-    """The signature jit_allreduce agrees on: dtype, total elements, tensor count."""
+def _is_cuda(x) -> bool:
+    torch = sys.modules.get("torch")  # a CUDA tensor implies torch is imported
+    return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
 
-    def __init__(self, dtype_name: str, n: int, count: int) -> None:
+
+def _like_input(out, x):
+    """A result made in host memory, moved to ``x``'s device when ``x`` is a CUDA tensor."""
+    return out.to(x.device) if _is_cuda(x) else out
+
+
+class _Sig:
+    """What a signature is made of (Group._signature), without a Buffer's copy of the data."""
+
+    def __init__(self, dtype_name: str, size: int, shape: tuple) -> None:
         self.dtype_name = dtype_name
-        self.size = n
-        self.shape = (n, count)
-        self.flat = np.empty(0)
+        self.size = size
+        self.shape = shape
 
 
 __all__ += ["Handle", "Group"]

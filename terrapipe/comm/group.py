@@ -16,6 +16,14 @@ NOTE [row halves]
     counter that runs on across calls). A rank writes half h for chunk k + 2 only after the
     barrier of chunk k + 1, which every rank publishes after finishing its reads of chunk k: so
     one barrier per chunk suffices for copies, two for reductions (data in, reduced parts ready).
+
+NOTE [staging gate]
+    ``allreduce_views`` takes an optional gate for sources and destinations that are host copies
+    of device memory (comm/staging.py, NOTE [staging streams]). Every path calls
+    ``gate.ready(upto)`` before reading a source element below fused index ``upto`` and
+    ``gate.wrote(upto)`` once every result below ``upto`` is final; the chunked shared-memory
+    path does both per chunk, so downloads, reduction and uploads overlap. The gate owns those
+    host arrays: nothing else writes them during the call.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from .shm import SIG_WORDS, Board, Segment
 __all__ = ["Group", "Handle"]
 
 _COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "reduce": 5,
-         "gather": 6, "scatter": 7, "barrier": 8, "jit_allreduce": 9}
+         "gather": 6, "scatter": 7, "barrier": 8, "jit_allreduce": 9,
+         "nccl_allreduce": 10, "nccl_broadcast": 11, "nccl_allgather": 12}
 _CODE_DTYPE = {v: k for k, v in DTYPE_CODES.items()}
 _CODE_OP = {v: k for k, v in kreduce.OPS.items()}
 _ROW_BYTES = int(os.environ.get("TERRAPIPE_SHM_ROW_BYTES", 1 << 20)) // 64 * 64
@@ -129,6 +138,9 @@ class Group:
         self._failed: str | None = None
         self._half = 0
         self.segment = None
+        self.staging_pool = None  # comm/staging.py: pinned buffers and side streams, made on demand
+        self.nccl_pg = None  # comm/nccl.py: None (undecided), False (staged) or the process group
+        self.owns_torch_world = False  # comm/nccl.py made torch.distributed's world for NCCL
         self._views: dict[np.dtype, tuple[np.ndarray, np.ndarray]] = {}  # rows, scratch by dtype
         self._small_entries: dict[tuple, tuple | None] = {}  # allreduce_small's plans
         forced = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower()
@@ -184,6 +196,14 @@ class Group:
         if self.segment is not None:
             self.segment.close()
             self.segment = None
+        self.staging_pool = None
+        self.nccl_pg = None
+        if self.owns_torch_world:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_torch_world = False
 
     # -- execution -----------------------------------------------------------------------------
     def run(self, fn, async_op: bool):
@@ -308,7 +328,7 @@ class Group:
             yield c0, min(half, n - c0), h
 
     def _shm_allreduce(self, srcs: _Fused, dsts: _Fused, op: int, dtype, kind: int, ckind: int = 0,
-                       root: int = -1) -> None:
+                       root: int = -1, gate=None) -> None:
         """Reduce-scatter within the node, allreduce across nodes per part, all-gather back.
         ``kind``: 16-bit format of the rows (0 native); ``ckind``: rows hold compressed copies of
         float32 inputs; ``root`` >= 0: only that rank copies the result out (reduce)."""
@@ -316,6 +336,8 @@ class Group:
         rows = self._rows(dtype)
         item = np.dtype(dtype).itemsize
         for c0, length, h in self._chunk_ranges(srcs.n, item):
+            if gate is not None:
+                gate.ready(c0 + length)
             srcs.read(c0, length, rows[me, h:h + length], ckind)
             self.board.barrier(self.timeout, "allreduce")
             parts = segments(length, p)
@@ -332,6 +354,8 @@ class Group:
                 for q, (a, b) in enumerate(parts):
                     if b > a:
                         dsts.write(c0 + a, rows[q, h + a:h + b], ckind)
+            if gate is not None:
+                gate.wrote(c0 + length)
 
     def _divide(self, arr: np.ndarray, kind: int) -> None:
         if kind:
@@ -350,8 +374,17 @@ class Group:
 
     # -- collectives (bodies; the public functions in collectives.py wrap them) ------------------
     def allreduce_views(self, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, kind: int,
-                        ckind: int = 0, coll: str = "allreduce", sig_buf: Buffer | None = None) -> None:
+                        ckind: int = 0, coll: str = "allreduce", sig_buf: Buffer | None = None,
+                        gate=None) -> None:
+        """Allreduce the concatenation of ``srcs`` into that of ``dsts`` (1-D host arrays).
+
+        ``gate`` (optional; NOTE [staging gate]): ``gate.ready(upto)`` is called before any source
+        element at fused index < ``upto`` is read, and ``gate.wrote(upto)`` once the results
+        before ``upto`` are final in ``dsts``, so copies from and to a device can overlap the
+        reduction."""
         if self.size == 1:
+            if gate is not None:
+                gate.ready(sum(s.shape[0] for s in srcs))
             for src, dst in zip(srcs, dsts, strict=True):
                 if ckind:  # the same 16-bit rounding as the multi-rank path
                     tmp = np.empty(src.shape[0], np.uint16)
@@ -359,29 +392,40 @@ class Group:
                     decompress(tmp, dst, ckind)
                 elif dst is not src:
                     dst[...] = src
+            if gate is not None:
+                gate.wrote(sum(s.shape[0] for s in srcs))
             return
         fs, fd = _Fused(srcs), _Fused(dsts)
         rows_dtype = np.uint16 if (kind or ckind) else srcs[0].dtype
         rkind = ckind or kind
         if (fs.n * np.dtype(rows_dtype).itemsize <= _SMALL_BYTES and self.nnodes == 1
                 and not self.force_mpi):
+            if gate is not None:
+                gate.ready(fs.n)
             self._small_allreduce(fs, fd, op, rows_dtype, rkind, coll, sig_buf)
+            if gate is not None:
+                gate.wrote(fs.n)
             return
         self._agree(coll, op, sig_buf)
-        self._allreduce_agreed(fs, fd, op, rows_dtype, rkind, ckind)
+        self._allreduce_agreed(fs, fd, op, rows_dtype, rkind, ckind, gate=gate)
 
     def _allreduce_agreed(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int = 0,
-                          root: int = -1) -> None:
+                          root: int = -1, gate=None) -> None:
         """The data movement of an allreduce (or reduce to ``root``) whose signature the ranks
         already agreed on. Flat over MPI (the ring when large) when nodes differ in rank count,
         when MPI is forced, or for large messages on one node, where the ring's single copy
         beats shared memory's copy-in/copy-out (benchmarks.allreduce); otherwise shared memory,
-        hierarchical across nodes."""
-        large = fs.n * np.dtype(dtype).itemsize >= _RING_BYTES
+        hierarchical across nodes, which is also taken for large gated (device-staged) messages:
+        its chunks let device copies overlap the reduction (NOTE [staging gate])."""
+        large = fs.n * np.dtype(dtype).itemsize >= _RING_BYTES and gate is None
         if not self.uniform or (self.nnodes == 1 and (self.force_mpi or (large and not self.force_shm))):
+            if gate is not None:
+                gate.ready(fs.n)
             self._mpi_allreduce(fs, fd, op, dtype, kind, ckind, root)
+            if gate is not None:
+                gate.wrote(fs.n)
         else:
-            self._shm_allreduce(fs, fd, op, dtype, kind, ckind, root)
+            self._shm_allreduce(fs, fd, op, dtype, kind, ckind, root, gate)
 
     def _small_allreduce(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, coll: str,
                          sig_buf: Buffer | None) -> None:

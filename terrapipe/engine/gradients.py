@@ -17,8 +17,11 @@ from contextlib import contextmanager
 import torch
 
 from .. import comm
+from ..comm import nccl
 
 __all__ = ["DistributedGradients"]
+
+_BACKENDS = ("auto", "jit", "nccl")
 
 
 class DistributedGradients:
@@ -29,11 +32,17 @@ class DistributedGradients:
     accumulation); op: "avg" or "sum"; backward_passes_per_step: reduce every k-th backward
     (gradient accumulation); ``no_sync()`` skips reduction for the backward passes inside it.
     Shared (tied) parameters are reduced once. Call :meth:`synchronize` before using gradients.
+
+    backend: "jit" reduces each bucket's ``.grad`` tensors in place with ``comm.jit_allreduce``
+    (the CPU-staged path; CUDA gradients go through pinned host memory); "nccl" copies a CUDA
+    bucket into one flat device buffer (16-bit with compression: NCCL then also accumulates in
+    16 bits), reduces it with ``comm.allreduce`` on NCCL and copies it back in ``synchronize``;
+    "auto" takes "nccl" for CUDA parameters when ``terrapipe.comm`` can use NCCL, else "jit".
     """
 
     def __init__(self, model: torch.nn.Module, bucket_mb: float = 25, first_bucket_mb: float = 1,
                  compression: str | None = None, op: str = "avg", backward_passes_per_step: int = 1,
-                 group: comm.Group | None = None) -> None:
+                 group: comm.Group | None = None, backend: str = "auto") -> None:
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError("bucket_mb and first_bucket_mb must be positive, got "
                              f"{bucket_mb}, {first_bucket_mb}")
@@ -41,6 +50,10 @@ class DistributedGradients:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if op not in ("avg", "sum"):
             raise ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if compression not in (None, "bf16", "fp16"):
+            raise ValueError(f"compression must be None, 'bf16' or 'fp16', got {compression!r}")
         self.group = group if group is not None else comm.world()
         self.op = op
         self.compression = compression
@@ -48,11 +61,19 @@ class DistributedGradients:
         params = [p for p in model.parameters() if p.requires_grad]  # parameters() dedupes ties
         if not params:
             raise ValueError("model: no parameters require gradients")
+        on_cuda = all(p.is_cuda for p in params)
+        if backend == "nccl" and not on_cuda:
+            where = next(p.device for p in params if not p.is_cuda)
+            raise ValueError(f"backend='nccl' needs every parameter on a CUDA device; one is on {where}")
+        if backend == "auto":
+            backend = "nccl" if on_cuda and nccl.wanted(self.group) else "jit"
+        self.backend = backend
         self.buckets: list[list[torch.nn.Parameter]] = []
         limit, current, size = first_bucket_mb * 2**20, [], 0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            if current and size + nbytes > limit:
+            # A flat NCCL bucket holds one dtype.
+            if current and (size + nbytes > limit or (backend == "nccl" and p.dtype != current[0].dtype)):
                 self.buckets.append(current)
                 current, size, limit = [], 0, bucket_mb * 2**20
             current.append(p)
@@ -63,7 +84,8 @@ class DistributedGradients:
         self._counts = {id(p): 0 for p in params}
         self._ready = [0] * len(self.buckets)
         self._next = 0  # first bucket not yet launched
-        self._handles: list[comm.Handle] = []
+        self._handles: list = []  # comm.Handle, or _FlatBucket for "nccl"
+        self._flats: dict[int, torch.Tensor] = {}  # "nccl": each bucket's device buffer, made once
         self._passes = 0
         self._skip = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -90,8 +112,25 @@ class DistributedGradients:
             if p.grad is None:  # no gradient on this rank: it contributes zeros
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        self._handles.append(comm.jit_allreduce(grads, op=self.op, compression=self.compression,
-                                                async_op=True, group=self.group))
+        if self.backend == "nccl":
+            self._handles.append(self._launch_flat(b, grads))
+        else:
+            self._handles.append(comm.jit_allreduce(grads, op=self.op, compression=self.compression,
+                                                    async_op=True, group=self.group))
+
+    def _launch_flat(self, b: int, grads: list[torch.Tensor]) -> _FlatBucket:
+        flat = self._flats.get(b)
+        if flat is None:
+            dtype = grads[0].dtype
+            if self.compression and dtype == torch.float32:
+                dtype = torch.bfloat16 if self.compression == "bf16" else torch.float16
+            flat = self._flats[b] = torch.empty(sum(g.numel() for g in grads), dtype=dtype,
+                                                device=grads[0].device)
+        o = 0
+        for g in grads:  # on the current stream: the one backward produced the gradient on
+            flat[o:o + g.numel()].copy_(g.reshape(-1))
+            o += g.numel()
+        return _FlatBucket(comm.allreduce(flat, op=self.op, async_op=True, group=self.group), flat, grads)
 
     # -- public ------------------------------------------------------------------------------
     def in_flight(self) -> bool:
@@ -136,3 +175,18 @@ class DistributedGradients:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class _FlatBucket:
+    """An NCCL bucket in flight: ``wait()`` waits for the reduction, then copies the result back
+    into the gradients (on the current stream, which the reduction's stream already precedes)."""
+
+    def __init__(self, handle: comm.Handle, flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        self.handle, self.flat, self.grads = handle, flat, grads
+
+    def wait(self) -> None:
+        self.handle.wait()
+        o = 0
+        for g in self.grads:
+            g.copy_(self.flat[o:o + g.numel()].view_as(g))
+            o += g.numel()

@@ -76,11 +76,14 @@ def main(argv: list[str] | None = None) -> int:
         when, rc = f.read_text().split()
         if int(rc) != 0:
             failures.append((float(when), rank, int(rc)))
-    shutil.rmtree(status_dir, ignore_errors=True)
     if failures:
         when, rank, rc = min(failures)
-        print(f"terrapipe run: rank {rank} failed first, with exit code {rc}", file=sys.stderr)
+        error = Path(status_dir) / f"rank{rank}.error"  # an uncaught exception, recorded by the rank
+        what = f": {error.read_text().strip().splitlines()[-1]}" if error.exists() else ""
+        shutil.rmtree(status_dir, ignore_errors=True)
+        print(f"terrapipe run: rank {rank} failed first, with exit code {rc}{what}", file=sys.stderr)
         return rc if rc > 0 else 128 - rc
+    shutil.rmtree(status_dir, ignore_errors=True)
     if code != 0:
         print(f"terrapipe run: mpiexec exited with {code}", file=sys.stderr)
     return code if code >= 0 else 128 - code

@@ -14,19 +14,21 @@ class DistributedOptimizer:
     """Wrap ``optimizer`` (Horovod's DistributedOptimizer, TorchMPI's AllReduceSGD).
 
     Gradients of ``model`` are averaged during backward by a :class:`DistributedGradients`
-    (``bucket_mb``, ``compression``, ``backward_passes_per_step``); ``step()`` waits for them,
+    (``bucket_mb``, ``compression``, ``backward_passes_per_step``, ``backend``: "jit", "nccl" or
+    "auto", see that class); ``step()`` waits for them,
     then steps the wrapped optimizer. With ``backward_passes_per_step=k``, call ``step()`` after
     every k-th backward. ``zero_grad()`` while reductions are in flight raises.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, bucket_mb: float = 25,
                  compression: str | None = None, backward_passes_per_step: int = 1,
-                 first_bucket_mb: float = 1, op: str = "avg", group: comm.Group | None = None) -> None:
+                 first_bucket_mb: float = 1, op: str = "avg", group: comm.Group | None = None,
+                 backend: str = "auto") -> None:
         self.optimizer = optimizer
         self.gradients = DistributedGradients(model, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                                               compression=compression, op=op,
                                               backward_passes_per_step=backward_passes_per_step,
-                                              group=group)
+                                              group=group, backend=backend)
 
     @property
     def param_groups(self):

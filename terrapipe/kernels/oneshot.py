@@ -40,8 +40,9 @@ WAITING = -2
 # the argument types when the kernel is compiled, so one kernel serves every layout and the choice
 # costs nothing at run time (Numba types every branch of a runtime ``if``, so a flag cannot do it).
 
-def _into_row(src, row, kind):
-    """``row[:] = src``, rounding float32 to 16-bit ``kind`` when ``row`` is uint16 bits."""
+def _transfer(src, dst, kind):
+    """``dst[:] = src``: float32 into uint16 bits of 16-bit ``kind`` (rounded), those bits back
+    into float32 (exact), or a plain copy when the dtypes are the same."""
     raise NotImplementedError("compiled use only")
 
 
@@ -50,35 +51,16 @@ def _reduce_rows(scratch, rows, op, h, n, divisor, kind, acc):
     raise NotImplementedError("compiled use only")
 
 
-def _out_of_row(out, dst, kind):
-    """``dst[:] = out``, widening 16-bit ``kind`` bits when ``dst`` is float32."""
-    raise NotImplementedError("compiled use only")
-
-
-def _converts(a, b) -> bool:
-    return a.dtype != b.dtype
-
-
-@overload(_into_row, inline="always")
-def _into_row_impl(src, row, kind):
-    if _converts(src, row):
-        return lambda src, row, kind: compress(src, row, kind)
-
-    def copy(src, row, kind):
-        for i in range(src.shape[0]):
-            row[i] = src[i]
-    return copy
-
-
-@overload(_out_of_row, inline="always")
-def _out_of_row_impl(out, dst, kind):
-    if _converts(out, dst):
-        return lambda out, dst, kind: decompress(out, dst, kind)
-
-    def copy(out, dst, kind):
-        for i in range(out.shape[0]):
-            dst[i] = out[i]
-    return copy
+@overload(_transfer, inline="always")
+def _transfer_impl(src, dst, kind):
+    if src.dtype == dst.dtype:
+        def copy(src, dst, kind):
+            for i in range(src.shape[0]):
+                dst[i] = src[i]
+        return copy
+    if dst.dtype == types.uint16:
+        return lambda src, dst, kind: compress(src, dst, kind)
+    return lambda src, dst, kind: decompress(src, dst, kind)
 
 
 @overload(_reduce_rows, inline="always")
@@ -116,7 +98,7 @@ def finish(dst, rows, h, op, divisor, kind, scratch, acc):
     receives the widened result."""
     n = dst.shape[0]
     _reduce_rows(scratch, rows, op, h, n, divisor, kind, acc)
-    _out_of_row(scratch[h:h + n], dst, kind)
+    _transfer(scratch[h:h + n], dst, kind)
 
 
 @njit(nogil=True, cache=True)
@@ -126,7 +108,7 @@ def oneshot_allreduce(src, dst, rows, h, me, board, sig_col, sig, step, op, divi
     over uint16 rows (sent rounded to 16-bit ``kind``). Arguments as in :func:`finish` and the
     module's layouts."""
     n = src.shape[0]
-    _into_row(src, rows[me, h:h + n], kind)
+    _transfer(src, rows[me, h:h + n], kind)
     state = _meet(board, sig_col, me, sig, step, spins)
     if state == -1:
         finish(dst, rows, h, op, divisor, kind, scratch, acc)

@@ -1,0 +1,126 @@
+"""NCCL for CUDA tensors: a torch.distributed NCCL process group beside a Group's own transport.
+
+``comm.allreduce``, ``broadcast`` and ``allgather`` of CUDA tensors run on NCCL when every rank
+of the group can (:func:`usable`); otherwise, and always for ``jit_allreduce``, CUDA tensors are
+staged through host memory. Ranks first agree on the collective's signature over the group's own
+transport (its ``nccl_*`` collective names differ from the staged ones, so a rank that stages
+while another uses NCCL gets CollectiveMismatchError, not a hang); then the NCCL call is queued
+on the caller's current stream and this returns at once (the stream waits, the host does not).
+
+The NCCL group is made on the first NCCL collective, by every rank of the group at once (they
+have just agreed on that collective): under torch.distributed (torchrun) a ``new_group`` with
+backend NCCL; under MPI a torch.distributed world over TCP whose address rank 0 broadcasts over
+MPI, as Horovod bootstraps NCCL. Whether NCCL is used is decided then, collectively, and kept:
+it needs CUDA and NCCL on every rank, each rank of a node on its own GPU, and the group to be
+the whole world (a split group stages). ``TERRAPIPE_CUDA_COMM=staged`` turns NCCL off; ``nccl``
+makes its absence an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+__all__ = ["wanted", "process_group", "reduce_op"]
+
+
+def _setting() -> str:
+    value = os.environ.get("TERRAPIPE_CUDA_COMM", "auto").lower()
+    if value not in ("auto", "nccl", "staged"):
+        raise ValueError(f"TERRAPIPE_CUDA_COMM: expected 'auto', 'nccl' or 'staged', got {value!r}")
+    return value
+
+
+def _locally_possible() -> bool:
+    import torch
+    import torch.distributed as dist
+
+    return torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()
+
+
+def wanted(group) -> bool:
+    """Whether this rank asks for NCCL for a CUDA collective on ``group`` (local; the collective
+    decision is :func:`process_group`'s). False once the group decided against it."""
+    if group.size == 1 or getattr(group, "nccl_pg", None) is False:
+        return False
+    setting = _setting()
+    if setting == "staged":
+        return False
+    if setting == "nccl" and not _locally_possible():
+        raise RuntimeError("TERRAPIPE_CUDA_COMM=nccl, but this process has no CUDA device or "
+                           "torch has no NCCL")
+    return _locally_possible()
+
+
+def process_group(group, device):
+    """The NCCL process group of ``group`` (made on first use, see the module docstring), or
+    None when the ranks decided to stage instead. Every rank of ``group`` calls this at the same
+    point (right after agreeing on an ``nccl_*`` signature)."""
+    pg = getattr(group, "nccl_pg", None)
+    if pg is not None:
+        return pg or None
+    me = (socket.gethostname(), device.index if device.index is not None else 0,
+          _locally_possible(), group.size == _world_size(group))
+    everyone = _allgather_object(group, me)
+    gpus = [(host, dev) for host, dev, _, _ in everyone]
+    ok = all(poss and whole for _, _, poss, whole in everyone) and len(set(gpus)) == len(gpus)
+    if not ok:
+        if _setting() == "nccl":
+            raise RuntimeError(f"TERRAPIPE_CUDA_COMM=nccl, but NCCL cannot run this group: (host, GPU, "
+                               f"NCCL usable, whole world) per rank: {everyone}")
+        group.nccl_pg = False
+        return None
+    group.nccl_pg = _make(group, device)
+    return group.nccl_pg
+
+
+def _world_size(group) -> int:
+    if group.comm is None:  # a TorchGroup: only the default group itself qualifies
+        return group.size if getattr(group, "pg", None) is None else -1
+    return group._MPI.COMM_WORLD.Get_size()
+
+
+def _allgather_object(group, obj) -> list:
+    if group.comm is not None:
+        return group.comm.allgather(obj)
+    import torch.distributed as dist
+
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.pg)
+    return out
+
+
+def _make(group, device):
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=group.timeout)
+    torch.cuda.set_device(device)
+    if dist.is_initialized():
+        # torchrun's world (or one the user made): a NCCL group over all of its ranks.
+        return dist.new_group(backend="nccl", timeout=timeout)
+    addr = port = None
+    if group.rank == 0:
+        addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    addr, port = group.comm.bcast((addr, port), root=0)
+    dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=group.rank,
+                            world_size=group.size, timeout=timeout)
+    group.owns_torch_world = True
+    return dist.group.WORLD
+
+
+def reduce_op(op: int, is_float: bool):
+    """The torch.distributed op for a kernels.reduce op code (and whether an integer ``avg``
+    still needs its floor division after a sum)."""
+    import torch.distributed as dist
+
+    from ..kernels import reduce as kreduce
+
+    R = dist.ReduceOp
+    if op == kreduce.AVG:
+        return (R.AVG, False) if is_float else (R.SUM, True)
+    return {kreduce.SUM: R.SUM, kreduce.PROD: R.PRODUCT, kreduce.MIN: R.MIN, kreduce.MAX: R.MAX}[op], False
