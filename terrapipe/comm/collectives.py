@@ -171,8 +171,11 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
                              f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
         def on_nccl(pg, t):
-            target = (x if out is None else out).detach()
-            work = t if t.is_contiguous() else t.contiguous()
+            target = t
+            if out is not None:  # out of place: x stays as it was
+                target = out.detach()
+                target.copy_(t)
+            work = target if target.is_contiguous() else target.contiguous()
             rop, floor = nccl.reduce_op(code, work.is_floating_point())
             _dist().all_reduce(work, op=rop, group=pg)
             if floor:

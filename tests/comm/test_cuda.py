@@ -131,6 +131,11 @@ def test_nccl_collectives_on_cuda_tensors(mpi_comm):
     assert torch.equal(y.cpu(), torch.arange(6.0).reshape(2, 3).t())
     out = comm.allgather(torch.full((2,), float(r), device=dev))
     assert out.is_cuda and torch.equal(out.cpu(), torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    x = torch.full((2, 3), float(r + 1), device=dev)
+    out = torch.empty_like(x)
+    assert comm.allreduce(x, "sum", out=out) is out
+    assert torch.equal(out.cpu(), torch.full((2, 3), float(p * (p + 1) // 2)))
+    assert torch.equal(x.cpu(), torch.full((2, 3), float(r + 1)))  # out of place leaves x alone
     h = comm.allreduce(torch.ones(5, device=dev), "sum", async_op=True)
     assert torch.equal(h.wait().cpu(), torch.full((5,), float(p)))
     # A rank that calls the staged path while the other calls NCCL: a mismatch, not a hang.
