@@ -24,7 +24,7 @@ from ..kernels import reduce as kreduce
 from ..kernels.floats import BF16, F16
 from . import nccl
 from .buffers import Buffer, plain_array
-from .group import Group, Handle
+from .group import NO_GATE, Group, Handle
 from .shm import remove_stale
 from .torch_backend import torch_env
 
@@ -219,7 +219,7 @@ def _via_nccl(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, asy
     group's worker thread."""
     torch = sys.modules["torch"]
     caller = torch.cuda.current_stream(x.device)
-    sig = _Sig(str(x.dtype).removeprefix("torch."), x.numel(), tuple(x.shape))
+    sig = _Sig(_torch_dtype_name(x), x.numel(), tuple(x.shape))
 
     def body():
         with torch.cuda.stream(caller):
@@ -230,51 +230,51 @@ def _via_nccl(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, asy
     return _run(g, body, async_op)
 
 
+def _nccl_or_staged(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, async_op: bool):
+    """A collective of one input ``x``: on NCCL through :func:`_via_nccl` when this rank wants it
+    for a CUDA tensor, else ``staged(Buffer(x))`` with the Buffer made here, in the caller's
+    thread (and, for a CUDA tensor, on its current stream)."""
+    if _is_cuda(x) and nccl.wanted(g):
+        return _via_nccl(g, x, coll, code, root, on_nccl, lambda: staged(Buffer(x, "x")), async_op)
+    buf = Buffer(x, "x")
+    return _run(g, lambda: staged(buf), async_op)
+
+
 def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
     """Copy ``x`` of rank ``root`` into ``x`` on every rank (in place)."""
     g = _g(group)
     _check_root(root, g)
-    use_nccl = _is_cuda(x) and nccl.wanted(g)
-    first = None if use_nccl else Buffer(x, "x")  # made in the caller's thread (and stream)
 
-    def staged():
-        buf = first or Buffer(x, "x")
+    def staged(buf: Buffer):
         g.broadcast_flat(buf, root)
         buf.commit()
         return buf.orig
 
-    if use_nccl:
-        def on_nccl(pg, t):
-            work = t if t.is_contiguous() else t.contiguous()
-            _dist().broadcast(work, src=root, group=pg)
-            if work is not t:
-                t.copy_(work)
-            return x
+    def on_nccl(pg, t):
+        work = t if t.is_contiguous() else t.contiguous()
+        _dist().broadcast(work, src=root, group=pg)
+        if work is not t:
+            t.copy_(work)
+        return x
 
-        return _via_nccl(g, x, "broadcast", 0, root, on_nccl, staged, async_op)
-    return _run(g, staged, async_op)
+    return _nccl_or_staged(g, x, "broadcast", 0, root, on_nccl, staged, async_op)
 
 
 def allgather(x, *, async_op: bool = False, group: Group | None = None):
     """Every rank's ``x`` stacked: a new array/tensor of shape (size, *x.shape)."""
     g = _g(group)
-    use_nccl = _is_cuda(x) and nccl.wanted(g)
-    first = None if use_nccl else Buffer(x, "x")  # made in the caller's thread (and stream)
 
-    def staged():
-        buf = first or Buffer(x, "x")
+    def staged(buf: Buffer):
         out, obuf = buf.like((g.size, *buf.shape))
         g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size))
         return _like_input(out, x)
 
-    if use_nccl:
-        def on_nccl(pg, t):
-            out = t.new_empty((g.size, *t.shape))
-            _dist().all_gather_into_tensor(out, t.contiguous(), group=pg)
-            return out
+    def on_nccl(pg, t):
+        out = t.new_empty((g.size, *t.shape))
+        _dist().all_gather_into_tensor(out, t.contiguous(), group=pg)
+        return out
 
-        return _via_nccl(g, x, "allgather", 0, -1, on_nccl, staged, async_op)
-    return _run(g, staged, async_op)
+    return _nccl_or_staged(g, x, "allgather", 0, -1, on_nccl, staged, async_op)
 
 
 def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
@@ -421,7 +421,7 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
     groups: dict[str, list] = {}
     for i, t in enumerate(items):
         m = t if _is_cuda(t) else Buffer(t, f"tensors[{i}]")
-        name = m.dtype_name if isinstance(m, Buffer) else str(t.dtype).removeprefix("torch.")
+        name = m.dtype_name if isinstance(m, Buffer) else _torch_dtype_name(t)
         groups.setdefault(name, []).append((i, m))
     plans = []
     for name in sorted(groups):
@@ -445,7 +445,7 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
             n = sum(v.shape[0] for v in views)
             sig = _Sig(name, n, (n, len(views)))  # dtype, total elements, tensor count
             g.allreduce_views(views, views, code, kind, use_c, coll="jit_allreduce", sig_buf=sig,
-                              gate=staged)
+                              gate=staged or NO_GATE)
             if staged is not None:
                 staged.finish()
             else:
@@ -459,6 +459,11 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
 def _is_cuda(x) -> bool:
     torch = sys.modules.get("torch")  # a CUDA tensor implies torch is imported
     return torch is not None and isinstance(x, torch.Tensor) and x.is_cuda
+
+
+def _torch_dtype_name(t) -> str:
+    """A tensor's dtype as Buffer names it ("float32", "bfloat16", ...), without a Buffer."""
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _like_input(out, x):

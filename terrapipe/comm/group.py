@@ -63,6 +63,21 @@ _ONESHOT_SPINS = 2000
 _RING_BYTES = int(os.environ.get("TERRAPIPE_RING_BYTES", 1 << 20))
 
 
+class _NoGate:
+    """The gate of host-only calls (NOTE [staging gate]): nothing to wait for or copy back."""
+
+    @staticmethod
+    def ready(upto: int) -> None:
+        pass
+
+    @staticmethod
+    def wrote(upto: int) -> None:
+        pass
+
+
+NO_GATE = _NoGate()
+
+
 class Handle:
     """An outstanding async collective. ``wait()`` returns its result (or raises its error)."""
 
@@ -328,7 +343,7 @@ class Group:
             yield c0, min(half, n - c0), h
 
     def _shm_allreduce(self, srcs: _Fused, dsts: _Fused, op: int, dtype, kind: int, ckind: int = 0,
-                       root: int = -1, gate=None) -> None:
+                       root: int = -1, gate=NO_GATE) -> None:
         """Reduce-scatter within the node, allreduce across nodes per part, all-gather back.
         ``kind``: 16-bit format of the rows (0 native); ``ckind``: rows hold compressed copies of
         float32 inputs; ``root`` >= 0: only that rank copies the result out (reduce)."""
@@ -336,8 +351,7 @@ class Group:
         rows = self._rows(dtype)
         item = np.dtype(dtype).itemsize
         for c0, length, h in self._chunk_ranges(srcs.n, item):
-            if gate is not None:
-                gate.ready(c0 + length)
+            gate.ready(c0 + length)
             srcs.read(c0, length, rows[me, h:h + length], ckind)
             self.board.barrier(self.timeout, "allreduce")
             parts = segments(length, p)
@@ -354,8 +368,7 @@ class Group:
                 for q, (a, b) in enumerate(parts):
                     if b > a:
                         dsts.write(c0 + a, rows[q, h + a:h + b], ckind)
-            if gate is not None:
-                gate.wrote(c0 + length)
+            gate.wrote(c0 + length)
 
     def _divide(self, arr: np.ndarray, kind: int) -> None:
         if kind:
@@ -375,7 +388,7 @@ class Group:
     # -- collectives (bodies; the public functions in collectives.py wrap them) ------------------
     def allreduce_views(self, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, kind: int,
                         ckind: int = 0, coll: str = "allreduce", sig_buf: Buffer | None = None,
-                        gate=None) -> None:
+                        gate=NO_GATE) -> None:
         """Allreduce the concatenation of ``srcs`` into that of ``dsts`` (1-D host arrays).
 
         ``gate`` (optional; NOTE [staging gate]): ``gate.ready(upto)`` is called before any source
@@ -383,8 +396,8 @@ class Group:
         before ``upto`` are final in ``dsts``, so copies from and to a device can overlap the
         reduction."""
         if self.size == 1:
-            if gate is not None:
-                gate.ready(sum(s.shape[0] for s in srcs))
+            n = sum(s.shape[0] for s in srcs)
+            gate.ready(n)
             for src, dst in zip(srcs, dsts, strict=True):
                 if ckind:  # the same 16-bit rounding as the multi-rank path
                     tmp = np.empty(src.shape[0], np.uint16)
@@ -392,38 +405,33 @@ class Group:
                     decompress(tmp, dst, ckind)
                 elif dst is not src:
                     dst[...] = src
-            if gate is not None:
-                gate.wrote(sum(s.shape[0] for s in srcs))
+            gate.wrote(n)
             return
         fs, fd = _Fused(srcs), _Fused(dsts)
         rows_dtype = np.uint16 if (kind or ckind) else srcs[0].dtype
         rkind = ckind or kind
         if (fs.n * np.dtype(rows_dtype).itemsize <= _SMALL_BYTES and self.nnodes == 1
                 and not self.force_mpi):
-            if gate is not None:
-                gate.ready(fs.n)
+            gate.ready(fs.n)
             self._small_allreduce(fs, fd, op, rows_dtype, rkind, coll, sig_buf)
-            if gate is not None:
-                gate.wrote(fs.n)
+            gate.wrote(fs.n)
             return
         self._agree(coll, op, sig_buf)
         self._allreduce_agreed(fs, fd, op, rows_dtype, rkind, ckind, gate=gate)
 
     def _allreduce_agreed(self, fs: _Fused, fd: _Fused, op: int, dtype, kind: int, ckind: int = 0,
-                          root: int = -1, gate=None) -> None:
+                          root: int = -1, gate=NO_GATE) -> None:
         """The data movement of an allreduce (or reduce to ``root``) whose signature the ranks
         already agreed on. Flat over MPI (the ring when large) when nodes differ in rank count,
         when MPI is forced, or for large messages on one node, where the ring's single copy
         beats shared memory's copy-in/copy-out (benchmarks.allreduce); otherwise shared memory,
         hierarchical across nodes, which is also taken for large gated (device-staged) messages:
         its chunks let device copies overlap the reduction (NOTE [staging gate])."""
-        large = fs.n * np.dtype(dtype).itemsize >= _RING_BYTES and gate is None
+        large = fs.n * np.dtype(dtype).itemsize >= _RING_BYTES and gate is NO_GATE
         if not self.uniform or (self.nnodes == 1 and (self.force_mpi or (large and not self.force_shm))):
-            if gate is not None:
-                gate.ready(fs.n)
+            gate.ready(fs.n)
             self._mpi_allreduce(fs, fd, op, dtype, kind, ckind, root)
-            if gate is not None:
-                gate.wrote(fs.n)
+            gate.wrote(fs.n)
         else:
             self._shm_allreduce(fs, fd, op, dtype, kind, ckind, root, gate)
 

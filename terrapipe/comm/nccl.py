@@ -41,16 +41,20 @@ def _locally_possible() -> bool:
 
 def wanted(group) -> bool:
     """Whether this rank asks for NCCL for a CUDA collective on ``group`` (local; the collective
-    decision is :func:`process_group`'s). False once the group decided against it."""
-    if group.size == 1 or getattr(group, "nccl_pg", None) is False:
+    decision is :func:`process_group`'s, which stands once made)."""
+    if group.size == 1:
         return False
+    decided = getattr(group, "nccl_pg", None)
+    if decided is not None:
+        return decided is not False
     setting = _setting()
     if setting == "staged":
         return False
-    if setting == "nccl" and not _locally_possible():
+    possible = _locally_possible()
+    if setting == "nccl" and not possible:
         raise RuntimeError("TERRAPIPE_CUDA_COMM=nccl, but this process has no CUDA device or "
                            "torch has no NCCL")
-    return _locally_possible()
+    return possible
 
 
 def process_group(group, device):

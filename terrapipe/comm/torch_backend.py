@@ -17,7 +17,7 @@ import numpy as np
 from ..kernels import reduce as kreduce
 from .buffers import Buffer
 from .errors import CollectiveTimeoutError, CommError
-from .group import Group, _Fused
+from .group import NO_GATE, Group, _Fused
 
 __all__ = ["TorchGroup", "torch_env"]
 
@@ -100,20 +100,18 @@ class TorchGroup(Group):
 
     # -- collective bodies ----------------------------------------------------------------------
     def allreduce_views(self, srcs, dsts, op, kind, ckind=0, coll="allreduce", sig_buf=None,
-                        gate=None) -> None:
+                        gate=NO_GATE) -> None:
         if self.size == 1:
             return super().allreduce_views(srcs, dsts, op, kind, ckind, coll, sig_buf, gate)
         self._agree(coll, op, sig_buf)
         fs, fd = _Fused(srcs), _Fused(dsts)
         rkind = ckind or kind
         flat = np.empty(fs.n, np.uint16 if rkind else srcs[0].dtype)
-        if gate is not None:
-            gate.ready(fs.n)
+        gate.ready(fs.n)
         fs.read(0, fs.n, flat, ckind)
         self._reduce_host(flat, op, rkind, coll)
         fd.write(0, flat, ckind)
-        if gate is not None:
-            gate.wrote(fs.n)
+        gate.wrote(fs.n)
 
     def broadcast_flat(self, buf: Buffer, root: int) -> None:
         if self.size > 1:
