@@ -111,10 +111,12 @@ def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] |
            module, "--worker", *worker_args]
     print(" ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
-    line = next((ln for ln in out.stdout.splitlines() if ln.startswith(_RESULTS_TAG)), None)
+    # Searched for, not matched at the line's start: some mpiexecs prefix forwarded lines
+    # (Open MPI's tags, terminal escapes).
+    line = next((ln for ln in out.stdout.splitlines() if _RESULTS_TAG in ln), None)
     if out.returncode != 0 or line is None:
         sys.exit(f"benchmark failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
-    return json.loads(line[len(_RESULTS_TAG):])
+    return json.loads(line[line.index(_RESULTS_TAG) + len(_RESULTS_TAG):])
 
 
 _RESULTS_TAG = "RESULTS "

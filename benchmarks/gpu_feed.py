@@ -1,6 +1,6 @@
 """Feeding a GPU: FastLoader(device="cuda") vs data already on the GPU vs torch DataLoader.
 
-    python -m benchmarks.gpu_feed [--data DIR] [--model 50] [--batch 256] [--steps 20]
+    python -m benchmarks.gpu_feed [--data DIR] [--model 50] [--batch 128] [--steps 30]
                                   [--threads N] [--rounds 3] [--amp] [--channels-last]
 
 Every case runs the same ResNet training step (SGD, momentum 0.9; bf16 autocast with --amp) on
@@ -16,7 +16,10 @@ benchmarks.loader when empty); the cases alternate in every round:
 Reported: img/s (wall clock, after warm-up steps) and the fraction of GPU time spent waiting for
 input, from CUDA events: for each step, the gap between the end of the previous step's work and
 the point where this step's work could start (its batch copied and its kernels enqueued), over
-the span of all steps. Needs a CUDA device; without one it says so and exits.
+the span of all steps. Each sample starts with ``--warmup`` untimed steps (default 2 x threads
++ 3: past the DataLoader's prefetch depth, so no case is timed on a stock of batches it built
+while another case ran); the loaders run epoch after epoch as a training loop would. Needs a CUDA
+device; without one it says so and exits.
 """
 
 from __future__ import annotations
@@ -75,9 +78,8 @@ def run(args) -> dict:
     device = torch.device("cuda")
     make_image_folder(args.data, args.images)
     ds = ImageFolder(args.data)
-    per_round = (args.steps + args.warmup) * args.batch
-    if len(ds) < per_round:
-        raise SystemExit(f"--data has {len(ds)} images; {per_round} needed for --steps/--warmup/--batch")
+    if len(ds) < args.batch:
+        raise SystemExit(f"--data has {len(ds)} images, fewer than one batch of {args.batch}")
     model, model_src = resnet(args.model)
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=fmt)
@@ -105,13 +107,17 @@ def run(args) -> dict:
     x0, y0 = next(iter(fast))
     resident = (x0.clone(), y0.clone())
 
+    def epochs(loader, first: int):
+        # As a training loop would: epoch after epoch, each a fresh pass (and its start-up cost).
+        for e in itertools.count(first):
+            if loader is fast:
+                fast.set_epoch(e)
+            yield from loader
+
     def make(case, r):
         if case == "resident":
             return itertools.repeat(resident)
-        if case == "fastloader":
-            fast.set_epoch(r)
-            return fast
-        return dl
+        return epochs(fast if case == "fastloader" else dl, 1000 * r)
 
     samples: dict[str, list[tuple[float, float]]] = {c: [] for c in CASES}
     for r in range(args.rounds):
@@ -144,14 +150,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--images", type=int, default=3000, help="images to generate if --data is empty")
     p.add_argument("--model", type=int, default=50, choices=(18, 50), help="ResNet depth")
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per sample (default: 2 x threads + 3, the DataLoader's "
+                        "prefetch depth and then some, so no case is timed on a stock of batches "
+                        "it built while another case ran)")
     p.add_argument("--rounds", type=int, default=3)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     p.add_argument("--threads", type=int, default=cores)
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--channels-last", action="store_true")
     args = p.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 2 * args.threads + 3
     if not torch.cuda.is_available():
         print("benchmarks.gpu_feed: no CUDA device here (torch.cuda.is_available() is False); "
               "nothing measured", file=sys.stderr)

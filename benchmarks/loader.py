@@ -1,11 +1,15 @@
 """FastLoader vs torch DataLoader (+ Pillow transforms) vs decode alone, on the same JPEGs.
 
-    python -m benchmarks.loader [--data DIR] [--images 3000] [--batches 6] [--rounds 3]
+    python -m benchmarks.loader [--data DIR] [--images N] [--batch 256] [--batches B] [--rounds 3]
 
-If DIR has no images, an ImageNet-like set is generated there first (benchmarks/data.py). Each
-round runs every case at every thread count, interleaved, over ``--batches`` batches of 256
-after a warm-up batch; the report gives the median img/s per case and the ratios
-FastLoader / DataLoader and FastLoader / decode-only at the same thread count.
+If DIR has no images, an ImageNet-like set is generated there first (benchmarks/data.py). Every
+case is warmed up once (compilation, worker start-up). Then each round runs every case at every
+thread count, interleaved: a sample is ``--batches`` batches from a fresh iterator, timed from
+an empty pipeline, so no case is credited with batches it prefetched while another case ran.
+A DataLoader builds each batch in one worker, so it needs several batches per worker to reach
+its steady rate: the default ``--batches`` is 4 x the largest thread count (at least 6). The
+report gives the median img/s per case and the ratios FastLoader / DataLoader and FastLoader /
+decode-only at the same thread count.
 
 Cases, all producing float32 NCHW 224x224 normalized batches from the same files:
 * fastloader: RandomResizedCrop(224) + RandomHorizontalFlip + Normalize, ``num_threads=N``;
@@ -92,7 +96,8 @@ class _TorchDataset(torch.utils.data.Dataset):
 
 def _rate(batches, n_batches: int) -> float:
     it = iter(batches)
-    next(it)  # warm-up batch: worker start-up, compilation, first-touch of buffers
+    # Timed from after iter(): a persistent DataLoader's iter() first drains the batches its
+    # workers still had queued from the previous pass, which is not this pass's work.
     t = time.perf_counter()
     n = 0
     for x, _ in itertools.islice(it, n_batches):
@@ -100,21 +105,21 @@ def _rate(batches, n_batches: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-def run(data: Path, images: int, n_batches: int, rounds: int, threads: list[int]) -> dict:
+def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, threads: list[int]) -> dict:
     make_image_folder(data, images)
     ds = ImageFolder(data)
     files = [p for p, _ in ds.samples]
     transform, baseline_kind = _torchvision_transform()
     tds = _TorchDataset(ds.samples, transform)
-    need = (n_batches + 1) * 256
+    need = n_batches * batch
     if len(ds) < need:
         raise SystemExit(f"--data has {len(ds)} images; {need} needed for --batches {n_batches}")
 
     loaders, dls, pools = {}, {}, {}
     for n in threads:
         loaders[n] = FastLoader(ds, [RandomResizedCrop(224), RandomHorizontalFlip(), Normalize(MEAN, STD)],
-                                batch_size=256, shuffle=True, num_threads=n, prefetch=3)
-        dls[n] = torch.utils.data.DataLoader(tds, batch_size=256, shuffle=True, num_workers=n,
+                                batch_size=batch, shuffle=True, num_threads=n, prefetch=3)
+        dls[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n,
                                              persistent_workers=True, prefetch_factor=2)
         pools[n] = ThreadPoolExecutor(n)
 
@@ -127,16 +132,21 @@ def run(data: Path, images: int, n_batches: int, rounds: int, threads: list[int]
 
         order = list(range(len(files)))
         random.shuffle(order)
-        for b in range(len(order) // 256):
-            arrs = list(pools[n].map(one, [files[i] for i in order[b * 256:(b + 1) * 256]]))
+        for b in range(len(order) // batch):
+            arrs = list(pools[n].map(one, [files[i] for i in order[b * batch:(b + 1) * batch]]))
             yield torch.empty(len(arrs)), None
 
+    def cases(n):
+        return (("fastloader", lambda: loaders[n]), ("dataloader", lambda: dls[n]),
+                ("decode", lambda: decode_batches(n)))
+
+    for n in threads:
+        for _, make in cases(n):
+            _rate(make(), 1)  # warm-up, untimed
     samples: dict[tuple[str, int], list[float]] = {}
     for r in range(rounds):
         for n in threads:
-            for case, make in (("fastloader", lambda n=n: loaders[n]),
-                               ("dataloader", lambda n=n: dls[n]),
-                               ("decode", lambda n=n: decode_batches(n))):
+            for case, make in cases(n):
                 if case == "fastloader":
                     loaders[n].set_epoch(r)
                 rate = _rate(make(), n_batches)
@@ -157,25 +167,29 @@ def run(data: Path, images: int, n_batches: int, rounds: int, threads: list[int]
                          f"{100 * med['fastloader'] / med['decode']:.0f}%" if c == "decode" else ""])
             records.append({"case": c, "threads": n, "img_per_s": s, "median": med[c]})
     print()
-    print(f"{len(ds)} JPEGs in {data}, batch 256, {n_batches} timed batches per sample, "
+    print(f"{len(ds)} JPEGs in {data}, batch {batch}, {n_batches} timed batches per sample, "
           f"{rounds} interleaved rounds; baseline transforms: {baseline_kind}")
     print(format_table(["case", "threads", "img/s median", "min", "max", "fast/this", "fast/decode"], rows))
-    return {"data": str(data), "images": len(ds), "baseline": baseline_kind, "records": records,
-            "threads": threads}
+    return {"data": str(data), "images": len(ds), "batch": batch, "batches": n_batches,
+            "baseline": baseline_kind, "records": records, "threads": threads}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--images", type=int, default=3000, help="images to generate if --data is empty")
-    p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--images", type=int, default=None,
+                   help="images to generate if --data is empty (default: enough for --batches, >= 3000)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batches", type=int, default=None, help="timed batches per sample")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="*", default=None,
                    help="thread counts (default: 1 .. cores available)")
     args = p.parse_args(argv)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = args.threads or sorted({1, cores})
-    result = run(args.data, args.images, args.batches, args.rounds, threads)
+    batches = args.batches or max(6, 4 * max(threads))
+    images = args.images or max(3000, batches * args.batch)
+    result = run(args.data, images, args.batch, batches, args.rounds, threads)
 
     def plot():
         import matplotlib.pyplot as plt

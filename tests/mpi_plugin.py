@@ -15,6 +15,7 @@ The ``mpi_comm`` fixture is ``MPI.COMM_WORLD`` of the rank running the body.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -103,6 +104,11 @@ def _run_ranks(item: pytest.Item, nranks: int, timeout: float) -> None:
                 problems.append(f"rank {r} of {nranks} failed:\n{rep['longrepr']}")
             elif rep["outcome"] == "skipped":
                 problems.append(f"rank {r} of {nranks} skipped: {rep['longrepr']}")
+        skips = {reports[r]["longrepr"] for r in reports if reports[r]["outcome"] == "skipped"}
+        if len(skips) == 1 and len(problems) == nranks and proc.returncode == 0:
+            # Every rank skipped for one reason (a condition only the ranks can see, such as a GPU
+            # per rank): the test is skipped. A skip on some ranks only stays a failure.
+            pytest.skip(_skip_reason(skips.pop()))
         if problems:
             tail = "\n".join(text.splitlines()[-40:])
             pytest.fail("\n\n".join(problems) + f"\n\n--- mpiexec output (tail) ---\n{tail}",
@@ -112,6 +118,14 @@ def _run_ranks(item: pytest.Item, nranks: int, timeout: float) -> None:
                         pytrace=False)
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
+
+
+def _skip_reason(longrepr: str) -> str:
+    """The message of a skip report's longrepr, ``(path, line, 'Skipped: why')`` as text."""
+    try:
+        return str(ast.literal_eval(longrepr)[2]).removeprefix("Skipped: ")
+    except (ValueError, SyntaxError, IndexError, TypeError):
+        return longrepr
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -86,3 +86,28 @@ def test_crashed_rank_is_named(pytester, monkeypatch):
     result = _run(pytester, monkeypatch)
     result.assert_outcomes(failed=1)
     assert "rank 1 of 2 never reported" in result.stdout.str()
+
+
+def test_skip_on_every_rank_skips_and_on_one_rank_fails(pytester, monkeypatch):
+    # Regression: a condition only the ranks can see (a GPU per rank) skipped on every rank,
+    # and the harness reported that as a failure.
+    _inner_project(
+        pytester,
+        """
+        import pytest
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_all_skip(mpi_comm):
+            pytest.skip("needs a widget per rank")
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_one_skips(mpi_comm):
+            if mpi_comm.rank == 1:
+                pytest.skip("rank one has no widget")
+        """,
+    )
+    result = _run(pytester, monkeypatch, "-rs")
+    result.assert_outcomes(skipped=1, failed=1)
+    out = result.stdout.str()
+    assert "SKIPPED" in out and "needs a widget per rank" in out
+    assert "rank 1 of 2 skipped" in out and "rank one has no widget" in out

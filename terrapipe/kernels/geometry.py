@@ -17,7 +17,7 @@ from .rng import uniform
 __all__ = ["random_resized_crop_box", "resize_center_crop_box"]
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # NOTE [scalar draws keep the GIL]
 def random_resized_crop_box(w, h, scale_lo, scale_hi, logr_lo, logr_hi, seed, epoch, index, op_id):
     """torchvision's ``RandomResizedCrop.get_params`` with counter-based draws.
 
@@ -52,7 +52,7 @@ def random_resized_crop_box(w, h, scale_lo, scale_hi, logr_lo, logr_hi, seed, ep
     return float(j), float(i), float(j + cw), float(i + ch)
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # NOTE [scalar draws keep the GIL]
 def resize_center_crop_box(w, h, resize, crop_h, crop_w):
     """``Resize(resize)`` (shorter side; 0 = no resize) then ``CenterCrop((crop_h, crop_w))``,
     expressed as one box in source pixels whose output is crop_h x crop_w.

@@ -31,6 +31,14 @@ _W0 = np.uint64(0x9E3779B97F4A7C15)
 _W1 = np.uint64(0xBB67AE8584CAA73B)
 _LO32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
+# NOTE [scalar draws keep the GIL]
+# The loader's pool threads call a few of these once per sample, from Python (the crop box, the
+# flip draw). Each runs for about a microsecond. Compiled with nogil=True, every call would drop
+# and retake the GIL, and with many loader threads plus the training thread each retake can queue
+# behind the others: measured as lost training throughput on a 16-core machine. So these keep the
+# GIL, and only kernels that run for long (resize, reductions) release it. Called from other
+# compiled code the flag makes no difference.
+
 _S11 = np.uint64(11)
 _TWO_M53 = 1.0 / 9007199254740992.0  # 2**-53
 
@@ -87,7 +95,7 @@ def random_u64(seed, epoch, index, op_id, draw):
     return r[3]
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)  # NOTE [scalar draws keep the GIL]
 def uniform(seed, epoch, index, op_id, draw):
     """A float64 uniform on [0, 1) with 53 random bits, from the same stream as random_u64."""
     return np.float64(random_u64(seed, epoch, index, op_id, draw) >> _S11) * _TWO_M53

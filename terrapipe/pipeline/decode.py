@@ -59,7 +59,12 @@ _ZERO_COPY = _enable_zero_copy()
 
 def open_image(payload: bytes) -> Image.Image:
     """Parse the header only; pixels are decoded by :func:`pixels`."""
-    return Image.open(io.BytesIO(payload))
+    im = Image.open(io.BytesIO(payload))
+    # One decoder call for the whole payload instead of one per 64 KiB block: each call releases
+    # and retakes the GIL, and with many loader threads every retake can wait behind the others
+    # (and behind the training thread).
+    im.decodermaxblock = max(len(payload), im.decodermaxblock)
+    return im
 
 
 def draft_box(im: Image.Image, box: tuple[float, float, float, float],

@@ -107,12 +107,25 @@ def normalize_into(out: torch.Tensor, images: torch.Tensor, mean: torch.Tensor, 
         raise ValueError(f"work: a float32 buffer of shape {tuple(out.shape)} is needed for "
                          f"{out.dtype} output")
     acc.copy_(images)
-    acc.div_(255.0)
+    # Divided by a tensor, not the number 255: for a Python-number divisor PyTorch's CUDA kernel
+    # multiplies by its float32 reciprocal, which rounds differently from the CPU path's true
+    # division for some pixel values.
+    acc.div_(_c255(acc.device))
     acc.sub_(mean)
     acc.div_(std)
     if acc is not out:
         out.copy_(acc)
     return out
+
+
+_C255: dict[torch.device, torch.Tensor] = {}
+
+
+def _c255(device: torch.device) -> torch.Tensor:
+    c = _C255.get(device)
+    if c is None:
+        c = _C255[device] = torch.tensor(255.0, dtype=torch.float32, device=device)
+    return c
 
 
 class SlotLedger:
