@@ -56,6 +56,29 @@ def test_imagefolder_classes_sorted_like_torchvision(folder):
     assert ds.samples[0][1] == 0 and ds.samples[-1][1] == 2
 
 
+def test_imagefolder_reads_whole_files_even_when_the_size_changes(folder, tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    ds = ImageFolder(folder)
+    for i in range(len(ds)):
+        assert ds.read(i) == (Path(ds.samples[i][0]).read_bytes(), ds.samples[i][1])
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "empty.jpg").write_bytes(b"")
+    (tmp_path / "x" / "big.jpg").write_bytes(bytes(range(256)) * 9000)  # > one 1 MiB read
+    small = ImageFolder(tmp_path)
+    assert small.read(1)[0] == b""
+    big = (tmp_path / "x" / "big.jpg").read_bytes()
+    real_fstat = os.fstat
+    for wrong in (10, len(big) + 5000):  # grew since fstat / shrank (or a short read)
+        monkeypatch.setattr(os, "fstat", lambda fd, n=wrong: type("S", (), {"st_size": n})())
+        assert small.read(0)[0] == big
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    (tmp_path / "x" / "big.jpg").unlink()
+    with pytest.raises(FileNotFoundError, match="big.jpg"):
+        small.read(0)
+
+
 def test_batches_shapes_labels_and_dtypes(folder):
     ds = ImageFolder(folder)
     with FastLoader(ds, TRAIN, batch_size=8, num_threads=2) as loader:
