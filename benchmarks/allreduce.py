@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save
+from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
 CASES = ("jit_allreduce", "comm.allreduce", "ring over MPI", "mpi Allreduce", "gloo all_reduce")
 
@@ -122,20 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     result = {"ranks": nranks, "copy_gbs": copy, "records": records}
 
     def plot():
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for c in CASES:
-            ax.plot(sizes, [next(r["busbw"] for r in records if r["case"] == c and r["bytes"] == b)
-                            for b in sizes], marker="o", label=c)
-        ax.axhline(copy, color="k", linestyle="--", label="memcpy (1 thread)")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("message bytes")
-        ax.set_ylabel("busbw GB/s")
-        ax.set_title(f"allreduce, {nranks} ranks")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        return fig
+        busbw = {c: [next(r["busbw"] for r in records if r["case"] == c and r["bytes"] == b) for b in sizes]
+                 for c in CASES}
+        return sweep_plot(sizes, busbw, "busbw GB/s", f"allreduce, {nranks} ranks",
+                          ceiling=(copy, "memcpy (1 thread)"))
 
     for f in save(f"allreduce_n{nranks}", result, plot):
         print(f"wrote {f}")

@@ -99,6 +99,9 @@ def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> 
     return out
 
 
+_RESULTS_TAG = "RESULTS "
+
+
 def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] | None = None) -> dict:
     """Run ``python -m <module> --worker <worker_args>`` on ``n`` ranks under the mpiexec beside
     this interpreter (the MPI wheel's), print the command, and return the JSON that rank 0
@@ -119,9 +122,6 @@ def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] |
     return json.loads(line[line.index(_RESULTS_TAG) + len(_RESULTS_TAG):])
 
 
-_RESULTS_TAG = "RESULTS "
-
-
 def report_from_rank0(payload: dict) -> None:
     """What a worker started by :func:`run_ranks` hands back (call it on rank 0 only)."""
     print(_RESULTS_TAG + json.dumps(payload), flush=True)
@@ -138,3 +138,23 @@ def rank_sweep_args(doc: str | None, argv: list[str] | None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def sweep_plot(sizes: list[int], series: dict[str, list[float]], ylabel: str, title: str,
+               ceiling: tuple[float, str] | None = None):
+    """One line per case over message sizes (bytes, log2 axis), with an optional horizontal
+    ``(value, label)`` ceiling: the figure of the benchmarks that sweep message sizes."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, ys in series.items():
+        ax.plot(sizes, ys, marker="o", label=label)
+    if ceiling is not None:
+        ax.axhline(ceiling[0], color="k", linestyle="--", label=ceiling[1])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message bytes")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig

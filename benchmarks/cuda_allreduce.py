@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save
+from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
 CASES = ("jit_allreduce", "naive staging", "copies only", "nccl")
 
@@ -126,18 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"ranks": data["p"], "gpus": data["gpus"], "device": data["device"], "records": records}
 
     def plot():
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for c in cases:
-            ax.plot(sizes, [b / statistics.median(samples[c][b]) / 1e9 for b in sizes], marker="o", label=c)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("message bytes")
-        ax.set_ylabel("algbw GB/s")
-        ax.set_title(f"CUDA allreduce, {data['p']} ranks")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        return fig
+        algbw = {c: [b / statistics.median(samples[c][b]) / 1e9 for b in sizes] for c in cases}
+        return sweep_plot(sizes, algbw, "algbw GB/s", f"CUDA allreduce, {data['p']} ranks")
 
     for f in save(f"cuda_allreduce_n{data['p']}", result, plot):
         print(f"wrote {f}")

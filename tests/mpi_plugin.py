@@ -104,11 +104,12 @@ def _run_ranks(item: pytest.Item, nranks: int, timeout: float) -> None:
                 problems.append(f"rank {r} of {nranks} failed:\n{rep['longrepr']}")
             elif rep["outcome"] == "skipped":
                 problems.append(f"rank {r} of {nranks} skipped: {rep['longrepr']}")
-        skips = {reports[r]["longrepr"] for r in reports if reports[r]["outcome"] == "skipped"}
-        if len(skips) == 1 and len(problems) == nranks and proc.returncode == 0:
+        skipped = len(reports) == nranks and all(rep["outcome"] == "skipped" for rep in reports.values())
+        reasons = {rep["longrepr"] for rep in reports.values()}
+        if skipped and len(reasons) == 1 and proc.returncode == 0:
             # Every rank skipped for one reason (a condition only the ranks can see, such as a GPU
             # per rank): the test is skipped. A skip on some ranks only stays a failure.
-            pytest.skip(_skip_reason(skips.pop()))
+            pytest.skip(_skip_reason(reasons.pop()))
         if problems:
             tail = "\n".join(text.splitlines()[-40:])
             pytest.fail("\n\n".join(problems) + f"\n\n--- mpiexec output (tail) ---\n{tail}",

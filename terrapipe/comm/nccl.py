@@ -1,11 +1,12 @@
 """NCCL for CUDA tensors: a torch.distributed NCCL process group beside a Group's own transport.
 
 ``comm.allreduce``, ``broadcast`` and ``allgather`` of CUDA tensors run on NCCL when every rank
-of the group can (:func:`usable`); otherwise, and always for ``jit_allreduce``, CUDA tensors are
-staged through host memory. Ranks first agree on the collective's signature over the group's own
-transport (its ``nccl_*`` collective names differ from the staged ones, so a rank that stages
-while another uses NCCL gets CollectiveMismatchError, not a hang); then the NCCL call is queued
-on the caller's current stream and this returns at once (the stream waits, the host does not).
+of the group can (:func:`wanted`, then :func:`process_group` decides); otherwise, and always for
+``jit_allreduce``, CUDA tensors are staged through host memory. Ranks first agree on the
+collective's signature over the group's own transport (its ``nccl_*`` collective names differ
+from the staged ones, so a rank that stages while another uses NCCL gets CollectiveMismatchError,
+not a hang); then the NCCL call is queued on the caller's current stream and this returns at once
+(the stream waits, the host does not).
 
 The NCCL group is made on the first NCCL collective, by every rank of the group at once (they
 have just agreed on that collective): under torch.distributed (torchrun) a ``new_group`` with
