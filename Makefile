@@ -13,15 +13,17 @@ PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py terrapipe/pipeline/_jpeg.c Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	@# Also compiles the libjpeg-turbo region decoder (setup.py) against the system libjpeg.
 	$(PIP) install -e ".[mpi,bench,dev]"
 	@# pillow-simd installs under Pillow's import name: swap it in (built from source, ~20 s,
 	@# then cached by pip); if it cannot build here, plain Pillow stays and everything still works.
 	@$(PIP) uninstall -y pillow pillow-simd
 	@$(PIP) install --no-deps "$(PILLOW_SIMD)" || $(PIP) install pillow
 	@$(PY) -c "import PIL; print('image library:', PIL.__version__)"
+	@$(PY) -c "from terrapipe.pipeline import roi_jpeg; print('libjpeg-turbo region decoder:', roi_jpeg.available())"
 	@touch $(STAMP)
 
 demo: setup
@@ -44,5 +46,6 @@ lint: setup
 	$(VENV)/bin/ruff check terrapipe tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) benchmarks/results
+	rm -rf $(VENV) benchmarks/results build
+	find terrapipe -name '*.so' -delete
 	find . -name __pycache__ -prune -exec rm -rf {} +

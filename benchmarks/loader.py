@@ -2,19 +2,26 @@
 
     python -m benchmarks.loader [--data DIR] [--images N] [--batch 256] [--batches B] [--rounds 3]
 
-If DIR has no images, an ImageNet-like set is generated there first (benchmarks/data.py). Every
-case is warmed up once (compilation, worker start-up). Then each round runs every case at every
-thread count, interleaved: a sample is ``--batches`` batches from a fresh iterator, timed from
-an empty pipeline, so no case is credited with batches it prefetched while another case ran.
-A DataLoader builds each batch in one worker, so it needs several batches per worker to reach
-its steady rate: the default ``--batches`` is 4 x the largest thread count (at least 6). The
-report gives the median img/s per case and the ratios FastLoader / DataLoader and FastLoader /
-decode-only at the same thread count.
+If DIR has no images, an ImageNet-like set is generated there first (benchmarks/data.py). The
+cases share one epoch: ``--batches`` x ``--batch`` files of DIR, in a fixed mixed-class order.
+Every case is warmed up once (compilation, worker start-up); then each round times one whole
+epoch of every case at every thread count, interleaved. A whole epoch ends with every pipeline
+empty, so no case leaves prefetching work running into the next case's timing (a DataLoader's
+persistent workers keep building ``prefetch_factor`` batches per worker after a partial pass; on
+2 cores that halved the decode-only rate measured after it). A DataLoader builds each batch in
+one worker, so the epoch has 4 batches per worker by default. The report gives the median img/s
+per case and the ratios FastLoader / each DataLoader and FastLoader / decode-only at the same
+thread count.
 
 Cases, all producing float32 NCHW 224x224 normalized batches from the same files:
-* fastloader: RandomResizedCrop(224) + RandomHorizontalFlip + Normalize, ``num_threads=N``;
-* dataloader: ``torch.utils.data.DataLoader(num_workers=N)`` with the torchvision-equivalent
-  chain (torchvision's transforms if importable, else the same steps on Pillow + torch);
+* fastloader: RandomResizedCrop(224) + RandomHorizontalFlip + Normalize, ``num_threads=N``
+  (JPEGs decoded by the libjpeg-turbo region decoder when built; ``TERRAPIPE_JPEG=pillow`` in
+  the environment measures the Pillow path instead);
+* dataloader: ``torch.utils.data.DataLoader(num_workers=N, persistent_workers=True)`` with the
+  torchvision-equivalent chain (torchvision's transforms if importable, else the same steps on
+  Pillow + torch): the strongest plain-DataLoader set-up, and the ratio's baseline;
+* dataloader-defaults: the same with DataLoader's defaults, as most scripts write it: workers
+  are started again every epoch, and that start-up is part of the epoch's time;
 * decode: Pillow decoding each file at full resolution on N threads, nothing else (the ceiling:
   no crop, resize, copy or collation).
 """
@@ -22,7 +29,6 @@ Cases, all producing float32 NCHW 224x224 normalized batches from the same files
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
 import random
@@ -94,33 +100,56 @@ class _TorchDataset(torch.utils.data.Dataset):
             return self.transform(im.convert("RGB")), label
 
 
-def _rate(batches, n_batches: int) -> float:
-    it = iter(batches)
-    # Timed from after iter(): a persistent DataLoader's iter() first drains the batches its
-    # workers still had queued from the previous pass, which is not this pass's work.
+class _Subset:
+    """The first ``n`` samples of ``order``: a terrapipe source (and torch dataset) over files."""
+
+    def __init__(self, ds: ImageFolder, order: list[int]) -> None:
+        self.ds, self.order = ds, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def read(self, i: int):
+        return self.ds.read(self.order[i])
+
+    def describe(self, i: int) -> str:
+        return self.ds.describe(self.order[i])
+
+
+def _epoch_rate(batches) -> float:
+    """img/s over one whole epoch, from ``iter()`` to exhaustion (what a training epoch pays)."""
     t = time.perf_counter()
     n = 0
-    for x, _ in itertools.islice(it, n_batches):
+    for x, _ in batches:
         n += x.shape[0]
     return n / (time.perf_counter() - t)
 
 
 def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, threads: list[int]) -> dict:
     make_image_folder(data, images)
-    ds = ImageFolder(data)
-    files = [p for p, _ in ds.samples]
-    transform, baseline_kind = _torchvision_transform()
-    tds = _TorchDataset(ds.samples, transform)
+    folder = ImageFolder(data)
     need = n_batches * batch
-    if len(ds) < need:
-        raise SystemExit(f"--data has {len(ds)} images; {need} needed for --batches {n_batches}")
+    if len(folder) < need:
+        raise SystemExit(f"--data has {len(folder)} images; {need} needed for --batches {n_batches}")
+    ds = _Subset(folder, random.Random(0).sample(range(len(folder)), need))
+    samples_ = [folder.samples[i] for i in ds.order]
+    files = [p for p, _ in samples_]
+    transform, baseline_kind = _torchvision_transform()
+    tds = _TorchDataset(samples_, transform)
 
-    loaders, dls, pools = {}, {}, {}
+    loaders, dls, fresh, pools = {}, {}, {}, {}
+    # DataLoader workers are forked first: forked after the FastLoaders' batch buffers exist,
+    # they would share those pages copy-on-write, and FastLoader's next pass would pay a page
+    # copy per 4 KiB it writes (a third of its rate in the first round, seen on 2 cores).
+    for n in threads:
+        dls[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n,
+                                             persistent_workers=True, prefetch_factor=2)
+        _epoch_rate(dls[n])  # warm-up (starts the workers), untimed
+        # What most training scripts write: workers started (forked) again every epoch.
+        fresh[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n)
     for n in threads:
         loaders[n] = FastLoader(ds, [RandomResizedCrop(224), RandomHorizontalFlip(), Normalize(MEAN, STD)],
                                 batch_size=batch, shuffle=True, num_threads=n, prefetch=3)
-        dls[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n,
-                                             persistent_workers=True, prefetch_factor=2)
         pools[n] = ThreadPoolExecutor(n)
 
     def decode_batches(n):
@@ -132,42 +161,44 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
 
         order = list(range(len(files)))
         random.shuffle(order)
-        for b in range(len(order) // batch):
+        for b in range(math.ceil(len(order) / batch)):
             arrs = list(pools[n].map(one, [files[i] for i in order[b * batch:(b + 1) * batch]]))
             yield torch.empty(len(arrs)), None
 
     def cases(n):
         return (("fastloader", lambda: loaders[n]), ("dataloader", lambda: dls[n]),
-                ("decode", lambda: decode_batches(n)))
+                ("dataloader-defaults", lambda: fresh[n]), ("decode", lambda: decode_batches(n)))
 
     for n in threads:
-        for _, make in cases(n):
-            _rate(make(), 1)  # warm-up, untimed
+        for case, make in cases(n):
+            if case not in ("dataloader", "dataloader-defaults"):
+                _epoch_rate(make())  # warm-up (compilation, buffers' first touch), untimed
     samples: dict[tuple[str, int], list[float]] = {}
     for r in range(rounds):
         for n in threads:
             for case, make in cases(n):
                 if case == "fastloader":
                     loaders[n].set_epoch(r)
-                rate = _rate(make(), n_batches)
+                rate = _epoch_rate(make())
                 samples.setdefault((case, n), []).append(rate)
-                print(f"round {r + 1}/{rounds} threads={n} {case:10s} {rate:7.0f} img/s", flush=True)
+                print(f"round {r + 1}/{rounds} threads={n} {case:19s} {rate:7.0f} img/s", flush=True)
     for n in threads:
         loaders[n].close()
         pools[n].shutdown()
-        del dls[n]
+        del dls[n], fresh[n]
 
     rows, records = [], []
+    names = ("fastloader", "dataloader", "dataloader-defaults", "decode")
     for n in threads:
-        med = {c: statistics.median(samples[(c, n)]) for c in ("fastloader", "dataloader", "decode")}
-        for c in ("fastloader", "dataloader", "decode"):
+        med = {c: statistics.median(samples[(c, n)]) for c in names}
+        for c in names:
             s = samples[(c, n)]
             rows.append([c, n, med[c], min(s), max(s),
-                         f"{med['fastloader'] / med['dataloader']:.2f}x" if c == "dataloader" else "",
+                         f"{med['fastloader'] / med[c]:.2f}x" if c.startswith("dataloader") else "",
                          f"{100 * med['fastloader'] / med['decode']:.0f}%" if c == "decode" else ""])
             records.append({"case": c, "threads": n, "img_per_s": s, "median": med[c]})
     print()
-    print(f"{len(ds)} JPEGs in {data}, batch {batch}, {n_batches} timed batches per sample, "
+    print(f"{len(ds)} of the JPEGs in {data} per epoch, batch {batch}, one epoch per sample, "
           f"{rounds} interleaved rounds; baseline transforms: {baseline_kind}")
     print(format_table(["case", "threads", "img/s median", "min", "max", "fast/this", "fast/decode"], rows))
     return {"data": str(data), "images": len(ds), "batch": batch, "batches": n_batches,
@@ -180,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--images", type=int, default=None,
                    help="images to generate if --data is empty (default: enough for --batches, >= 3000)")
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--batches", type=int, default=None, help="timed batches per sample")
+    p.add_argument("--batches", type=int, default=None, help="batches per epoch (one timed sample)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="*", default=None,
                    help="thread counts (default: 1 .. cores available)")
@@ -195,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for case in ("decode", "fastloader", "dataloader"):
+        for case in ("decode", "fastloader", "dataloader", "dataloader-defaults"):
             ys = [next(r["median"] for r in result["records"] if r["case"] == case and r["threads"] == n)
                   for n in threads]
             ax.plot(threads, ys, marker="o", label=case)

@@ -24,6 +24,7 @@ from .image import (
     normalize_lut,
     resize_crop,
     resize_crop_bilinear,
+    resize_crop_bilinear_region,
 )
 from .reduce import divide, reduce_into, reduce_many_into
 from .rng import fill_uniform, philox4x64, randint, random_u64, uniform
@@ -43,6 +44,7 @@ __all__ = [
     "normalize_lut",
     "resize_crop",
     "resize_crop_bilinear",
+    "resize_crop_bilinear_region",
     "divide",
     "reduce_into",
     "reduce_many_into",

@@ -34,6 +34,7 @@ __all__ = [
     "identity_lut",
     "bilinear_coeffs",
     "resize_crop_bilinear",
+    "resize_crop_bilinear_region",
     "hflip",
     "hwc_to_chw",
     "normalize_lut",
@@ -173,6 +174,22 @@ def resize_crop_bilinear(
     block, acc, hacc, xbounds, xweights, ybounds, yweights: scratch from
     :func:`alloc_resize_scratch`.
     """
+    in_h, in_w = src.shape[0], src.shape[1]
+    resize_crop_bilinear_region(src, 0, 0, in_w, in_h, x0, y0, x1, y1, out, lut, flip, block, acc, hacc,
+                                xbounds, xweights, ybounds, yweights)
+
+
+@njit(nogil=True, cache=True)
+def resize_crop_bilinear_region(
+    src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block, acc, hacc, xbounds, xweights,
+    ybounds, yweights
+):
+    """:func:`resize_crop_bilinear` from a decoded *region* of a larger image: ``src`` holds
+    pixels [ox, ox + W) x [oy, oy + H) of an ``img_w x img_h`` image, and the box is in image
+    coordinates. Filter taps are computed on the whole image, so the result is bit-identical to
+    cropping the same box from the whole image, provided the region holds every tap (else
+    ValueError: the caller decodes a margin around the box).
+    """
     in_h, in_w, stride = src.shape
     channels = out.shape[0]
     out_h = out.shape[1]
@@ -181,8 +198,15 @@ def resize_crop_bilinear(
         raise ValueError("resize_crop_bilinear: more output channels than source/lut channels")
     flat = src.reshape((in_h, in_w * stride))
 
-    bilinear_coeffs(in_w, x0, x1, out_w, xbounds, xweights)
-    bilinear_coeffs(in_h, y0, y1, out_h, ybounds, yweights)
+    bilinear_coeffs(img_w, x0, x1, out_w, xbounds, xweights)
+    bilinear_coeffs(img_h, y0, y1, out_h, ybounds, yweights)
+    if (xbounds[0, 0] < ox or xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1] > ox + in_w
+            or ybounds[0, 0] < oy or ybounds[out_h - 1, 0] + ybounds[out_h - 1, 1] > oy + in_h):
+        raise ValueError("resize_crop_bilinear_region: the region lacks filter taps of the box")
+    for x in range(out_w):
+        xbounds[x, 0] -= ox
+    for y in range(out_h):
+        ybounds[y, 0] -= oy
     # The horizontal pass multiplies 16-bit intermediates, so its weights drop to _HBITS bits
     # to keep the int32 sum exact.
     for x in range(out_w):

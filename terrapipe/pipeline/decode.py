@@ -1,4 +1,6 @@
-"""Decoding encoded images with Pillow, for the loader's threads.
+"""Decoding encoded images with Pillow, for the loader's threads: every format, and the JPEGs
+that the libjpeg-turbo region decoder (:mod:`.roi_jpeg`) declines or is turned off for. The DCT
+scale rule (:func:`draft_scale`) is shared by both.
 
 Two things make this cheaper than ``np.asarray(Image.open(f).convert("RGB"))``:
 
@@ -19,7 +21,7 @@ import math
 import numpy as np
 from PIL import Image
 
-__all__ = ["open_image", "draft_box", "pixels"]
+__all__ = ["open_image", "draft_scale", "scale_box", "draft_box", "pixels"]
 
 
 class _ArrowArray(ctypes.Structure):
@@ -67,23 +69,43 @@ def open_image(payload: bytes) -> Image.Image:
     return im
 
 
+def draft_scale(w: int, h: int, box: tuple[float, float, float, float], out_hw: tuple[int, int]) -> int:
+    """The DCT scale denominator (1, 2, 4 or 8) for a ``w x h`` JPEG: the largest at which
+    ``box`` still covers ``out_hw`` (the choice Pillow's ``draft`` makes when asked for that
+    size). The scaled image is ``ceil(w / denom) x ceil(h / denom)``."""
+    oh, ow = out_hw
+    bw, bh = box[2] - box[0], box[3] - box[1]
+    need_w, need_h = math.ceil(w * ow / bw), math.ceil(h * oh / bh)
+    if need_w >= w or need_h >= h:
+        return 1
+    scale = min(w // need_w, h // need_h)
+    for denom in (8, 4, 2):
+        if scale >= denom:
+            return denom
+    return 1
+
+
+def scale_box(box: tuple[float, float, float, float], w: int, h: int, sw: int,
+              sh: int) -> tuple[float, float, float, float]:
+    """``box`` in a ``w x h`` image, mapped onto the same image scaled to ``sw x sh``."""
+    sx, sy = sw / w, sh / h
+    return (box[0] * sx, box[1] * sy, min(box[2] * sx, sw), min(box[3] * sy, sh))
+
+
 def draft_box(im: Image.Image, box: tuple[float, float, float, float],
               out_hw: tuple[int, int]) -> tuple[float, float, float, float]:
-    """Ask a JPEG decoder for the smallest scale whose box still covers ``out_hw``; return the box
-    in the coordinates of the (possibly) reduced image. Other formats are left as they are."""
+    """Ask a JPEG decoder for the smallest scale whose box still covers ``out_hw``
+    (:func:`draft_scale`); return the box in the coordinates of the (possibly) reduced image.
+    Other formats are left as they are."""
     if im.format != "JPEG":
         return box
     w, h = im.size
-    oh, ow = out_hw
-    bw, bh = box[2] - box[0], box[3] - box[1]
-    need = (math.ceil(w * ow / bw), math.ceil(h * oh / bh))
-    if need[0] >= w or need[1] >= h:
+    denom = draft_scale(w, h, box, out_hw)
+    if denom == 1:
         return box
-    im.draft("RGB", need)
-    sx, sy = im.size[0] / w, im.size[1] / h
-    if sx == 1.0 and sy == 1.0:
-        return box
-    return (box[0] * sx, box[1] * sy, min(box[2] * sx, im.size[0]), min(box[3] * sy, im.size[1]))
+    # Asking for (w // denom, h // denom) makes Pillow pick exactly ``denom``.
+    im.draft("RGB", (w // denom, h // denom))
+    return scale_box(box, w, h, *im.size)
 
 
 def pixels(im: Image.Image) -> tuple[np.ndarray, object]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..kernels import image as kimage
-from . import decode
+from . import decode, roi_jpeg
 from .device import DeviceFeed, resolve_device
 from .order import epoch_indices
 from .sources import Source
@@ -70,10 +70,36 @@ def _host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtyp
     return t, arr
 
 
+# NOTE [loader threads yield the CPU]
+#     Loader threads run at a lower scheduling priority (nice + _NICE, Linux, per thread) than
+#     the thread that consumes batches. When the loader keeps up, the consumer never waits for a
+#     batch, and whatever delays the consumer's own work (launching CUDA kernels, the optimizer
+#     step) costs the whole training step; with every core decoding, an equal-priority consumer
+#     gets one core's fair share among num_threads + 1 runnable threads. When the loader falls
+#     behind, the consumer is blocked on a batch and the loader threads have every core anyway.
+#     Measured on 16 vCPUs, ResNet-50 AMP fed by 16 loader threads: see the README.
+_NICE = 10
+
+
+def _yield_cpu_to_the_consumer() -> None:
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _NICE))
+        except OSError:  # not permitted here: equal priority is still correct, only slower
+            pass
+
+
 class _Scratch(threading.local):
     def __init__(self) -> None:
         self.key: tuple[int, ...] = ()
         self.bufs: tuple[np.ndarray, ...] = ()
+        self.jpeg: roi_jpeg.RoiDecoder | None = None
+
+    def roi_decoder(self) -> roi_jpeg.RoiDecoder:
+        if self.jpeg is None:
+            self.jpeg = roi_jpeg.RoiDecoder()
+        return self.jpeg
 
     def get(self, h: int, w: int, out_h: int, out_w: int, c: int) -> tuple[np.ndarray, ...]:
         # Grown to the largest source this thread has seen; reused afterwards.
@@ -183,7 +209,9 @@ class FastLoader:
             self._labels = [np.empty(batch_size, np.int64) for _ in range(ring)]
             self._labels_t = [torch.from_numpy(a) for a in self._labels]
         self._scratch = _Scratch()
-        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="terrapipe-loader")
+        self._roi = roi_jpeg.enabled()
+        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="terrapipe-loader",
+                                        initializer=_yield_cpu_to_the_consumer)
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=True, cancel_futures=True)
         self._closed = False
 
@@ -219,23 +247,37 @@ class FastLoader:
         payload, label = self.dataset.read(index)
         plan = self.plan
         oh, ow = plan.out_hw
+        region = None
         if isinstance(payload, np.ndarray):
             arr = payload if payload.ndim == 3 else payload[:, :, None]
             h, w = arr.shape[:2]
             box = plan.box(w, h, self.seed, self.epoch, index)
         else:
-            im = decode.open_image(payload)
-            w, h = im.size
-            box = decode.draft_box(im, plan.box(w, h, self.seed, self.epoch, index), plan.out_hw)
-            arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
-            h, w = arr.shape[:2]
+            if self._roi:
+                # libjpeg-turbo decodes only what the crop reads, without the GIL; anything it
+                # declines (not a JPEG, CMYK, corrupt data) goes to Pillow below.
+                dec = self._scratch.roi_decoder()
+                size = dec.header(payload)
+                if size is not None:
+                    region = dec.decode(plan.box(*size, self.seed, self.epoch, index), plan.out_hw)
+            if region is None:
+                im = decode.open_image(payload)
+                w, h = im.size
+                box = decode.draft_box(im, plan.box(w, h, self.seed, self.epoch, index), plan.out_hw)
+                arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
+        if region is not None:
+            arr, ox, oy, img_w, img_h, box = region
+        else:
+            ox = oy = 0
+            img_h, img_w = arr.shape[:2]
         if arr.shape[2] < plan.channels:
             raise ValueError(f"expected {plan.channels} channels, got image of shape {arr.shape}")
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
-        scratch = self._scratch.get(h, w, oh, ow, arr.shape[2])
+        scratch = self._scratch.get(arr.shape[0], arr.shape[1], oh, ow, arr.shape[2])
         flip = plan.flip(self.seed, self.epoch, index)
-        kimage.resize_crop_bilinear(arr, box[0], box[1], box[2], box[3], out, self._lut, flip, *scratch)
+        kimage.resize_crop_bilinear_region(arr, ox, oy, img_w, img_h, box[0], box[1], box[2], box[3], out,
+                                           self._lut, flip, *scratch)
         return label
 
     def _fill(self, slot: int, row0: int, indices: np.ndarray) -> None:

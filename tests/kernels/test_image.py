@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from terrapipe.kernels.image import (
+    alloc_resize_scratch,
     build_normalize_lut,
     hflip,
     hwc_to_chw,
@@ -13,6 +14,8 @@ from terrapipe.kernels.image import (
     max_taps,
     normalize_lut,
     resize_crop,
+    resize_crop_bilinear,
+    resize_crop_bilinear_region,
 )
 
 MEAN = (0.485, 0.456, 0.406)
@@ -138,3 +141,32 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="std must be non-zero"):
         build_normalize_lut(MEAN, (0.2, 0.0, 0.2))
     assert max_taps(100, 10) == 2 * 10 + 1 and max_taps(10, 100) == 3
+
+
+@given(image_box_size(channels=(3,)), st.data())
+def test_region_resize_equals_resize_of_the_whole_image(args, data):
+    """A region holding every filter tap gives the bytes of the whole image, and a region that
+    lacks one is refused."""
+    img, box, (oh, ow) = args
+    h, w = img.shape[:2]
+    lut = identity_lut(3)
+    scratch = alloc_resize_scratch(h, w, oh, ow, 3)
+    whole = np.empty((3, oh, ow), np.uint8)
+    resize_crop_bilinear(img, *map(float, box), whole, lut, False, *scratch)
+    # The taps span: what bilinear_coeffs reads for this box.
+    taps_x, taps_y = scratch[3], scratch[5]
+    lo_x, hi_x = int(taps_x[0, 0]), int(taps_x[ow - 1, 0] + taps_x[ow - 1, 1])
+    lo_y, hi_y = int(taps_y[0, 0]), int(taps_y[oh - 1, 0] + taps_y[oh - 1, 1])
+    ox = data.draw(st.integers(0, lo_x))
+    oy = data.draw(st.integers(0, lo_y))
+    ex = data.draw(st.integers(hi_x, w))
+    ey = data.draw(st.integers(hi_y, h))
+    region = np.ascontiguousarray(img[oy:ey, ox:ex])
+    part = np.empty_like(whole)
+    resize_crop_bilinear_region(region, ox, oy, w, h, *map(float, box), part, lut, False, *scratch)
+    np.testing.assert_array_equal(part, whole)
+    if lo_x > 0:  # one tap column short on the left
+        short = np.ascontiguousarray(img[oy:ey, lo_x + 1:ex])
+        with pytest.raises(ValueError, match="lacks filter taps"):
+            resize_crop_bilinear_region(short, lo_x + 1, oy, w, h, *map(float, box), part, lut, False,
+                                        *scratch)

@@ -2,6 +2,8 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from terrapipe.kernels.image import resize_crop
@@ -59,3 +61,21 @@ def test_draft_decodes_smaller_and_keeps_the_box():
     # A box that needs full resolution is left alone.
     im2 = decode.open_image(payload)
     assert decode.draft_box(im2, box, (700, 1000)) == box and im2.size == (1200, 800)
+
+
+@settings(max_examples=80, deadline=None)
+@given(w=st.integers(1, 700), h=st.integers(1, 700), data=st.data())
+def test_draft_scale_is_the_scale_pillow_picks_for_the_needed_size(w, h, data):
+    import math
+
+    payload = _encode(np.zeros((h, w, 3), np.uint8), "JPEG")
+    bx0 = data.draw(st.floats(0, w - 0.5))
+    by0 = data.draw(st.floats(0, h - 0.5))
+    box = (bx0, by0, data.draw(st.floats(bx0 + 0.5, w)), data.draw(st.floats(by0 + 0.5, h)))
+    oh, ow = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 300))
+    need = (math.ceil(w * ow / (box[2] - box[0])), math.ceil(h * oh / (box[3] - box[1])))
+    im = Image.open(io.BytesIO(payload))
+    if need[0] < w and need[1] < h:
+        im.draft("RGB", need)  # Pillow's own choice for the size the box needs
+    denom = decode.draft_scale(w, h, box, (oh, ow))
+    assert im.size == (-(-w // denom), -(-h // denom))

@@ -1,0 +1,144 @@
+"""Region-of-interest JPEG decoding on libjpeg-turbo (the C shim in ``_jpeg.c``), without the GIL.
+
+The loader knows the crop box before decoding, so a loader thread asks libjpeg for the smallest
+DCT scale that still covers the output size (Pillow's ``draft`` rule), then for only the rows and
+iMCU columns that the resampling filter reads: rows below the box are never decoded, and rows
+above and columns beside it skip the inverse DCT, upsampling and colour conversion. Every call
+drops the GIL (ctypes), and the header is parsed in C, not by Pillow in Python.
+
+Pixels are those of a full decode by the same library, so a crop resampled from the region with
+:func:`terrapipe.kernels.image.resize_crop_bilinear_region` is bit-identical to one resampled from
+the whole (drafted) image. What the shim does not handle (not a JPEG, CMYK, corrupt or truncated
+data, any libjpeg warning) makes :meth:`RoiDecoder.header` / :meth:`RoiDecoder.decode` return
+None, and the caller decodes that sample with Pillow, so errors and their messages stay Pillow's.
+
+The shim is built with the package (``setup.py``, optional); :func:`available` says whether it
+loaded, and :func:`enabled` whether a loader constructed now uses it: ``TERRAPIPE_JPEG=pillow``
+in the environment turns it off (to compare, or to rule it out).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .decode import draft_scale, scale_box
+
+__all__ = ["available", "enabled", "RoiDecoder"]
+
+# Margin in pixels around the filter's support: at an interior edge of a cropped region,
+# libjpeg's chroma upsampling lacks its neighbour, so the outermost decoded pixel may differ
+# from a full decode; it must never be read.
+_MARGIN = 2
+
+
+def _load() -> ctypes.CDLL | None:
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"_jpeg{suffix}"
+        if path.exists():
+            break
+    else:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: every call releases the GIL
+    except OSError:
+        return None
+    c_int_p = ctypes.POINTER(ctypes.c_int)
+    lib.tp_jpeg_new.restype = ctypes.c_void_p
+    lib.tp_jpeg_new.argtypes = []
+    lib.tp_jpeg_free.restype = None
+    lib.tp_jpeg_free.argtypes = [ctypes.c_void_p]
+    lib.tp_jpeg_message.restype = ctypes.c_char_p
+    lib.tp_jpeg_message.argtypes = [ctypes.c_void_p]
+    lib.tp_jpeg_header.restype = ctypes.c_int
+    lib.tp_jpeg_header.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_ulong, c_int_p, c_int_p]
+    lib.tp_jpeg_decode.restype = ctypes.c_int
+    lib.tp_jpeg_decode.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 5 + [
+        ctypes.c_void_p, ctypes.c_ulong, c_int_p, c_int_p]
+    return lib
+
+
+_LIB = _load()
+
+
+def available() -> bool:
+    """Whether the libjpeg-turbo shim is built and loads."""
+    return _LIB is not None
+
+
+def enabled() -> bool:
+    """Whether JPEGs are decoded by the shim: available and not ``TERRAPIPE_JPEG=pillow``."""
+    return _LIB is not None and os.environ.get("TERRAPIPE_JPEG", "").lower() != "pillow"
+
+
+class RoiDecoder:
+    """One thread's decoder: a libjpeg handle and a growing pixel buffer, reused image after
+    image. Not thread-safe; the array :meth:`decode` returns is overwritten by the next call."""
+
+    def __init__(self) -> None:
+        if _LIB is None:
+            raise RuntimeError("the libjpeg-turbo shim is not available (see roi_jpeg.available)")
+        self._lib = _LIB
+        self._h = _LIB.tp_jpeg_new()
+        if not self._h:
+            raise MemoryError("tp_jpeg_new failed")
+        self._buf = np.empty(0, np.uint8)
+        self._w, self._h_px = ctypes.c_int(), ctypes.c_int()
+        self._x0, self._rw = ctypes.c_int(), ctypes.c_int()
+        self._payload: bytes | None = None
+
+    def __del__(self) -> None:
+        h, self._h = getattr(self, "_h", None), None
+        if h:
+            self._lib.tp_jpeg_free(h)
+
+    def header(self, payload: bytes) -> tuple[int, int] | None:
+        """(width, height) of a JPEG libjpeg can decode to RGB, else None (use Pillow)."""
+        self._payload = payload  # libjpeg reads it in place until decode returns
+        rc = self._lib.tp_jpeg_header(self._h, payload, len(payload), ctypes.byref(self._w),
+                                      ctypes.byref(self._h_px))
+        if rc != 0:
+            self._payload = None
+            return None
+        return self._w.value, self._h_px.value
+
+    def decode(self, box: tuple[float, float, float, float], out_hw: tuple[int, int]):
+        """Decode what resampling ``box`` (full-image pixels) to ``out_hw`` reads, after
+        :meth:`header`. Returns ``(pixels, ox, oy, img_w, img_h, box)``: uint8 (H, W, 4) RGBX
+        holding pixels [ox, ox + W) x [oy, oy + H) of the image scaled to ``img_w x img_h``,
+        and the box in that scaled image's coordinates; or None (use Pillow)."""
+        if self._payload is None:
+            raise RuntimeError("RoiDecoder.decode without a successful header()")
+        w, h = self._w.value, self._h_px.value
+        denom = draft_scale(w, h, box, out_hw)
+        sw, sh = -(-w // denom), -(-h // denom)
+        if denom > 1:
+            box = scale_box(box, w, h, sw, sh)
+        oh, ow = out_hw
+        sup_x = max((box[2] - box[0]) / ow, 1.0)
+        sup_y = max((box[3] - box[1]) / oh, 1.0)
+        x0 = max(0, math.floor(box[0] - sup_x) - _MARGIN)
+        x1 = min(sw, math.ceil(box[2] + sup_x) + _MARGIN)
+        y0 = max(0, math.floor(box[1] - sup_y) - _MARGIN)
+        y1 = min(sh, math.ceil(box[3] + sup_y) + _MARGIN)
+        need = sw * 4 * (y1 - y0)  # libjpeg widens columns to whole iMCUs, never past the width
+        if self._buf.size < need:
+            self._buf = np.empty(need, np.uint8)
+        rc = self._lib.tp_jpeg_decode(self._h, denom, x0, y0, x1, y1, self._buf.ctypes.data,
+                                      self._buf.size, ctypes.byref(self._x0), ctypes.byref(self._rw))
+        self._payload = None
+        if rc != 0:
+            return None
+        rw = self._rw.value
+        pixels = self._buf[:rw * 4 * (y1 - y0)].reshape(y1 - y0, rw, 4)
+        return pixels, self._x0.value, y0, sw, sh, box
+
+    def message(self) -> str:
+        """libjpeg's message for the last failure, if any."""
+        return self._lib.tp_jpeg_message(self._h).decode(errors="replace")
