@@ -35,6 +35,9 @@ __all__ = ["available", "enabled", "RoiDecoder"]
 # libjpeg's chroma upsampling lacks its neighbour, so the outermost decoded pixel may differ
 # from a full decode; it must never be read.
 _MARGIN = 2
+# A thread keeps its pixel buffer for the next image up to this size; a larger region (a rare
+# huge image) gets a buffer of its own, so one outlier does not pin its size in every thread.
+_KEEP_BYTES = 32 << 20
 
 
 def _load() -> ctypes.CDLL | None:
@@ -78,8 +81,8 @@ def enabled() -> bool:
 
 
 class RoiDecoder:
-    """One thread's decoder: a libjpeg handle and a growing pixel buffer, reused image after
-    image. Not thread-safe; the array :meth:`decode` returns is overwritten by the next call."""
+    """One thread's decoder: a libjpeg handle and a pixel buffer, reused image after image. Not
+    thread-safe; the array :meth:`decode` returns may be overwritten by the next call."""
 
     def __init__(self) -> None:
         if _LIB is None:
@@ -128,15 +131,18 @@ class RoiDecoder:
         y0 = max(0, math.floor(box[1] - sup_y) - _MARGIN)
         y1 = min(sh, math.ceil(box[3] + sup_y) + _MARGIN)
         need = sw * 4 * (y1 - y0)  # libjpeg widens columns to whole iMCUs, never past the width
-        if self._buf.size < need:
-            self._buf = np.empty(need, np.uint8)
-        rc = self._lib.tp_jpeg_decode(self._h, denom, x0, y0, x1, y1, self._buf.ctypes.data,
-                                      self._buf.size, ctypes.byref(self._x0), ctypes.byref(self._rw))
+        buf = self._buf
+        if buf.size < need:
+            buf = np.empty(need, np.uint8)
+            if need <= _KEEP_BYTES:
+                self._buf = buf
+        rc = self._lib.tp_jpeg_decode(self._h, denom, x0, y0, x1, y1, buf.ctypes.data, buf.size,
+                                      ctypes.byref(self._x0), ctypes.byref(self._rw))
         self._payload = None
         if rc != 0:
             return None
         rw = self._rw.value
-        pixels = self._buf[:rw * 4 * (y1 - y0)].reshape(y1 - y0, rw, 4)
+        pixels = buf[:rw * 4 * (y1 - y0)].reshape(y1 - y0, rw, 4)
         return pixels, self._x0.value, y0, sw, sh, box
 
     def message(self) -> str:

@@ -173,3 +173,14 @@ def test_loader_bytes_are_the_same_with_pillow_decoding(jpeg_folder, monkeypatch
     for (x, y), (rx, ry) in zip(ours, ref, strict=True):
         assert torch.equal(y, ry)
         assert torch.equal(x, rx)
+
+
+def test_a_huge_region_does_not_stay_in_the_thread(monkeypatch):
+    monkeypatch.setattr(roi_jpeg, "_KEEP_BYTES", 100 * 100 * 4)
+    dec = roi_jpeg.RoiDecoder()
+    small, big = _jpeg(_photo(1, 64, 48)), _jpeg(_photo(2, 300, 200))
+    for payload, size in ((small, (64, 48)), (big, (300, 200)), (small, (64, 48))):
+        assert dec.header(payload) == size
+        pixels = dec.decode((0.0, 0.0, float(size[0]), float(size[1])), (size[1], size[0]))[0]
+        np.testing.assert_array_equal(pixels[..., :3], np.asarray(Image.open(io.BytesIO(payload))))
+        assert dec._buf.size <= 100 * 100 * 4
