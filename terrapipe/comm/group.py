@@ -545,10 +545,50 @@ class Group:
                    kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
             self._mpi_wait(comm.Iallreduce(MPI.IN_PLACE, buf, mop), what, comm)
 
+    # -- collective entry points: the one-rank shortcut and the signature agreement, once; the
+    # data movement is in the _bodies below (TorchGroup overrides only those) -----------------
     def broadcast_flat(self, buf: Buffer, root: int) -> None:
+        if self.size > 1:
+            self._agree("broadcast", 0, buf, root)
+            self._broadcast(buf, root)
+
+    def allgather_flat(self, buf: Buffer, out: np.ndarray, root: int = -1) -> None:
+        """out: (size, n) flat rows; ``root`` >= 0 makes it a gather (only root fills out)."""
         if self.size == 1:
+            out[0] = buf.flat
             return
-        self._agree("broadcast", 0, buf, root)
+        coll = "gather" if root >= 0 else "allgather"
+        self._agree(coll, 0, buf, root)
+        self._allgather(buf, out, root, coll)
+
+    def scatter_flat(self, full: Buffer, out: np.ndarray, root: int) -> None:
+        """full: (size * n) on every rank (read on root only); out: this rank's n elements."""
+        if self.size == 1:
+            out[...] = full.flat[:out.shape[0]]
+            return
+        self._agree("scatter", 0, full, root)
+        self._scatter(full, out, root)
+
+    def reduce_scatter_flat(self, buf: Buffer, out: np.ndarray, op: int) -> None:
+        """out: this rank's part (np.array_split over ranks) of the reduced flat buffer."""
+        if self.size == 1:
+            out[...] = buf.flat
+            return
+        self._agree("reduce_scatter", op, buf)
+        self._reduce_scatter(buf, out, op)
+
+    def reduce_flat(self, buf: Buffer, op: int, root: int) -> None:
+        if self.size > 1:
+            self._agree("reduce", op, buf, root)
+            self._reduce(buf, op, root)
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self._agree("barrier")
+            self._barrier()
+
+    # -- data movement of agreed collectives (shared memory on a node, MPI between nodes) -------
+    def _broadcast(self, buf: Buffer, root: int) -> None:
         if self._use_mpi():
             self._mpi_wait(self.comm.Ibcast(buf.flat, root=root), "broadcast")
             return
@@ -561,13 +601,7 @@ class Group:
             if self.rank != root:
                 buf.flat[c0:c0 + length] = rows[lroot, h:h + length]
 
-    def allgather_flat(self, buf: Buffer, out: np.ndarray, root: int = -1) -> None:
-        """out: (size, n) flat rows; ``root`` >= 0 makes it a gather (only root fills out)."""
-        coll = "gather" if root >= 0 else "allgather"
-        if self.size == 1:
-            out[0] = buf.flat
-            return
-        self._agree(coll, 0, buf, root)
+    def _allgather(self, buf: Buffer, out: np.ndarray, root: int, coll: str) -> None:
         if self._use_mpi():
             if root >= 0:
                 recv = out if self.rank == root else None
@@ -584,13 +618,8 @@ class Group:
                 for q in range(self.local_size):
                     out[self.board.ranks[q], c0:c0 + length] = rows[q, h:h + length]
 
-    def scatter_flat(self, full: Buffer, out: np.ndarray, root: int) -> None:
-        """full: (size * n) on every rank (read on root only); out: this rank's n elements."""
+    def _scatter(self, full: Buffer, out: np.ndarray, root: int) -> None:
         n = out.shape[0]
-        if self.size == 1:
-            out[...] = full.flat[:n]
-            return
-        self._agree("scatter", 0, full, root)
         if self._use_mpi():
             self._mpi_wait(self.comm.Iscatter(full.flat if self.rank == root else None, out, root=root),
                            "scatter")
@@ -605,14 +634,9 @@ class Group:
             self.board.barrier(self.timeout, "scatter")
             out[c0:c0 + length] = rows[me, h:h + length]
 
-    def reduce_scatter_flat(self, buf: Buffer, out: np.ndarray, op: int) -> None:
-        """out: this rank's part (np.array_split over ranks) of the reduced flat buffer."""
+    def _reduce_scatter(self, buf: Buffer, out: np.ndarray, op: int) -> None:
         n = buf.size
         parts = segments(n, self.size)
-        if self.size == 1:
-            out[...] = buf.flat
-            return
-        self._agree("reduce_scatter", op, buf)
         if self._use_mpi() or buf.kind:
             # Through a full allreduce: simple, and correct for every dtype and topology.
             tmp = np.empty(n, buf.flat.dtype)
@@ -634,18 +658,12 @@ class Group:
                 if op == kreduce.AVG:
                     self._divide(dst, 0)
 
-    def reduce_flat(self, buf: Buffer, op: int, root: int) -> None:
-        if self.size == 1:
-            return
-        self._agree("reduce", op, buf, root)
+    def _reduce(self, buf: Buffer, op: int, root: int) -> None:
         tmp = buf.flat if self.rank == root else np.empty_like(buf.flat)
         self._allreduce_agreed(_Fused([buf.flat]), _Fused([tmp]), op, buf.flat.dtype, buf.kind, root=root)
 
-    def barrier(self) -> None:
-        if self.size == 1:
-            return
-        self._agree("barrier")
-        if self.nnodes > 1:
+    def _barrier(self) -> None:
+        if self.nnodes > 1:  # on one node the agreement was the barrier
             self._mpi_wait(self.comm.Ibarrier(), "barrier")
 
     def send(self, buf: Buffer, dest: int, tag: int) -> None:

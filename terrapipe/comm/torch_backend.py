@@ -113,17 +113,11 @@ class TorchGroup(Group):
         fd.write(0, flat, ckind)
         gate.wrote(fs.n)
 
-    def broadcast_flat(self, buf: Buffer, root: int) -> None:
-        if self.size > 1:
-            self._agree("broadcast", 0, buf, root)
-            self._call("broadcast", self._dist.broadcast, self._t(buf.flat), src=root)
+    # The entry points (one-rank shortcut, agreement) are Group's; these move the data.
+    def _broadcast(self, buf: Buffer, root: int) -> None:
+        self._call("broadcast", self._dist.broadcast, self._t(buf.flat), src=root)
 
-    def allgather_flat(self, buf: Buffer, out: np.ndarray, root: int = -1) -> None:
-        if self.size == 1:
-            out[0] = buf.flat
-            return
-        coll = "gather" if root >= 0 else "allgather"
-        self._agree(coll, 0, buf, root)
+    def _allgather(self, buf: Buffer, out: np.ndarray, root: int, coll: str) -> None:
         rows = list(self._t(out).unbind(0))
         if root >= 0:
             self._call(coll, self._dist.gather, self._t(buf.flat),
@@ -131,38 +125,26 @@ class TorchGroup(Group):
         else:
             self._call(coll, self._dist.all_gather, rows, self._t(buf.flat))
 
-    def scatter_flat(self, full: Buffer, out: np.ndarray, root: int) -> None:
+    def _scatter(self, full: Buffer, out: np.ndarray, root: int) -> None:
         n = out.shape[0]
-        if self.size == 1:
-            out[...] = full.flat[:n]
-            return
-        self._agree("scatter", 0, full, root)
         parts = list(self._t(full.flat.reshape(self.size, n)).unbind(0)) if self.rank == root else None
         self._call("scatter", self._dist.scatter, self._t(out), scatter_list=parts, src=root)
 
-    def reduce_scatter_flat(self, buf: Buffer, out: np.ndarray, op: int) -> None:
-        if self.size == 1:
-            out[...] = buf.flat
-            return
-        self._agree("reduce_scatter", op, buf)
+    def _reduce_scatter(self, buf: Buffer, out: np.ndarray, op: int) -> None:
         tmp = buf.flat.copy()
         self._reduce_host(tmp, op, buf.kind, "reduce_scatter")
         q, r = divmod(buf.size, self.size)
         lo = self.rank * q + min(self.rank, r)
         out[...] = tmp[lo:lo + out.shape[0]]
 
-    def reduce_flat(self, buf: Buffer, op: int, root: int) -> None:
-        if self.size == 1:
-            return
-        self._agree("reduce", op, buf, root)
+    def _reduce(self, buf: Buffer, op: int, root: int) -> None:
         tmp = buf.flat.copy()
         self._reduce_host(tmp, op, buf.kind, "reduce")
         if self.rank == root:
             buf.flat[...] = tmp
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            self._agree("barrier")
+    def _barrier(self) -> None:
+        pass  # the agreement (an allgather of signatures) was the barrier
 
     def send(self, buf: Buffer, dest: int, tag: int) -> None:
         self._call(f"send to rank {dest}", self._dist.send, self._t(buf.flat), dst=dest, tag=tag)
