@@ -71,13 +71,15 @@ def _host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtyp
 
 
 # NOTE [loader threads yield the CPU]
-#     Loader threads run at a lower scheduling priority (nice + _NICE, Linux, per thread) than
-#     the thread that consumes batches. When the loader keeps up, the consumer never waits for a
-#     batch, and whatever delays the consumer's own work (launching CUDA kernels, the optimizer
-#     step) costs the whole training step; with every core decoding, an equal-priority consumer
-#     gets one core's fair share among num_threads + 1 runnable threads. When the loader falls
-#     behind, the consumer is blocked on a batch and the loader threads have every core anyway.
-#     Measured on 16 vCPUs, ResNet-50 AMP fed by 16 loader threads: see the README.
+#     Feeding a GPU, loader threads run at a lower scheduling priority (nice + _NICE, Linux, per
+#     thread) than the thread that consumes batches. When the loader keeps up, the consumer never
+#     waits for a batch, and whatever delays the consumer's own work (launching CUDA kernels, the
+#     optimizer step) costs the whole training step; with every core decoding, an equal-priority
+#     consumer gets one core's fair share among num_threads + 1 runnable threads. When the loader
+#     falls behind, the consumer is blocked on a batch and the loader threads have every core
+#     anyway. Measured on 16 vCPUs, ResNet-50 AMP fed by 16 loader threads: see the README.
+#     Not on the CPU path: there the model's own compute threads (OpenMP, which spin while idle)
+#     would take the loader's cores, and that trade has not been measured.
 _NICE = 10
 
 
@@ -210,8 +212,9 @@ class FastLoader:
             self._labels_t = [torch.from_numpy(a) for a in self._labels]
         self._scratch = _Scratch()
         self._roi = roi_jpeg.enabled()
-        self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="terrapipe-loader",
-                                        initializer=_yield_cpu_to_the_consumer)
+        self._pool = ThreadPoolExecutor(
+            self.num_threads, thread_name_prefix="terrapipe-loader",
+            initializer=_yield_cpu_to_the_consumer if self._feed is not None else None)
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=True, cancel_futures=True)
         self._closed = False
 
