@@ -5,6 +5,7 @@ normalization is plain torch code, so its equality with the CPU path is checked 
 machine.
 """
 
+import os
 import threading
 import time
 
@@ -248,3 +249,25 @@ def test_cuda_close_mid_epoch_and_a_second_epoch_after_break():
     assert not _threads()
     with pytest.raises(RuntimeError, match="closed"):
         next(iter(loader))
+
+
+def _loader_nice(loader):
+    next(iter(loader))  # the pool starts its threads on the first batch
+    return {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in _threads()}
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")
+def test_cpu_loader_threads_keep_the_consumers_priority():
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with FastLoader(_dataset(), [RandomResizedCrop(16)], batch_size=8, num_threads=2) as loader:
+        assert _loader_nice(loader) == {mine}
+
+
+@cuda
+def test_cuda_loader_threads_yield_the_cpu_to_the_consumer():
+    # NOTE [loader threads yield the CPU]
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with FastLoader(_dataset(), [RandomResizedCrop(16)], batch_size=8, num_threads=2,
+                    device="cuda") as loader:
+        assert _loader_nice(loader) == {min(19, mine + 10)}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
