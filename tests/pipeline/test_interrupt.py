@@ -7,21 +7,36 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 CHILD = textwrap.dedent(
     """
-    import threading, time, sys
+    import io, threading, time, sys
     import numpy as np
+    from PIL import Image
     from terrapipe import FastLoader
-    from terrapipe.pipeline import ArrayDataset
+    from terrapipe.pipeline import ArrayDataset, RandomResizedCrop
 
     class Slow(ArrayDataset):
         def read(self, i):
             time.sleep(0.01)  # a slow disk: the pool is busy when the signal lands
             return super().read(i)
 
-    ds = Slow(np.zeros((100000, 16, 16, 3), np.uint8), np.zeros(100000, np.int64))
+    class SlowJpeg(Slow):
+        # Encoded samples: the loader threads are inside the JPEG decoder when the signal lands.
+        def read(self, i):
+            _, label = super().read(i)
+            return JPEG, label
+
+    b = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(b, "JPEG")
+    JPEG = b.getvalue()
+    kind = sys.argv[1]
+    ds = (SlowJpeg if kind == "jpeg" else Slow)(np.zeros((100000, 16, 16, 3), np.uint8),
+                                                np.zeros(100000, np.int64))
+    transforms = [RandomResizedCrop(16)] if kind == "jpeg" else []
     try:
-        with FastLoader(ds, batch_size=64, num_threads=4, prefetch=4) as loader:
+        with FastLoader(ds, transforms, batch_size=64, num_threads=4, prefetch=4) as loader:
             for i, _ in enumerate(loader):
                 if i == 1:
                     print("ITERATING", flush=True)
@@ -34,9 +49,11 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_ctrl_c_mid_epoch_leaves_no_threads():
-    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+@pytest.mark.parametrize("kind", ["arrays", "jpeg"])
+def test_ctrl_c_mid_epoch_leaves_no_threads(kind):
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, kind], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline()
         assert line.strip() == "ITERATING", proc.stderr.read()
