@@ -8,6 +8,8 @@ it (a no-op for contiguous CPU data, a copy for strided or device tensors).
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from ..kernels.floats import BF16, F16
@@ -33,9 +35,9 @@ def plain_array(x) -> np.ndarray | None:
     None. For latency paths that skip :class:`Buffer`."""
     if type(x) is np.ndarray:
         return x if x.flags.c_contiguous else None
-    torch = _torch()
-    if (isinstance(x, torch.Tensor) and x.is_cpu and not x.requires_grad and x.is_contiguous()
-            and x.dtype is not torch.bfloat16):
+    torch = sys.modules.get("torch")  # a tensor implies torch is imported; no import per call
+    if (torch is not None and isinstance(x, torch.Tensor) and x.is_cpu and not x.requires_grad
+            and x.is_contiguous() and x.dtype is not torch.bfloat16):
         return x.numpy()
     return None
 

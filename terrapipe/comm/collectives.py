@@ -411,8 +411,10 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
     ckind = {None: 0, "bf16": BF16, "bfloat16": BF16, "fp16": F16, "float16": F16}.get(compression, -1)
     if ckind < 0:
         raise ValueError(f"compression: expected None, 'bf16' or 'fp16', got {compression!r}")
-    if single and not async_op:
-        arr = plain_array(tensors)
+    if len(items) == 1 and not async_op:
+        # One tensor, alone or in a list (a small gradient bucket): the latency path, whose
+        # signature is the one the general path below would agree on (elements, tensor count).
+        arr = plain_array(items[0])
         use_c = ckind if arr is not None and arr.dtype == np.float32 else 0
         if arr is not None and g.allreduce_small(arr, code, "jit_allreduce", use_c, (arr.size, 1)):
             return tensors

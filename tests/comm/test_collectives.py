@@ -164,6 +164,13 @@ def test_latency_path_and_general_path_mix_across_ranks(world):
         t = torch.full((33,), float(r + 1))
         comm.jit_allreduce(t if r % 2 == 0 else [t], op="sum", compression=compression)
         assert torch.equal(t, torch.full((33,), total)), compression
+        # A list of one tensor takes the latency path too; an async call never does.
+        t = torch.full((33,), float(r + 1))
+        if r % 2 == 0:
+            comm.jit_allreduce([t], op="sum", compression=compression)
+        else:
+            comm.jit_allreduce([t], op="sum", compression=compression, async_op=True).wait()
+        assert torch.equal(t, torch.full((33,), total)), compression
     base = np.zeros((5, 2))
     x = np.full(5, r + 1.0) if r % 2 == 0 else base[:, 0]  # contiguous vs strided
     x[...] = r + 1.0
