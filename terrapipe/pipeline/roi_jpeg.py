@@ -88,28 +88,30 @@ class RoiDecoder:
         if _LIB is None:
             raise RuntimeError("the libjpeg-turbo shim is not available (see roi_jpeg.available)")
         self._lib = _LIB
-        self._h = _LIB.tp_jpeg_new()
-        if not self._h:
+        self._handle = _LIB.tp_jpeg_new()
+        if not self._handle:
             raise MemoryError("tp_jpeg_new failed")
         self._buf = np.empty(0, np.uint8)
-        self._w, self._h_px = ctypes.c_int(), ctypes.c_int()
+        self._w, self._h = ctypes.c_int(), ctypes.c_int()
         self._x0, self._rw = ctypes.c_int(), ctypes.c_int()
         self._payload: bytes | None = None
 
     def __del__(self) -> None:
-        h, self._h = getattr(self, "_h", None), None
-        if h:
-            self._lib.tp_jpeg_free(h)
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle:
+            self._lib.tp_jpeg_free(handle)
 
-    def header(self, payload: bytes) -> tuple[int, int] | None:
+    def header(self, payload: bytes | bytearray | memoryview) -> tuple[int, int] | None:
         """(width, height) of a JPEG libjpeg can decode to RGB, else None (use Pillow)."""
+        if not isinstance(payload, bytes):
+            payload = bytes(payload)  # a source may hand out any bytes-like object
         self._payload = payload  # libjpeg reads it in place until decode returns
-        rc = self._lib.tp_jpeg_header(self._h, payload, len(payload), ctypes.byref(self._w),
-                                      ctypes.byref(self._h_px))
+        rc = self._lib.tp_jpeg_header(self._handle, payload, len(payload), ctypes.byref(self._w),
+                                      ctypes.byref(self._h))
         if rc != 0:
             self._payload = None
             return None
-        return self._w.value, self._h_px.value
+        return self._w.value, self._h.value
 
     def decode(self, box: tuple[float, float, float, float], out_hw: tuple[int, int]):
         """Decode what resampling ``box`` (full-image pixels) to ``out_hw`` reads, after
@@ -118,7 +120,7 @@ class RoiDecoder:
         and the box in that scaled image's coordinates; or None (use Pillow)."""
         if self._payload is None:
             raise RuntimeError("RoiDecoder.decode without a successful header()")
-        w, h = self._w.value, self._h_px.value
+        w, h = self._w.value, self._h.value
         denom = draft_scale(w, h, box, out_hw)
         sw, sh = -(-w // denom), -(-h // denom)
         if denom > 1:
@@ -136,7 +138,7 @@ class RoiDecoder:
             buf = np.empty(need, np.uint8)
             if need <= _KEEP_BYTES:
                 self._buf = buf
-        rc = self._lib.tp_jpeg_decode(self._h, denom, x0, y0, x1, y1, buf.ctypes.data, buf.size,
+        rc = self._lib.tp_jpeg_decode(self._handle, denom, x0, y0, x1, y1, buf.ctypes.data, buf.size,
                                       ctypes.byref(self._x0), ctypes.byref(self._rw))
         self._payload = None
         if rc != 0:
@@ -147,4 +149,4 @@ class RoiDecoder:
 
     def message(self) -> str:
         """libjpeg's message for the last failure, if any."""
-        return self._lib.tp_jpeg_message(self._h).decode(errors="replace")
+        return self._lib.tp_jpeg_message(self._handle).decode(errors="replace")

@@ -184,3 +184,24 @@ def test_a_huge_region_does_not_stay_in_the_thread(monkeypatch):
         pixels = dec.decode((0.0, 0.0, float(size[0]), float(size[1])), (size[1], size[0]))[0]
         np.testing.assert_array_equal(pixels[..., :3], np.asarray(Image.open(io.BytesIO(payload))))
         assert dec._buf.size <= 100 * 100 * 4
+
+
+def test_a_source_may_hand_out_any_bytes_like_payload(jpeg_folder):
+    folder = ImageFolder(jpeg_folder)
+
+    class Views:
+        def __len__(self):
+            return len(folder)
+
+        def read(self, i):
+            payload, label = folder.read(i)
+            return (bytearray(payload) if i % 2 else memoryview(payload)), label
+
+        def describe(self, i):
+            return folder.describe(i)
+
+    transforms = [RandomResizedCrop(32)]
+    with (FastLoader(Views(), transforms, batch_size=8) as a,
+          FastLoader(folder, transforms, batch_size=8) as b):
+        for (x, y), (rx, ry) in zip(a, b, strict=True):
+            assert torch.equal(x, rx) and torch.equal(y, ry)
