@@ -101,7 +101,7 @@ class _TorchDataset(torch.utils.data.Dataset):
 
 
 class _Subset:
-    """The first ``n`` samples of ``order``: a terrapipe source (and torch dataset) over files."""
+    """The samples of ``ds`` at ``order``, in that order: a terrapipe source over the files."""
 
     def __init__(self, ds: ImageFolder, order: list[int]) -> None:
         self.ds, self.order = ds, order
@@ -132,10 +132,10 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
     if len(folder) < need:
         raise SystemExit(f"--data has {len(folder)} images; {need} needed for --batches {n_batches}")
     ds = _Subset(folder, random.Random(0).sample(range(len(folder)), need))
-    samples_ = [folder.samples[i] for i in ds.order]
-    files = [p for p, _ in samples_]
+    picked = [folder.samples[i] for i in ds.order]
+    files = [p for p, _ in picked]
     transform, baseline_kind = _torchvision_transform()
-    tds = _TorchDataset(samples_, transform)
+    tds = _TorchDataset(picked, transform)
 
     loaders, dls, fresh, pools = {}, {}, {}, {}
     # DataLoader workers are forked first: forked after the FastLoaders' batch buffers exist,

@@ -84,7 +84,7 @@ _NICE = 10
 
 
 def _yield_cpu_to_the_consumer() -> None:
-    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+    if hasattr(os, "setpriority"):
         try:
             tid = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _NICE))
@@ -250,12 +250,15 @@ class FastLoader:
         payload, label = self.dataset.read(index)
         plan = self.plan
         oh, ow = plan.out_hw
-        region = None
+        # Each path gives the pixels ``arr`` holding [ox, ox + W) x [oy, oy + H) of an
+        # img_w x img_h image (the whole of it but for the region decoder), and the box in it.
         if isinstance(payload, np.ndarray):
             arr = payload if payload.ndim == 3 else payload[:, :, None]
-            h, w = arr.shape[:2]
-            box = plan.box(w, h, self.seed, self.epoch, index)
+            ox = oy = 0
+            img_h, img_w = arr.shape[:2]
+            box = plan.box(img_w, img_h, self.seed, self.epoch, index)
         else:
+            region = None
             if self._roi:
                 # libjpeg-turbo decodes only what the crop reads, without the GIL; anything it
                 # declines (not a JPEG, CMYK, corrupt data) goes to Pillow below.
@@ -263,16 +266,15 @@ class FastLoader:
                 size = dec.header(payload)
                 if size is not None:
                     region = dec.decode(plan.box(*size, self.seed, self.epoch, index), plan.out_hw)
-            if region is None:
+            if region is not None:
+                arr, ox, oy, img_w, img_h, box = region
+            else:
                 im = decode.open_image(payload)
                 w, h = im.size
                 box = decode.draft_box(im, plan.box(w, h, self.seed, self.epoch, index), plan.out_hw)
                 arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
-        if region is not None:
-            arr, ox, oy, img_w, img_h, box = region
-        else:
-            ox = oy = 0
-            img_h, img_w = arr.shape[:2]
+                ox = oy = 0
+                img_h, img_w = arr.shape[:2]
         if arr.shape[2] < plan.channels:
             raise ValueError(f"expected {plan.channels} channels, got image of shape {arr.shape}")
         if not arr.flags.c_contiguous:
