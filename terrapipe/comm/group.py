@@ -44,7 +44,7 @@ from ..kernels.sync import rows_equal
 from .buffers import DTYPE_CODES, Buffer
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 from .ring import ring_allreduce, segments
-from .shm import SIG_WORDS, Board, Segment
+from .shm import SIG_WORDS, Board, Segment, _alive
 
 __all__ = ["Group", "Handle"]
 
@@ -147,7 +147,8 @@ class Group:
 
     def _init_execution(self, timeout: float) -> None:
         self.timeout = float(timeout)
-        self._lock = threading.RLock()
+        self._state = threading.Lock()  # _pending and the pool (NOTE in Group.run)
+        self._exec = threading.RLock()  # held while a collective body runs
         self._pool: ThreadPoolExecutor | None = None
         self._pending = 0
         self._failed: str | None = None
@@ -158,6 +159,7 @@ class Group:
         self.owns_torch_world = False  # comm/nccl.py made torch.distributed's world for NCCL
         self._views: dict[np.dtype, tuple[np.ndarray, np.ndarray]] = {}  # rows, scratch by dtype
         self._small_entries: dict[tuple, tuple | None] = {}  # allreduce_small's plans
+        self._ring_pending: dict[int, list] = {}  # per ring communicator: its done-message sends
         forced = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower()
         self.force_mpi, self.force_shm = forced == "mpi", forced == "shm"
 
@@ -166,7 +168,7 @@ class Group:
         self.comm = mpi_comm
         if mpi_comm is None:
             self.rank, self.size, self.local_rank, self.local_size, self.nnodes = 0, 1, 0, 1, 1
-            self.node = self.cross = None
+            self.node = self.cross = self.board = None
             self.world_ranks = [0]
             return
         from mpi4py import MPI
@@ -183,6 +185,7 @@ class Group:
         self.node = mpi_comm.Split(color, key=self.rank)
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = mpi_comm.Split(self.local_rank, key=self.rank)
+        self._cross_ranks = self.cross.allgather(self.rank)
         self._ring_comm = mpi_comm.Dup()  # ring traffic never meets the user's send/recv tags
         colors = mpi_comm.allgather(color)
         self.nnodes = len(set(colors))
@@ -193,6 +196,7 @@ class Group:
         self.segment = Segment(self.node, board_bytes + p * _ROW_BYTES)
         words = self.segment.buf[:board_bytes].view(np.int64)
         self.board = Board(words, p, self.local_rank, self.node.allgather(self.rank))
+        self.board.progress = self._progress  # NOTE [MPI progress] 4 in ring.py
         self._rows_u8 = self.segment.buf[board_bytes:board_bytes + p * _ROW_BYTES].reshape(p, _ROW_BYTES)
         self._acc = np.empty(kreduce.TILE, np.float32)
         self._private_u8 = np.empty(_ROW_BYTES, np.uint8)
@@ -208,6 +212,8 @@ class Group:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.comm is not None and not self._failed:
+            self._closing_barrier()
         if self.segment is not None:
             self.segment.close()
             self.segment = None
@@ -220,31 +226,56 @@ class Group:
                 dist.destroy_process_group()
             self.owns_torch_world = False
 
+    def _closing_barrier(self) -> None:
+        """Every rank progresses MPI until every rank got here (NOTE [MPI progress] 3 in ring.py):
+        done messages and MPI's own sends still waiting on a peer complete before MPI goes."""
+        reqs = [r for pending in self._ring_pending.values() for r in pending]
+        self._ring_pending.clear()
+        try:
+            self._mpi_wait_all(reqs + [self.comm.Ibarrier()], "closing the group")
+        except CollectiveTimeoutError:
+            pass  # a peer died or never closed: nothing left to protect, and exit must go on
+
+    def _progress(self) -> None:
+        """One turn of MPI's progress engine (NOTE [MPI progress] 4 in ring.py)."""
+        self._ring_comm.Iprobe(self._MPI.ANY_SOURCE, self._MPI.ANY_TAG)
+
     # -- execution -----------------------------------------------------------------------------
     def run(self, fn, async_op: bool):
-        """Run a collective body in issue order (NOTE [collective ordering])."""
+        """Run a collective body in issue order (NOTE [collective ordering]).
+
+        Issuing an async collective only queues it (``_state``, never held while a body runs), so
+        a backward hook launching bucket k + 1 returns while bucket k is being reduced. Bodies run
+        one at a time under ``_exec``: on the worker thread, or inline for a sync call issued
+        when nothing async is queued or running."""
         if self._failed:
             raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
         if async_op:
-            with self._lock:
+            with self._state:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="terrapipe-comm")
                 self._pending += 1
-            fut = self._pool.submit(self._guarded, fn)
+                fut = self._pool.submit(self._guarded, fn)
             fut.add_done_callback(self._one_done)
             return Handle(fut)
-        with self._lock:
+        with self._state:
             inline = self._pending == 0
             if inline:
+                # Free: nothing is queued, and a body releases _exec before its future completes.
+                self._exec.acquire()
+        if inline:
+            try:
                 return self._guarded(fn)
+            finally:
+                self._exec.release()
         return self.run(fn, True).wait()
 
     def _one_done(self, _fut) -> None:
-        with self._lock:
+        with self._state:
             self._pending -= 1
 
     def _guarded(self, fn, *args):
-        with self._lock:
+        with self._exec:
             try:
                 return fn(*args)
             except CollectiveTimeoutError as e:
@@ -285,7 +316,7 @@ class Group:
             allsigs = np.empty((self.cross.Get_size(), SIG_WORDS), np.int64)
             self._mpi_wait(self.cross.Iallgather(sig, allsigs), coll, self.cross)
             if not (allsigs == allsigs[0]).all():
-                self._mismatch(coll, allsigs, self.cross.allgather(self.rank))
+                self._mismatch(coll, allsigs, self._cross_ranks)
 
     @staticmethod
     def _mismatch(coll: str, sigs: np.ndarray, ranks: list[int]) -> None:
@@ -302,20 +333,53 @@ class Group:
         lines = "; ".join(f"rank {r}: {desc(s)}" for r, s in zip(ranks, sigs, strict=True))
         raise CollectiveMismatchError(f"{coll}: ranks called it differently: {lines}")
 
-    def _mpi_wait(self, req, what: str, comm=None) -> None:
-        """Poll an MPI request until done or the timeout (naming the group's ranks)."""
+    def _mpi_wait(self, req, what: str, comm=None, peer: int | None = None) -> None:
+        """Poll an MPI request on ``comm`` (default: the group's) until done, or raise
+        CollectiveTimeoutError after the timeout naming the ranks it waits for (``peer``: the one
+        rank of ``comm`` it depends on, when there is one)."""
+        if not req.Test():
+            self._mpi_wait_all([req], what, comm, peer)
+
+    def _mpi_wait_all(self, reqs: list, what: str, comm=None, peer: int | None = None) -> None:
+        MPI = self._MPI
         start = time.monotonic()
         spins = 0
-        while not req.Test():
+        while not MPI.Request.Testall(reqs):
             spins += 1
             if spins > 200:
                 os.sched_yield()
                 if spins % 256 == 0 and time.monotonic() - start > self.timeout:
-                    req.Cancel() if hasattr(req, "Cancel") else None
+                    for req in reqs:
+                        req.Cancel()
                     comm = comm or self.comm
+                    late, why = self._late_ranks(comm, peer)
+                    names = ", ".join(f"rank {r}" for r in late)
                     raise CollectiveTimeoutError(
-                        f"{what}: timed out after {self.timeout:g}s in MPI across {comm.Get_size()} "
-                        "ranks (some rank never arrived)", [])
+                        f"{what}: timed out after {self.timeout:g}s in MPI waiting for {names} ({why})",
+                        late)
+
+    def _late_ranks(self, comm, peer: int | None) -> tuple[list[int], str]:
+        """Group ranks an MPI wait on ``comm`` is stuck on, and how they were found: ranks of this
+        node that died or have not reached this collective (the board's step counters), else
+        the peer the wait depends on, else every other rank of ``comm``."""
+        board = self.board
+        if board is not None:
+            dead = [board.ranks[q] for q in range(self.local_size) if not _alive(int(board.pids[q]))]
+            if dead:
+                return dead, "died"
+            behind = [board.ranks[q] for q in range(self.local_size) if board.steps[q] < board.step]
+            if behind:
+                return behind, "not arrived at this collective"
+        members = self._members(comm)
+        if peer is not None:
+            return [members[peer]], "its peer in this transfer"
+        return [r for r in members if r != self.rank], "one of these never arrived"
+
+    def _members(self, comm) -> list[int]:
+        """Group rank of each rank of ``comm`` (the group's own, its ring's, or the cross-node one)."""
+        if comm is self.cross:
+            return self._cross_ranks
+        return list(range(self.size))
 
     # -- data movement on the segment -----------------------------------------------------------
     def _rows(self, dtype) -> np.ndarray:
@@ -466,12 +530,16 @@ class Group:
         flat = x.reshape(-1)
         if kind and not ckind:
             flat = flat.view(np.uint16)
-        with self._lock:
+        with self._state:
             if self._pending:
                 return False
+            self._exec.acquire()
+        try:
             if self._failed:
                 raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
             self._guarded(self._oneshot, flat, flat, dtype, op, kind, coll, sig)
+        finally:
+            self._exec.release()
         return True
 
     def _small_entry(self, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, shape: tuple):
@@ -534,7 +602,9 @@ class Group:
         schedule]); below that MPI's own allreduce, or for 16-bit formats an allgather reduced
         here with float32 accumulation."""
         if buf.nbytes >= _RING_BYTES:
-            ring_allreduce(ring_comm, buf, op, kind, lambda req, w: self._mpi_wait(req, f"{what}: {w}", comm))
+            ring_allreduce(ring_comm, buf, op, kind,
+                           lambda req, w, peer: self._mpi_wait(req, f"{what}: {w}", comm, peer),
+                           self._ring_pending.setdefault(id(ring_comm), []))
         elif kind:
             gathered = np.empty((comm.Get_size(), buf.shape[0]), buf.dtype)
             self._mpi_wait(comm.Iallgather(buf, gathered), what, comm)

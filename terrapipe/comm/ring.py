@@ -14,6 +14,25 @@ NOTE [ring schedule]
     only sends data final before it began). Messages between two ranks on one communicator and
     tag arrive in order, so one tag serves every step; callers give the ring a communicator no
     one else sends on.
+
+NOTE [MPI progress]
+    1. MPI promises only that of a matched send and receive *one* completes by itself (the
+       standard's progress rule); the other may need its process to call into MPI again. MPICH
+       (ch4, rendezvous for large messages) completes a sender's ``Isend`` only once the receiver's
+       progress engine has acknowledged the transfer, after the receiver's ``Irecv`` completed.
+    2. So a rank that leaves the ring once its own requests are done can strand its left
+       neighbour's last sends: it spins on the shared-memory board, or sits in MPI_Finalize's
+       barrier, making no progress call, while that neighbour waits for its sends forever (a 64
+       MiB allreduce in a loop hung this way). The ring therefore ends with a handshake: a rank
+       sends an empty *done* message to its right neighbour once every one of its own data sends
+       has completed, and leaves only after the done message from its left neighbour arrived. When
+       ``ring_allreduce`` returns, no rank's data send depends on this rank any more.
+    3. A done message's own send may in turn wait for the right neighbour's progress, so it is not
+       waited for here: the request goes to ``pending``, which the next ring call reaps and the
+       group completes, with every rank progressing, in its closing barrier.
+    4. Waits outside MPI (the board's spin in comm/shm.py) call a progress function between spin
+       rounds, so MPI's own collectives (whose sends may depend on a peer in the same way) and the
+       done messages complete while a rank waits on shared memory.
 """
 
 from __future__ import annotations
@@ -24,10 +43,12 @@ import numpy as np
 
 from ..kernels import reduce as kreduce
 
-__all__ = ["RING_TAG", "ring_allreduce", "segments"]
+__all__ = ["RING_TAG", "DONE_TAG", "ring_allreduce", "segments"]
 
 RING_TAG = 7201
+DONE_TAG = 7202
 _CHUNK_BYTES = 256 << 10  # fits L2 beside the destination chunk; amortises per-message cost
+_EMPTY = np.empty(0, np.uint8)  # the done message: no payload, only its arrival counts
 
 
 def segments(n: int, p: int) -> list[tuple[int, int]]:
@@ -38,19 +59,24 @@ def segments(n: int, p: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int, wait: Callable[[object, str], None],
+def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int,
+                   wait: Callable[[object, str, int], None], pending: list,
                    chunk_bytes: int = _CHUNK_BYTES) -> None:
     """In place: ``buf`` = op over every rank's ``buf`` (AVG sums; the caller divides).
 
     comm: an mpi4py communicator reserved for this traffic; buf: 1-D C-contiguous, native
     float32/float64/int32/int64, or uint16 holding float16/bfloat16 (``kind``: kreduce.F16 or
-    BF16; sums accumulate in float32 and round once per step); wait(request, what): completes
-    an MPI request or raises (the caller's timeout). Same length and dtype on every rank.
+    BF16; sums accumulate in float32 and round once per step); wait(request, what, peer):
+    completes an MPI request with rank ``peer`` of ``comm`` or raises (the caller's timeout).
+    Same length and dtype on every rank.
+    ``pending``: the caller's list of this communicator's outstanding done-message sends (NOTE
+    [MPI progress] 3); completed ones are dropped here, this call's is appended.
     """
     p, r = comm.Get_size(), comm.Get_rank()
     n = buf.shape[0]
     if p == 1 or n == 0:
         return
+    pending[:] = [req for req in pending if not req.Test()]
     parts = segments(n, p)
     right, left = (r + 1) % p, (r - 1) % p
     chunk = max(1, chunk_bytes // buf.itemsize)
@@ -61,6 +87,10 @@ def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int, wait: Callable[[ob
     for s in range(p - 1):
         _step(comm, buf, parts[(r + 1 - s) % p], parts[(r - s) % p], right, left, chunk, None,
               op, kind, wait, "all-gather")
+    # NOTE [MPI progress] 2: every send of this rank has completed (each step waits for its own).
+    done = comm.Irecv(_EMPTY, left, DONE_TAG)
+    pending.append(comm.Isend(_EMPTY, right, DONE_TAG))
+    wait(done, "ring allreduce (done)", left)
 
 
 def _step(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what) -> None:
@@ -78,7 +108,7 @@ def _step(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what
     inflight = post(0) if starts else None
     for k in range(len(starts)):
         req, dst, a = inflight
-        wait(req, f"ring allreduce ({what}) from rank {left}")
+        wait(req, f"ring allreduce ({what}) receiving", left)
         inflight = post(k + 1) if k + 1 < len(starts) else None
         if spare is not None:
             m = dst.shape[0]
@@ -87,4 +117,4 @@ def _step(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what
             else:
                 kreduce.reduce_native(buf[a:a + m], dst, op, 0, m)
     for req in sends:
-        wait(req, f"ring allreduce ({what}) to rank {right}")
+        wait(req, f"ring allreduce ({what}) sending", right)

@@ -122,6 +122,7 @@ class Board:
         self.ranks = ranks  # world rank of each local rank, for messages
         self.step = 0
         self.pids[me] = os.getpid()
+        self.progress = lambda: None
 
     @staticmethod
     def nbytes(nlocal: int) -> int:
@@ -152,6 +153,7 @@ class Board:
         while not spin_until(steps, step, _ROUND_SPINS):
             # Past the first spin, yield the core between short rounds: ranks may outnumber cores.
             os.sched_yield()
+            self.progress()
             rounds += 1
             if rounds % 256:
                 continue

@@ -1,0 +1,93 @@
+"""Collectives under load at 2 and 4 ranks: the schedule of tests/comm/stress.py, exact results.
+
+The same body runs over the world, a split and a duplicate of it (as mpi4py's suite runs one
+body over several communicators). Regression tests for NOTE [MPI progress] (comm/ring.py): a
+64 MiB allreduce in a loop, and many async collectives of mixed sizes outstanding, used to hang
+on one rank while the other waited in the next collective or at exit.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+import terrapipe.comm as comm
+from tests.comm import stress
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def world(mpi_comm):
+    return comm.init(timeout=60)
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=600)
+def test_storm_over_world_split_and_duplicate(world):
+    ran = 0
+    for name, g in stress.groups_under_test(world).items():
+        ran += stress.run(g, seed=7, n_ops=160 if name == "world" else 60)
+    assert ran == 280
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=300)
+def test_256_mib_allreduce_and_jit_allreduce(world):
+    p, r = comm.size(), comm.rank()
+    x = np.full(64 * MIB, r + 1, np.float32)  # 256 MiB
+    for _ in range(2):
+        comm.allreduce(x)
+        assert x[0] == x[-1] == x[12345678] == 3
+        x[:] = r + 1
+    import torch
+
+    t = torch.full((64 * MIB,), float(r + 1))
+    comm.jit_allreduce([t], "avg")
+    assert t[0] == t[-1] == (p + 1) / 2
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300)
+def test_64_mib_allreduce_in_a_loop(world):
+    p, r = comm.size(), comm.rank()
+    x = np.empty(16 * MIB, np.float32)
+    for i in range(20):
+        x[:] = r + i
+        comm.allreduce(x)
+        assert x[0] == x[-1] == p * i + p * (p - 1) / 2, i
+    # The last call is followed by exit (MPI_Finalize): its peer's sends must not depend on us.
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300)
+def test_async_mixed_sizes_outstanding(world):
+    p, r = comm.size(), comm.rank()
+    sizes = [4 << 10, 64 << 10, 1 << 20, 3 << 20, 16 << 20, 64 << 20, 100, (1 << 20) + 4]
+    bufs = [np.empty(s // 4, np.float32) for s in sizes]
+    for it in range(6):
+        for i, b in enumerate(bufs):
+            b[:] = r + i + it
+        handles = [comm.allreduce(b, "sum", async_op=True) for b in bufs]
+        for i, (h, b) in enumerate(zip(handles, bufs, strict=True)):
+            assert h.wait() is b
+            want = sum(q + i + it for q in range(p))
+            assert b[0] == b[-1] == want, (it, i)
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=300)
+def test_issuing_async_returns_while_a_large_collective_runs(world):
+    big = np.ones(32 * MIB, np.float32)  # 128 MiB: tens of milliseconds here
+    small = [np.ones(1024, np.float32) for _ in range(8)]
+    h_big = comm.allreduce(big, async_op=True)
+    time.sleep(0.002)  # let the worker start the large one
+    issue = []
+    handles = []
+    for s in small:
+        t0 = time.perf_counter()
+        handles.append(comm.allreduce(s, async_op=True))
+        issue.append(time.perf_counter() - t0)
+    running = not h_big.done()
+    h_big.wait()
+    for h in handles:
+        h.wait()
+    assert big[0] == 2 and all(s[0] == 2 for s in small)
+    # Issuing waited for nothing: the large collective was still running when the last small one
+    # had been issued (issuing used to wait for the running body's lock).
+    assert running, f"issuing waited for the running collective (longest issue {max(issue) * 1e3:.1f} ms)"
