@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from terrapipe import launch_env
+
 _CHILD_ENV = "TERRAPIPE_TEST_MPI_CHILD"  # set in every rank: the report directory
 _DEFAULT_TIMEOUT = 120.0
 
@@ -56,10 +58,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def mpiexec() -> str:
     """The mpiexec beside this interpreter (the MPI wheel's), else the one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists():
-        return str(here)
-    found = shutil.which("mpiexec")
+    found = launch_env.mpiexec_path()
     if found is None:
         raise RuntimeError("mpiexec not found: install the 'mpi' extra (mpi4py + mpich)")
     return found

@@ -20,13 +20,13 @@ import traceback
 
 import numpy as np
 
+from .. import launch_env
 from ..kernels import reduce as kreduce
 from ..kernels.floats import BF16, F16
 from . import nccl
 from .buffers import Buffer, plain_array
 from .group import NO_GATE, Group, Handle
 from .shm import remove_stale
-from .torch_backend import torch_env
 
 __all__ = [
     "init", "finalize", "world", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -35,8 +35,6 @@ __all__ = [
 ]
 
 _world: Group | None = None
-
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
 
 
 def init(backend: str = "auto", timeout: float = 300.0) -> Group:
@@ -60,13 +58,11 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     remove_stale()
-    launched = any(k in os.environ for k in _MPI_ENV)
+    launched = launch_env.mpi_launched()
     if backend in ("mpi", "shm"):
         os.environ["TERRAPIPE_COMM_BACKEND"] = backend
-    if backend == "torch" or (backend == "auto" and not launched and torch_env()):
-        from .torch_backend import TorchGroup
-
-        _world = TorchGroup(timeout)
+    if backend == "torch" or (backend == "auto" and not launched and launch_env.torch_launched()):
+        _world = Group.over_torch(timeout)
     elif launched or backend != "auto":
         from mpi4py import MPI
 
@@ -170,18 +166,8 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
             raise ValueError(f"out: expected {x.dtype} {tuple(x.shape)} on {x.device}, got "
                              f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
-        def on_nccl(pg, t):
-            target = t
-            if out is not None:  # out of place: x stays as it was
-                target = out.detach()
-                target.copy_(t)
-            work = target if target.is_contiguous() else target.contiguous()
-            rop, floor = nccl.reduce_op(code, work.is_floating_point())
-            _dist().all_reduce(work, op=rop, group=pg)
-            if floor:
-                work.floor_divide_(g.size)
-            if work is not target:
-                target.copy_(work)
+        def on_nccl(transport, t):
+            transport.allreduce(t, out, code)
             return x if out is None else out
 
         return _via_nccl(g, x, "allreduce", code, -1, on_nccl,
@@ -206,14 +192,8 @@ def _allreduce_staged(g: Group, x, out, code: int):
     return body
 
 
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
 def _via_nccl(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, async_op: bool):
-    """Run ``on_nccl(pg, x.detach())`` on the caller's current stream after the ranks agree on
+    """Run ``on_nccl(transport, x.detach())`` on the caller's current stream after the ranks agree on
     the ``nccl_<coll>`` signature, or ``staged()`` when the group decides against NCCL (see
     comm/nccl.py). The stream is captured here, in the caller's thread: async bodies run on the
     group's worker thread."""
@@ -223,9 +203,9 @@ def _via_nccl(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, asy
 
     def body():
         with torch.cuda.stream(caller):
-            g._agree(f"nccl_{coll}", code, sig, root)
-            pg = nccl.process_group(g, x.device)
-            return staged() if pg is None else on_nccl(pg, x.detach())
+            g.agree(f"nccl_{coll}", code, sig, root)
+            transport = nccl.process_group(g, x.device)
+            return staged() if transport is None else on_nccl(transport, x.detach())
 
     return _run(g, body, async_op)
 
@@ -250,11 +230,8 @@ def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None =
         buf.commit()
         return buf.orig
 
-    def on_nccl(pg, t):
-        work = t if t.is_contiguous() else t.contiguous()
-        _dist().broadcast(work, src=root, group=pg)
-        if work is not t:
-            t.copy_(work)
+    def on_nccl(transport, t):
+        transport.broadcast(t, root)
         return x
 
     return _nccl_or_staged(g, x, "broadcast", 0, root, on_nccl, staged, async_op)
@@ -269,10 +246,8 @@ def allgather(x, *, async_op: bool = False, group: Group | None = None):
         g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size))
         return _like_input(out, x)
 
-    def on_nccl(pg, t):
-        out = t.new_empty((g.size, *t.shape))
-        _dist().all_gather_into_tensor(out, t.contiguous(), group=pg)
-        return out
+    def on_nccl(transport, t):
+        return transport.allgather(t)
 
     return _nccl_or_staged(g, x, "allgather", 0, -1, on_nccl, staged, async_op)
 

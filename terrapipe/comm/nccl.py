@@ -1,4 +1,5 @@
-"""NCCL for CUDA tensors: a torch.distributed NCCL process group beside a Group's own transport.
+"""The NCCL transport for CUDA tensors: a torch.distributed NCCL process group beside a Group's
+host transports.
 
 ``comm.allreduce``, ``broadcast`` and ``allgather`` of CUDA tensors run on NCCL when every rank
 of the group can (:func:`wanted`, then :func:`process_group` decides); otherwise, and always for
@@ -23,7 +24,7 @@ import datetime
 import os
 import socket
 
-__all__ = ["wanted", "process_group", "reduce_op"]
+__all__ = ["wanted", "process_group", "reduce_op", "NcclTransport"]
 
 
 def _setting() -> str:
@@ -45,7 +46,7 @@ def wanted(group) -> bool:
     decision is :func:`process_group`'s, which stands once made)."""
     if group.size == 1:
         return False
-    decided = getattr(group, "nccl_pg", None)
+    decided = group.nccl
     if decided is not None:
         return decided is not False
     setting = _setting()
@@ -58,64 +59,93 @@ def wanted(group) -> bool:
     return possible
 
 
-def process_group(group, device):
-    """The NCCL process group of ``group`` (made on first use, see the module docstring), or
-    None when the ranks decided to stage instead. Every rank of ``group`` calls this at the same
+def process_group(group, device) -> NcclTransport | None:
+    """The NCCL transport of ``group`` (made on first use, see the module docstring), or None
+    when the ranks decided to stage instead. Every rank of ``group`` calls this at the same
     point (right after agreeing on an ``nccl_*`` signature)."""
-    pg = getattr(group, "nccl_pg", None)
-    if pg is not None:
-        return pg or None
+    decided = group.nccl
+    if decided is not None:
+        return decided or None
     me = (socket.gethostname(), device.index if device.index is not None else 0,
-          _locally_possible(), group.size == _world_size(group))
-    everyone = _allgather_object(group, me)
+          _locally_possible(), group.whole_world)
+    everyone = group.exchange_objects(me)
     gpus = [(host, dev) for host, dev, _, _ in everyone]
     ok = all(poss and whole for _, _, poss, whole in everyone) and len(set(gpus)) == len(gpus)
     if not ok:
         if _setting() == "nccl":
             raise RuntimeError(f"TERRAPIPE_CUDA_COMM=nccl, but NCCL cannot run this group: (host, GPU, "
                                f"NCCL usable, whole world) per rank: {everyone}")
-        group.nccl_pg = False
+        group.nccl = False
         return None
-    group.nccl_pg = _make(group, device)
-    return group.nccl_pg
+    group.nccl = NcclTransport(group, device)
+    return group.nccl
 
 
-def _world_size(group) -> int:
-    if group.comm is None:  # a TorchGroup: only the default group itself qualifies
-        return group.size if getattr(group, "pg", None) is None else -1
-    return group._MPI.COMM_WORLD.Get_size()
+class NcclTransport:
+    """Allreduce, broadcast and allgather of CUDA tensors over a torch.distributed NCCL group
+    (the device-memory member of the transports listed in comm/transport.py: its operands are
+    tensors on the caller's current stream, not host arrays). Made by :func:`process_group`:
+    under torch.distributed a ``new_group`` over its world; under MPI a torch.distributed
+    world over TCP whose address rank 0 hands out (``owns_world``: torn down at close)."""
 
+    name = "nccl"
 
-def _allgather_object(group, obj) -> list:
-    if group.comm is not None:
-        return group.comm.allgather(obj)
-    import torch.distributed as dist
+    def __init__(self, group, device) -> None:
+        import torch
+        import torch.distributed as dist
 
-    out = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
-    return out
+        self._dist = dist
+        self.size = group.size
+        self.owns_world = False
+        timeout = datetime.timedelta(seconds=group.timeout)
+        torch.cuda.set_device(device)
+        if dist.is_initialized():
+            # torchrun's world (or one the user made): a NCCL group over all of its ranks.
+            self.pg = dist.new_group(backend="nccl", timeout=timeout)
+            return
+        addr = port = None
+        if group.rank == 0:
+            addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+        addr, port = group.exchange_objects((addr, port))[0]
+        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=group.rank,
+                                world_size=group.size, timeout=timeout)
+        self.owns_world = True
+        self.pg = dist.group.WORLD
 
+    def allreduce(self, x, out, op: int):
+        """Reduce ``x`` (in place, or into ``out`` leaving ``x`` as it was); returns the result."""
+        target = x
+        if out is not None:
+            target = out.detach()
+            target.copy_(x)
+        work = target if target.is_contiguous() else target.contiguous()
+        rop, floor = reduce_op(op, work.is_floating_point())
+        self._dist.all_reduce(work, op=rop, group=self.pg)
+        if floor:
+            work.floor_divide_(self.size)
+        if work is not target:
+            target.copy_(work)
+        return target
 
-def _make(group, device):
-    import torch
-    import torch.distributed as dist
+    def broadcast(self, x, root: int) -> None:
+        work = x if x.is_contiguous() else x.contiguous()
+        self._dist.broadcast(work, src=root, group=self.pg)
+        if work is not x:
+            x.copy_(work)
 
-    timeout = datetime.timedelta(seconds=group.timeout)
-    torch.cuda.set_device(device)
-    if dist.is_initialized():
-        # torchrun's world (or one the user made): a NCCL group over all of its ranks.
-        return dist.new_group(backend="nccl", timeout=timeout)
-    addr = port = None
-    if group.rank == 0:
-        addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    addr, port = group.comm.bcast((addr, port), root=0)
-    dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=group.rank,
-                            world_size=group.size, timeout=timeout)
-    group.owns_torch_world = True
-    return dist.group.WORLD
+    def allgather(self, x):
+        """A new (size, *x.shape) tensor of every rank's ``x``."""
+        out = x.new_empty((self.size, *x.shape))
+        self._dist.all_gather_into_tensor(out, x.contiguous(), group=self.pg)
+        return out
+
+    def close(self) -> None:
+        if self.owns_world and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+        self.owns_world = False
 
 
 def reduce_op(op: int, is_float: bool):

@@ -1,4 +1,6 @@
-"""Shared-memory segments and the per-node board that ranks synchronise on.
+"""The shared-memory transport: a segment per node, the board its ranks synchronise on, and the
+collectives that move data through it (across nodes, each part of an allreduce goes over the
+cross-node MPI transport: a hierarchical allreduce).
 
 NOTE [shm segment lifetime]
     The node's first rank creates ``/dev/shm/terrapipe_<uid>_<pid>_<n>``, every rank of the node
@@ -17,6 +19,20 @@ NOTE [board protocol]
     peer that sees the counter also sees the data and the signature.
     ``wait`` returns once every counter reaches the step, or raises CollectiveTimeoutError naming
     the ranks that did not (immediately if their pid is gone).
+
+NOTE [row halves]
+    Each local rank owns a row of the segment, split in two halves used by alternate chunks (a
+    counter that runs on across calls). A rank writes half h for chunk k + 2 only after the
+    barrier of chunk k + 1, which every rank publishes after finishing its reads of chunk k: so
+    one barrier per chunk suffices for copies, two for reductions (data in, reduced parts ready).
+
+NOTE [staging gate]
+    ``ShmTransport.allreduce`` takes a gate for sources and destinations that are host copies of
+    device memory (comm/staging.py, NOTE [staging streams]). Every transport calls
+    ``gate.ready(upto)`` before reading a source element below fused index ``upto`` and
+    ``gate.wrote(upto)`` once every result below ``upto`` is final; the chunked shared-memory
+    path does both per chunk, so downloads, reduction and uploads overlap. The gate owns those
+    host arrays: nothing else writes them during the call.
 """
 
 from __future__ import annotations
@@ -28,10 +44,14 @@ import time
 
 import numpy as np
 
-from ..kernels.sync import publish_step, release_step, spin_until
+from ..kernels import oneshot
+from ..kernels import reduce as kreduce
+from ..kernels.sync import publish_step, release_step, rows_equal, spin_until
 from .errors import CollectiveTimeoutError
+from .ring import segments
+from .transport import NO_GATE, Fused, Transport, divide
 
-__all__ = ["Segment", "Board", "remove_stale", "PREFIX"]
+__all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "SMALL_BYTES"]
 
 PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
@@ -42,6 +62,13 @@ _SIG_COLS = (8, 32)  # the two signature slots (by step parity); column 0 is the
 # the usual wait when every rank has a core), then per round between yields.
 _FIRST_SPINS = 2000
 _ROUND_SPINS = 64
+# Bytes of each rank's row in the segment (two halves: NOTE [row halves]).
+_ROW_BYTES = int(os.environ.get("TERRAPIPE_SHM_ROW_BYTES", 1 << 20)) // 64 * 64
+# At or below this many bytes an allreduce is one barrier: data and signature are published
+# together and every rank reduces the whole message (latency over bandwidth).
+SMALL_BYTES = 64 << 10
+# Polls before a one-shot allreduce leaves its compiled call to wait while yielding the core.
+_ONESHOT_SPINS = 2000
 
 
 def remove_stale() -> list[str]:
@@ -52,7 +79,7 @@ def remove_stale() -> list[str]:
             pid = int(os.path.basename(path).split("_")[2])
         except (IndexError, ValueError):
             continue
-        if not _alive(pid):
+        if not alive(pid):
             try:
                 os.unlink(path)
                 removed.append(path)
@@ -61,7 +88,8 @@ def remove_stale() -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this node)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -122,7 +150,7 @@ class Board:
         self.ranks = ranks  # world rank of each local rank, for messages
         self.step = 0
         self.pids[me] = os.getpid()
-        self.progress = lambda: None
+        self.progress = lambda: None  # called between spin rounds (NOTE [MPI progress] 4 in ring.py)
 
     @staticmethod
     def nbytes(nlocal: int) -> int:
@@ -160,7 +188,7 @@ class Board:
             late = [int(q) for q in np.nonzero(steps < step)[0]]
             if not late:
                 return
-            dead = [q for q in late if not _alive(int(self.pids[q]))]
+            dead = [q for q in late if not alive(int(self.pids[q]))]
             if dead:
                 names = ", ".join(f"rank {self.ranks[q]} (pid {int(self.pids[q])})" for q in dead)
                 raise CollectiveTimeoutError(f"{what}: {names} died", [self.ranks[q] for q in dead])
@@ -178,3 +206,196 @@ class Board:
         s = self.publish(sig)
         self.wait(s, timeout, what)
         return s
+
+
+class ShmTransport(Transport):
+    """Collectives through the shared segment of this rank's node; with ``cross`` (an
+    MpiTransport over the ranks of the same local rank on every node) hierarchical: each part of
+    an allreduce is reduced on the node, allreduced across nodes, and gathered back.
+
+    ``node_comm``: mpi4py communicator of this node's ranks (for creating the segment);
+    ``rank``/``size``: in the whole group; ``node_ranks``: group rank of each local rank."""
+
+    name = "shm"
+
+    def __init__(self, node_comm, rank: int, size: int, node_ranks: list[int], timeout: float,
+                 cross=None) -> None:
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = node_comm.Get_rank(), node_comm.Get_size()
+        self.timeout = timeout
+        self.cross = cross
+        p = self.local_size
+        board_bytes = Board.nbytes(p)
+        self.segment = Segment(node_comm, board_bytes + p * _ROW_BYTES)
+        self.board = Board(self.segment.buf[:board_bytes].view(np.int64), p, self.local_rank, node_ranks)
+        self._rows_u8 = self.segment.buf[board_bytes:board_bytes + p * _ROW_BYTES].reshape(p, _ROW_BYTES)
+        self._private_u8 = np.empty(_ROW_BYTES, np.uint8)
+        self._acc = np.empty(kreduce.TILE, np.float32)
+        self._views: dict[np.dtype, tuple[np.ndarray, np.ndarray]] = {}  # rows, scratch by dtype
+        self._half = 0
+
+    def late(self) -> tuple[list[int], str] | None:
+        """Group ranks of this node that died or have not reached this rank's step, or None."""
+        board = self.board
+        if board is None:
+            return None
+        dead = [board.ranks[q] for q in range(self.local_size) if not alive(int(board.pids[q]))]
+        if dead:
+            return dead, "died"
+        behind = [board.ranks[q] for q in range(self.local_size) if board.steps[q] < board.step]
+        if behind:
+            return behind, "not arrived at this collective"
+        return None
+
+    # -- agreement -----------------------------------------------------------------------------
+    def agree(self, coll, sig, check) -> None:
+        step = self.board.barrier(self.timeout, coll, sig)
+        sigs = self.board.sigs(step)
+        if rows_equal(sigs) >= 0:
+            check(sigs, self.board.ranks)
+        if self.cross is not None:
+            self.cross.agree(coll, sig, check)
+
+    # -- the rows --------------------------------------------------------------------------------
+    def _rows(self, dtype) -> np.ndarray:
+        # The whole C-contiguous (p, row) array: kernels get it with an offset rather than a
+        # column slice, whose runtime strides would keep their loops from vectorizing (3x slower).
+        return self._rows_u8.view(dtype)
+
+    def _reduce_rows(self, rows: np.ndarray, op: int, offset: int, length: int, kind: int) -> None:
+        """My row's ``[offset:offset+length]`` = op over all rows of those columns (only columns
+        no other rank reads at this point)."""
+        mine = rows[self.local_rank]
+        if kind:
+            kreduce.reduce_many_16(mine, rows, op, offset, length, kind, self._acc)
+        else:
+            kreduce.reduce_many_native(mine, rows, op, offset, length)
+
+    def _chunk_ranges(self, n: int, itemsize: int):
+        half = (_ROW_BYTES // itemsize) // 2
+        for c0 in range(0, n, half):
+            h = self._half * half
+            self._half ^= 1
+            yield c0, min(half, n - c0), h
+
+    # -- allreduce -------------------------------------------------------------------------------
+    def oneshot(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,
+                sig: np.ndarray, check) -> None:
+        """A small allreduce and its agreement in one compiled call (kernels/oneshot.py): data
+        and signature are published together and every rank reduces the whole message into a
+        private scratch row, never into its shared row, which the others are still reading.
+        ``src``/``dst``: 1-D, ``dtype`` (the rows' dtype), or float32 over uint16 rows of 16-bit
+        format ``kind`` (sent rounded). One node only; at most SMALL_BYTES exchanged."""
+        views = self._views.get(dtype)
+        if views is None:
+            views = self._views[dtype] = (self._rows_u8.view(dtype), self._private_u8.view(dtype))
+        rows, scratch = views
+        h = self._half * (rows.shape[1] // 2)
+        self._half ^= 1
+        board = self.board
+        step, col = board.reserve()
+        divisor = self.size if op == kreduce.AVG else 1
+        state = oneshot.oneshot_allreduce(src, dst, rows, h, self.local_rank, board.table, col, sig, step,
+                                          op, divisor, kind, scratch, self._acc, _ONESHOT_SPINS)
+        if state == oneshot.WAITING:
+            board.wait(step, self.timeout, coll)
+            state = rows_equal(board.sigs(step))
+            if state < 0:
+                oneshot.finish(dst, rows, h, op, divisor, kind, scratch, self._acc)
+        if state >= 0:
+            check(board.sigs(step), board.ranks)
+
+    def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:
+        """Reduce-scatter within the node, allreduce across nodes per part, all-gather back, one
+        row half at a time (NOTE [row halves]); ``kind``: 16-bit format of the rows; ``ckind``:
+        rows hold compressed copies of float32 inputs; ``root`` >= 0: only that rank copies the
+        result out (reduce)."""
+        p, me = self.local_size, self.local_rank
+        rows = self._rows(dtype)
+        item = np.dtype(dtype).itemsize
+        for c0, length, h in self._chunk_ranges(srcs.n, item):
+            gate.ready(c0 + length)
+            srcs.read(c0, length, rows[me, h:h + length], ckind)
+            self.board.barrier(self.timeout, "allreduce")
+            parts = segments(length, p)
+            lo, hi = parts[me]
+            if hi > lo:
+                self._reduce_rows(rows, op, h + lo, hi - lo, kind)
+                mine = rows[me, h + lo:h + hi]
+                if self.cross is not None:
+                    self.cross.allreduce_array(mine, op, kind, "allreduce across nodes")
+                if op == kreduce.AVG:
+                    divide(mine, self.size, kind)
+            self.board.barrier(self.timeout, "allreduce")
+            if root < 0 or root == self.rank:
+                for q, (a, b) in enumerate(parts):
+                    if b > a:
+                        dsts.write(c0 + a, rows[q, h + a:h + b], ckind)
+            gate.wrote(c0 + length)
+
+    # -- one node only (Group._route sends these over MPI across nodes) --------------------------
+    def broadcast(self, flat, root) -> None:
+        rows = self._rows(flat.dtype)
+        lroot = self.board.ranks.index(root)
+        for c0, length, h in self._chunk_ranges(flat.shape[0], flat.itemsize):
+            if self.rank == root:
+                rows[lroot, h:h + length] = flat[c0:c0 + length]
+            self.board.barrier(self.timeout, "broadcast")
+            if self.rank != root:
+                flat[c0:c0 + length] = rows[lroot, h:h + length]
+
+    def allgather(self, flat, out, root=-1) -> None:
+        rows = self._rows(flat.dtype)
+        me = self.local_rank
+        coll = "gather" if root >= 0 else "allgather"
+        for c0, length, h in self._chunk_ranges(flat.shape[0], flat.itemsize):
+            rows[me, h:h + length] = flat[c0:c0 + length]
+            self.board.barrier(self.timeout, coll)
+            if root < 0 or root == self.rank:
+                for q in range(self.local_size):
+                    out[self.board.ranks[q], c0:c0 + length] = rows[q, h:h + length]
+
+    def scatter(self, full, out, root) -> None:
+        n = out.shape[0]
+        rows = self._rows(out.dtype)
+        me = self.local_rank
+        for c0, length, h in self._chunk_ranges(n, out.itemsize):
+            if self.rank == root:
+                for q in range(self.local_size):
+                    r = self.board.ranks[q]
+                    rows[q, h:h + length] = full[r * n + c0:r * n + c0 + length]
+            self.board.barrier(self.timeout, "scatter")
+            out[c0:c0 + length] = rows[me, h:h + length]
+
+    def reduce_scatter(self, flat, out, op, kind) -> None:
+        if kind:  # 16-bit rows: through a full allreduce, whose kernels accumulate in float32
+            tmp = flat.copy()
+            fused = Fused([tmp])
+            self.allreduce(fused, fused, op, tmp.dtype, kind)
+            lo, hi = segments(flat.shape[0], self.size)[self.rank]
+            out[...] = tmp[lo:hi]
+            return
+        n = flat.shape[0]
+        rows = self._rows(flat.dtype)
+        me = self.local_rank
+        lo_me, hi_me = segments(n, self.size)[self.rank]
+        for c0, length, h in self._chunk_ranges(n, flat.itemsize):
+            rows[me, h:h + length] = flat[c0:c0 + length]
+            self.board.barrier(self.timeout, "reduce_scatter")
+            a, b = max(lo_me, c0), min(hi_me, c0 + length)
+            if b > a:
+                self._reduce_rows(rows, op, h + a - c0, b - a, 0)
+                dst = out[a - lo_me:b - lo_me]
+                dst[...] = rows[me, h + a - c0:h + b - c0]
+                if op == kreduce.AVG:
+                    divide(dst, self.size, 0)
+
+    def barrier(self) -> None:
+        if self.cross is not None:  # on one node the agreement was the barrier
+            self.cross.barrier()
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        self.board = None

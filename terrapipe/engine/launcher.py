@@ -20,14 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import launch_env
+
 __all__ = ["main", "mpiexec_path", "build_command"]
 
 
 def mpiexec_path() -> str:
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists():
-        return str(here)
-    found = shutil.which("mpiexec")
+    found = launch_env.mpiexec_path()
     if not found:
         raise SystemExit("terrapipe run: no mpiexec found (pip install 'terrapipe[mpi]')")
     return found

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from terrapipe import launch_env
+
 
 def _die_with_parent() -> None:
     # If the launcher kills this wrapper (it does when another rank fails), the rank goes too.
@@ -24,7 +26,7 @@ def _die_with_parent() -> None:
 
 
 def main() -> int:
-    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    rank = launch_env.world()[0]
     # close_fds=False: the MPI launcher hands each rank its PMI connection as an inherited fd.
     proc = subprocess.Popen(sys.argv[1:], close_fds=False, preexec_fn=_die_with_parent)
 

@@ -27,32 +27,18 @@ NOTE [device feed streams]
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["DEVICE_RING", "resolve_device", "local_rank_from_env", "pick_cuda_index", "normalize_into",
+from .. import launch_env
+
+__all__ = ["DEVICE_RING", "resolve_device", "pick_cuda_index", "normalize_into",
            "SlotLedger", "DeviceFeed"]
 
 # Device slots: the two batches the consumer may hold + one copied ahead.
 DEVICE_RING = 3
-
-# Launchers' local-rank variables, most specific first: comm.init() and torchrun export
-# LOCAL_RANK; MPICH's hydra, Open MPI, MVAPICH and SLURM their own.
-_LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
-                    "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-
-
-def local_rank_from_env(env: Mapping[str, str] = os.environ) -> int | None:
-    """This process's rank on its node, from the launcher's environment; None if not launched."""
-    for name in _LOCAL_RANK_VARS:
-        value = env.get(name)
-        if value is not None and value.strip().lstrip("-").isdigit():
-            return int(value)
-    return None
-
 
 def pick_cuda_index(index: int | None, device_count: int, local_rank: int | None, current: int) -> int:
     """The CUDA device a loader uses: ``index`` if given (checked against ``device_count``);
@@ -88,7 +74,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
             f"{torch.__version__}, built with CUDA {torch.version.cuda or 'none'}, "
             f"{torch.cuda.device_count()} device(s) visible); use device='cpu'")
     count = torch.cuda.device_count()
-    return torch.device("cuda", pick_cuda_index(dev.index, count, local_rank_from_env(),
+    return torch.device("cuda", pick_cuda_index(dev.index, count, launch_env.local_rank(),
                                                 torch.cuda.current_device()))
 
 

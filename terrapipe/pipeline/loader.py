@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from .. import launch_env
 from ..kernels import image as kimage
 from . import decode, roi_jpeg
 from .device import DeviceFeed, resolve_device
@@ -41,18 +42,6 @@ class SampleError(RuntimeError):
         super().__init__(f"sample {index} ({where}): {type(cause).__name__}: {cause}")
         self.index = index
         self.where = where
-
-
-def _default_world() -> tuple[int, int]:
-    # terrapipe.comm is not imported here (pipeline never imports comm): the launcher and
-    # torchrun both export RANK / WORLD_SIZE, and comm.init() does too once it runs.
-    # An MPI launcher's own variables first: RANK / WORLD_SIZE may be inherited from a parent.
-    names = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-             ("RANK", "WORLD_SIZE"))
-    for r, w in names:
-        if r in os.environ and w in os.environ:
-            return int(os.environ[r]), int(os.environ[w])
-    return 0, 1
 
 
 def _host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype: torch.dtype,
@@ -162,7 +151,7 @@ class FastLoader:
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {num_threads}")
-        r0, w0 = _default_world()
+        r0, w0 = launch_env.world()
         self.rank = r0 if rank is None else int(rank)
         self.world_size = w0 if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:

@@ -290,6 +290,20 @@ def test_missing_rank_times_out_naming_it(mpi_comm):
     mpi_comm.Barrier()  # rank 1 skipped the collective; both meet again over plain MPI
 
 
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_missing_rank_over_mpi_times_out_naming_it(mpi_comm):
+    # Two emulated nodes of one rank: the agreement crosses nodes over MPI, where no board
+    # says who is late; the error still names the rank (and its ranks attribute lists it).
+    os.environ["TERRAPIPE_NODE_SIZE"] = "1"
+    g = comm.init(timeout=3)
+    assert g.nnodes == 2
+    if comm.rank() == 0:
+        with pytest.raises(comm.CollectiveTimeoutError, match="in MPI waiting for rank 1") as e:
+            comm.allreduce(np.zeros(10))
+        assert e.value.ranks == [1]
+    mpi_comm.Barrier()
+
+
 def test_lone_process_collectives_and_argument_errors():
     g = comm.Group(None)
     x = np.arange(5.0)

@@ -125,7 +125,7 @@ def test_nccl_collectives_on_cuda_tensors(mpi_comm):
         if dtype == torch.int64:
             ref = torch.div(xs.sum(0), p, rounding_mode="floor")
         torch.testing.assert_close(x.double().cpu(), ref, rtol=1e-2, atol=1e-2)
-    assert g.nccl_pg not in (None, False)
+    assert g.nccl not in (None, False)
     y = torch.arange(6.0, device=dev).reshape(2, 3).t() * (r == 0)  # not contiguous
     comm.broadcast(y, root=0)
     assert torch.equal(y.cpu(), torch.arange(6.0).reshape(2, 3).t())

@@ -20,7 +20,6 @@ from terrapipe.kernels.image import build_normalize_lut, normalize_lut
 from terrapipe.pipeline import ArrayDataset, Normalize, RandomHorizontalFlip, RandomResizedCrop
 from terrapipe.pipeline.device import (
     SlotLedger,
-    local_rank_from_env,
     normalize_into,
     pick_cuda_index,
     resolve_device,
@@ -40,19 +39,6 @@ def _dataset(n=40, seed=0):
 
 
 # -- choosing the device -------------------------------------------------------------------------
-@pytest.mark.parametrize("env, expected", [
-    ({}, None),
-    ({"LOCAL_RANK": "3"}, 3),
-    ({"MPI_LOCALRANKID": "1"}, 1),  # MPICH's hydra (the wheel's mpiexec)
-    ({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 2),
-    ({"SLURM_LOCALID": "5"}, 5),
-    ({"LOCAL_RANK": "0", "MPI_LOCALRANKID": "1"}, 0),  # comm.init()/torchrun's value wins
-    ({"LOCAL_RANK": "x"}, None),
-])
-def test_local_rank_from_the_launchers_environment(env, expected):
-    assert local_rank_from_env(env) == expected
-
-
 def test_cuda_index_rules():
     assert pick_cuda_index(1, 2, local_rank=0, current=0) == 1
     # Round-robin when ranks outnumber GPUs, as TorchMPI did.

@@ -1,0 +1,90 @@
+"""How this process was launched, read from the environment (standard library only).
+
+A leaf module: every layer may import it (pipeline for its sharding defaults and GPU choice,
+comm for the world it joins, engine for ``terrapipe run``), and it imports no terrapipe layer.
+Launchers covered: an MPI launcher (MPICH's hydra, Open MPI, MVAPICH, Intel MPI), torchrun and
+other torch.distributed launchers (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), and SLURM's
+``srun`` with a MASTER_ADDR (its variables mapped onto torch's names).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+
+__all__ = ["mpi_launched", "torch_launched", "world", "local_rank", "local_size", "mpiexec_path",
+           "MPI_RANK_VARS"]
+
+# Set by MPI launchers in every rank they start (any one suffices).
+_MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
+# (rank, size) pairs, the MPI launchers' own first: RANK / WORLD_SIZE may be inherited from a
+# parent process, where an MPI launcher's variables are always this process's.
+MPI_RANK_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+_TORCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Local-rank variables, most specific first: comm.init() and torchrun export LOCAL_RANK;
+# MPICH's hydra, Open MPI, MVAPICH and SLURM their own.
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def _int(value: str | None) -> int | None:
+    if value is None or not value.strip().lstrip("-").isdigit():
+        return None
+    return int(value)
+
+
+def mpi_launched(env: Mapping[str, str] = os.environ) -> bool:
+    """True when an MPI launcher (mpiexec, ``terrapipe run``) started this process."""
+    return any(k in env for k in _MPI_VARS)
+
+
+def torch_launched(env: MutableMapping[str, str] = os.environ) -> bool:
+    """True when the environment describes a multi-process torch.distributed job (torchrun, or
+    SLURM with a MASTER_ADDR, whose SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID are then copied
+    to RANK / WORLD_SIZE / LOCAL_RANK, and MASTER_PORT defaults to 29500)."""
+    if "SLURM_PROCID" in env and "MASTER_ADDR" in env and "RANK" not in env:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        env.setdefault("MASTER_PORT", "29500")
+    return all(k in env for k in _TORCH_VARS) and (_int(env["WORLD_SIZE"]) or 1) > 1
+
+
+def world(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(rank, world size) of this process as its launcher describes it; (0, 1) if not launched."""
+    for r, w in (*MPI_RANK_VARS, ("RANK", "WORLD_SIZE")):
+        rank, size = _int(env.get(r)), _int(env.get(w))
+        if rank is not None and size is not None:
+            return rank, size
+    return 0, 1
+
+
+def local_rank(env: Mapping[str, str] = os.environ) -> int | None:
+    """This process's rank on its node; None if no launcher said."""
+    for name in _LOCAL_RANK_VARS:
+        value = _int(env.get(name))
+        if value is not None:
+            return value
+    return None
+
+
+def local_size(env: Mapping[str, str] = os.environ) -> int | None:
+    """How many ranks run on this node; None if no launcher said."""
+    for name in _LOCAL_SIZE_VARS:
+        value = _int(env.get(name))
+        if value is not None:
+            return value
+    return None
+
+
+def mpiexec_path() -> str | None:
+    """The mpiexec beside this interpreter (the MPI wheel's), else the one on PATH, else None."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    return shutil.which("mpiexec")

@@ -1,0 +1,45 @@
+"""terrapipe.launch_env: what each launcher's variables say about this process."""
+
+import pytest
+
+from terrapipe import launch_env
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, None),
+    ({"LOCAL_RANK": "3"}, 3),
+    ({"MPI_LOCALRANKID": "1"}, 1),  # MPICH's hydra (the wheel's mpiexec)
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 2),
+    ({"SLURM_LOCALID": "5"}, 5),
+    ({"LOCAL_RANK": "0", "MPI_LOCALRANKID": "1"}, 0),  # comm.init()/torchrun's value wins
+    ({"LOCAL_RANK": "x"}, None),
+])
+def test_local_rank(env, expected):
+    assert launch_env.local_rank(env) == expected
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (0, 1)),
+    ({"RANK": "2", "WORLD_SIZE": "4"}, (2, 4)),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "RANK": "0", "WORLD_SIZE": "8"}, (1, 2)),  # inherited RANK loses
+    ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "6"}, (3, 6)),
+    ({"RANK": "1"}, (0, 1)),  # a rank without a size says nothing
+])
+def test_world(env, expected):
+    assert launch_env.world(env) == expected
+
+
+def test_launchers_are_told_apart():
+    assert launch_env.mpi_launched({"PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert not launch_env.mpi_launched({"RANK": "0"})
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234"}
+    assert launch_env.torch_launched(dict(torchrun))
+    assert not launch_env.torch_launched(dict(torchrun, WORLD_SIZE="1"))  # one process: nothing to join
+    assert not launch_env.torch_launched({"RANK": "0", "WORLD_SIZE": "2"})  # no rendezvous address
+
+
+def test_slurm_variables_become_torch_names():
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_ADDR": "node7"}
+    assert launch_env.torch_launched(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == ("3", "8", "1", "29500")
+    assert launch_env.world(env) == (3, 8) and launch_env.local_rank(env) == 1
