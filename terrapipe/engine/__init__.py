@@ -9,7 +9,8 @@ hooks, progress, metrics and checkpoints; ``terrapipe run`` launches ranks.
 from .gradients import DistributedGradients
 from .optimizer import DistributedOptimizer
 from .sync import broadcast_optimizer_state, broadcast_parameters
-from .trainer import HOOKS, Engine
+from .trainer import HOOKS, CheckpointError, Engine, load_checkpoint
 
-__all__ = ["DistributedGradients", "DistributedOptimizer", "Engine", "HOOKS",
+__all__ = ["CheckpointError", "DistributedGradients", "DistributedOptimizer", "Engine", "HOOKS",
+           "load_checkpoint",
            "broadcast_optimizer_state", "broadcast_parameters"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .. import comm
@@ -18,6 +20,17 @@ class DistributedOptimizer:
     "auto", see that class); ``step()`` waits for them,
     then steps the wrapped optimizer. With ``backward_passes_per_step=k``, call ``step()`` after
     every k-th backward. ``zero_grad()`` while reductions are in flight raises.
+
+    With a GradScaler (or anything else that reads gradients before the step), follow Horovod's
+    order, so nothing reads or unscales a gradient a reduction still owns, and a step skipped
+    for an inf leaves no reduction pending::
+
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+
+    ``step()`` after ``synchronize()`` with no backward in between does not reduce again.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, bucket_mb: float = 25,
@@ -25,6 +38,7 @@ class DistributedOptimizer:
                  first_bucket_mb: float = 1, op: str = "avg", group: comm.Group | None = None,
                  backend: str = "auto") -> None:
         self.optimizer = optimizer
+        self._skip_sync = False
         self.gradients = DistributedGradients(model, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                                               compression=compression, op=op,
                                               backward_passes_per_step=backward_passes_per_step,
@@ -39,11 +53,22 @@ class DistributedOptimizer:
         return self.optimizer.state
 
     def step(self, closure=None):
-        self.gradients.synchronize()
+        if not self._skip_sync and not self.gradients.synchronized:
+            self.gradients.synchronize()
         return self.optimizer.step(closure)
 
     def synchronize(self) -> None:
+        """Wait until every gradient is averaged across ranks (launching what backward did not)."""
         self.gradients.synchronize()
+
+    @contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside steps on the gradients as they are: call :meth:`synchronize` first."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
 
     def no_sync(self):
         return self.gradients.no_sync()

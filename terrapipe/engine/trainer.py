@@ -12,7 +12,8 @@ on_forward (after the loss), on_backward, on_update (after the optimizer step); 
 Metrics (loss, accuracy, img/s) are summed locally and averaged across ranks once per epoch.
 Rank 0 shows a tqdm bar and writes checkpoints atomically (temp file + rename): model,
 optimizer, epoch and the train loader's state. ``train`` resumes from the newest checkpoint on
-every rank.
+every rank, loaded with ``weights_only=True``: tensors and plain containers only, so a file
+someone else could write cannot run code when training resumes (CheckpointError names it).
 """
 
 from __future__ import annotations
@@ -27,19 +28,28 @@ import torch
 
 from .. import comm
 
-__all__ = ["Engine", "HOOKS"]
+__all__ = ["Engine", "HOOKS", "CheckpointError"]
+
+_CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "loader", "history")
 
 HOOKS = ("on_start", "on_batch", "on_forward", "on_backward", "on_update", "on_epoch_end", "on_end")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be resumed from (refused, truncated, or not the engine's)."""
 
 
 class Engine:
     """Train ``model`` with ``criterion`` and ``optimizer`` (a DistributedOptimizer under several
     ranks) on ``train_loader`` batches ``(inputs, targets)``; ``val_loader`` is evaluated after
-    each epoch. ``amp``: autocast (bfloat16 on CPU, float16 with a GradScaler on CUDA)."""
+    each epoch. ``amp``: autocast in ``amp_dtype`` (default bfloat16 on CPU, float16 on CUDA);
+    float16 steps through a GradScaler, after the gradients are averaged (see
+    DistributedOptimizer)."""
 
     def __init__(self, model: torch.nn.Module, criterion: Callable, optimizer, train_loader,
                  val_loader=None, *, checkpoint_dir: str | os.PathLike | None = None,
-                 amp: bool = False, progress: bool = True, device: str | torch.device = "cpu") -> None:
+                 amp: bool = False, progress: bool = True, device: str | torch.device = "cpu",
+                 amp_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.criterion = criterion
         self.optimizer = optimizer
@@ -52,8 +62,11 @@ class Engine:
         self.hooks: dict[str, Callable[[dict], None]] = {}
         self.history: list[dict] = []
         cuda = self.device.type == "cuda"
-        self._scaler = torch.amp.GradScaler("cuda") if (amp and cuda) else None
-        self._amp_dtype = torch.float16 if cuda else torch.bfloat16
+        self._amp_dtype = amp_dtype or (torch.float16 if cuda else torch.bfloat16)
+        if self._amp_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"amp_dtype: expected torch.float16 or torch.bfloat16, got {amp_dtype}")
+        use_scaler = amp and self._amp_dtype == torch.float16
+        self._scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
 
     # -- hooks -----------------------------------------------------------------------------------
     def _hook(self, name: str, state: dict) -> None:
@@ -91,7 +104,7 @@ class Engine:
         found = sorted(self.checkpoint_dir.glob("epoch*.pt"))
         if not found:
             return 0
-        state = torch.load(found[-1], map_location=self.device, weights_only=False)
+        state = load_checkpoint(found[-1], self.device)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.history = list(state.get("history", []))
@@ -116,7 +129,8 @@ class Engine:
         total = comm.allreduce(sums.copy(), "sum")
         n = max(total[2], 1.0)
         rate = comm.allreduce(np.array([sums[2] / max(seconds, 1e-9)]), "sum")[0]
-        return {"loss": total[0] / n, "accuracy": total[1] / n, "samples": int(total[2]),
+        # Python numbers: the history goes into checkpoints, which hold no NumPy objects.
+        return {"loss": float(total[0] / n), "accuracy": float(total[1] / n), "samples": int(total[2]),
                 "img_per_s": float(rate)}
 
     def train(self, epochs: int) -> list[dict]:
@@ -144,8 +158,7 @@ class Engine:
                 if self._scaler is not None:
                     self._scaler.scale(loss).backward()
                     self._hook("on_backward", state)
-                    self._scaler.step(self.optimizer)
-                    self._scaler.update()
+                    self._scaled_step()
                 else:
                     loss.backward()
                     self._hook("on_backward", state)
@@ -169,6 +182,20 @@ class Engine:
         self._hook("on_end", state)
         return self.history
 
+    def _scaled_step(self) -> None:
+        """Average, then unscale, then step (Horovod's order): the scaler reads gradients no
+        reduction owns any more, every rank sees the same inf (an inf anywhere is in the
+        average), so all skip together, and a skipped step leaves nothing pending."""
+        opt, scaler = self.optimizer, self._scaler
+        if hasattr(opt, "skip_synchronize"):
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+
     @torch.no_grad()
     def test(self, loader) -> dict:
         """Loss and accuracy over ``loader``, averaged across ranks."""
@@ -189,3 +216,21 @@ class Engine:
         except ImportError:
             return None
         return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
+    """A checkpoint :meth:`Engine.save_checkpoint` wrote, loaded with ``weights_only=True``
+    (tensors, numbers, strings and containers; nothing that imports or calls code). Raises
+    CheckpointError naming ``path`` for anything else, a tampered file included."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path}: refused to load it ({first}); only tensors and "
+                              "plain containers are accepted, as Engine.save_checkpoint writes them") from e
+    if not isinstance(state, dict) or any(k not in state for k in _CHECKPOINT_KEYS[:3]):
+        raise CheckpointError(f"checkpoint {path}: not an Engine checkpoint (expected a dict with "
+                              f"{', '.join(_CHECKPOINT_KEYS)})")
+    return state

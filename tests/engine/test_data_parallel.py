@@ -210,3 +210,56 @@ def test_launcher_reports_the_first_failing_rank_and_its_code():
     cmd = [sys.executable, "-m", "terrapipe.cli", "run", "-n", "2", sys.executable, "-c", "pass"]
     ok = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0
+
+
+@pytest.mark.mpi(ranks=(1, 2), timeout=120)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_are_views_of_one_flat_buffer_per_bucket(mpi_comm, set_to_none):
+    comm.init(timeout=60)
+    r, p, b = comm.rank(), comm.size(), 3
+    ref = Net(seed=4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model = Net(seed=4)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=0.01)
+    grads = opt.gradients
+    for step in range(3):
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        opt.zero_grad(set_to_none=set_to_none)
+        x, y = _batch(step, b * p)
+        F.cross_entropy(ref(x), y).backward()
+        F.cross_entropy(model(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b]).backward()
+        opt.step()
+        ref_opt.step()
+        for bucket, flat in zip(grads.buckets, grads._bucket_flats, strict=True):
+            lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+            for q in bucket:
+                assert lo <= q.grad.data_ptr() < hi, "a .grad is not a view of its bucket's buffer"
+    _close(model, ref, 1e-5)
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_grad_scaler_in_horovods_order_skips_an_inf_on_one_rank_everywhere(mpi_comm):
+    comm.init(timeout=60)
+    r = comm.rank()
+    model = Net(seed=5)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=0.001)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(step, 4)
+        loss = F.cross_entropy(model(x), y)
+        if step == 1 and r == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        start = [q.detach().clone() for q in model.parameters()]
+        opt.synchronize()
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        moved = any(not torch.equal(a, q) for a, q in zip(start, model.parameters(), strict=True))
+        assert moved == (step != 1), step  # the inf on rank 1 skipped step 1 on both ranks
+        assert not opt.gradients.in_flight()
+    assert scaler.get_scale() == 1024.0 * 0.5
+    gathered = comm.allgather(torch.cat([q.detach().reshape(-1) for q in model.parameters()]))
+    assert torch.equal(gathered[0], gathered[1])

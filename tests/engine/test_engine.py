@@ -13,7 +13,7 @@ from torch import nn
 
 import terrapipe.comm as comm
 from terrapipe import FastLoader
-from terrapipe.engine import HOOKS, DistributedOptimizer, Engine, broadcast_parameters
+from terrapipe.engine import HOOKS, CheckpointError, DistributedOptimizer, Engine, broadcast_parameters
 from terrapipe.pipeline import ArrayDataset, Normalize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_hooks_metrics_checkpoints_and_resume(mpi_comm):
     again.hooks["on_start"] = lambda state: starts.append(state["epoch"])
     history = again.train(epochs=3)
     assert starts == [2] and [m["epoch"] for m in history] == [0, 1, 2]
-    saved = torch.load(ckpt / "epoch0002.pt", weights_only=False)
+    saved = torch.load(ckpt / "epoch0002.pt", weights_only=True)  # nothing but tensors and containers
     for k, v in again.model.state_dict().items():
         assert torch.equal(saved["model"][k], v)
     assert saved["loader"]["epoch"] == 2
@@ -117,3 +117,83 @@ def test_example_runs_unchanged_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     accs = [float(a) for a in re.findall(r"val loss [\d.]+ acc ([\d.]+)", out.stdout)]
     assert len(accs) == 4 and accs[-1] > 0.5 and "over 2 ranks" in out.stdout
+
+
+class _Marker:
+    """Unpickling this creates a file: what a tampered checkpoint would do with a real payload."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_tampered_checkpoint_is_refused_naming_the_file(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    marker = tmp_path / "code-ran"
+    engine = _engine(ckpt)
+    payload = {"epoch": 0, "model": engine.model.state_dict(), "optimizer": {}, "loader": None,
+               "history": [], "extra": _Marker(marker)}
+    torch.save(payload, ckpt / "epoch0000.pt")
+    with pytest.raises(CheckpointError, match=r"epoch0000\.pt: refused to load it"):
+        engine.train(epochs=2)
+    assert not marker.exists()  # nothing in the file ran
+    torch.save({"weights": torch.zeros(3)}, ckpt / "epoch0001.pt")  # loadable, but not a checkpoint
+    with pytest.raises(CheckpointError, match=r"epoch0001\.pt: not an Engine checkpoint"):
+        _engine(ckpt).train(epochs=3)
+
+
+class _Poisonable(nn.Module):
+    """A linear classifier whose output becomes inf on demand (an fp16 overflow on one rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3 * 8 * 8, 4)
+        self.poison = False
+
+    def forward(self, x):
+        y = self.lin(x.flatten(1))
+        return y * float("inf") if self.poison else y
+
+
+@pytest.mark.mpi(ranks=(1, 2), timeout=240)
+def test_float16_amp_skips_a_step_with_an_inf_on_one_rank_everywhere(mpi_comm):
+    # GradScaler on CPU (float16 autocast): average, unscale, step, in that order. Before, the
+    # scaler unscaled gradients still being reduced, and a skipped step left reductions pending
+    # (the next zero_grad raised).
+    comm.init(timeout=60)
+    torch.manual_seed(0)
+    model = _Poisonable()
+    broadcast_parameters(model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, bucket_mb=1e-4)
+    train = FastLoader(_data(256, 0), [Normalize((0.5,) * 3, (0.25,) * 3)], batch_size=16, shuffle=True)
+    engine = Engine(model, nn.functional.cross_entropy, opt, train, progress=False, amp=True,
+                    amp_dtype=torch.float16)
+    assert engine._scaler is not None
+    before, scales = {}, []
+    bad_step = 3
+
+    def on_batch(state):
+        model.poison = comm.rank() == comm.size() - 1 and state["step"] == bad_step
+        before[state["step"]] = [p.detach().clone() for p in model.parameters()]
+        scales.append(engine._scaler.get_scale())
+
+    engine.hooks["on_batch"] = on_batch
+    history = engine.train(epochs=2)
+    # The poisoned step changed no parameter on any rank, and the scale backed off everywhere.
+    after_bad = before[bad_step + 1]
+    assert all(torch.equal(a, b) for a, b in zip(before[bad_step], after_bad, strict=True))
+    assert scales[bad_step + 1] == scales[bad_step] * 0.5
+    assert not opt.gradients.in_flight()
+    assert np.isfinite(history[-1]["train_loss"])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = comm.allgather(flat)
+    assert all(torch.equal(gathered[0], g) for g in gathered)  # every rank took the same steps
+
+
+def test_jit_allreduce_is_a_top_level_name():
+    from terrapipe import jit_allreduce
+
+    assert jit_allreduce is comm.jit_allreduce
