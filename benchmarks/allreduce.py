@@ -1,6 +1,6 @@
 """Allreduce bandwidth: terrapipe vs MPI (mpi4py + MPICH) vs torch.distributed Gloo.
 
-    python -m benchmarks.allreduce -n 2 [--max-mib 256] [--rounds 5]
+    python -m benchmarks.allreduce -n 2 [--max-mib 256] [--rounds 5] [--algorithms]
 
 Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
 ``--max-mib``), in each round and interleaved: ``comm.jit_allreduce`` (torch tensor),
@@ -10,6 +10,12 @@ Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 
 summing in place. A sample is the slowest rank's time for a batch of calls. Reported: median
 algbw (bytes / time) and busbw (algbw x 2(p-1)/p), next to this machine's single-thread
 memory-copy bandwidth (bytes copied per second, np.copyto of 64 MiB) measured in the same run.
+
+``--algorithms`` times instead each path ``comm.allreduce`` can take on one node, forced, with
+the signature agreement every collective pays: the shared-memory one-shot (up to 64 KiB), the
+chunked shared-memory allreduce, MPI's own allreduce and our ring (both through the MPI
+transport), against MPICH's ``Allreduce`` and ``comm.allreduce`` itself; it prints the fastest
+path per size, which is what NOTE [transport selection] in comm/group.py encodes.
 """
 
 from __future__ import annotations
@@ -23,9 +29,43 @@ import numpy as np
 from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
 CASES = ("jit_allreduce", "comm.allreduce", "ring over MPI", "mpi Allreduce", "gloo all_reduce")
+ALGORITHMS = ("shm one-shot", "shm chunked", "mpi transport: MPI's own", "comm.allreduce",
+              "mpi transport: ring", "mpi Allreduce")
 
 
-def _worker(max_mib: int, rounds: int) -> None:
+def _algorithm_cases(a: np.ndarray, mpi, MPI) -> dict:
+    """Each path comm.allreduce can take for ``a`` (float32 sum in place), forced."""
+    import terrapipe.comm as comm
+    from terrapipe.comm.buffers import Buffer
+    from terrapipe.comm.shm import SMALL_BYTES
+    from terrapipe.comm.transport import Fused
+    from terrapipe.kernels.reduce import SUM
+
+    g = comm.world()
+    buf = Buffer(a)
+    fused = Fused([a])
+    sig = g._signature("allreduce", SUM, buf)
+    check = lambda sigs, ranks: None  # noqa: E731  (same calls on every rank here)
+
+    def agreed(fn):
+        def call():
+            g.agree("allreduce", SUM, buf)
+            fn()
+        return call
+
+    cases = {}
+    if a.nbytes <= SMALL_BYTES:
+        oneshot = g.shm.oneshot_plan(a.dtype, SUM, 0, "allreduce", sig, check)
+        cases["shm one-shot"] = lambda: oneshot(a, a)
+    cases["shm chunked"] = agreed(lambda: g.shm.allreduce(fused, fused, SUM, a.dtype, 0))
+    cases["mpi transport: MPI's own"] = agreed(lambda: g.mpi.allreduce_array(a, SUM, 0, "x", ring=False))
+    cases["comm.allreduce"] = lambda: comm.allreduce(a, "sum")
+    cases["mpi transport: ring"] = agreed(lambda: g.mpi.allreduce_array(a, SUM, 0, "x", ring=True))
+    cases["mpi Allreduce"] = lambda: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
+    return cases
+
+
+def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -37,6 +77,7 @@ def _worker(max_mib: int, rounds: int) -> None:
     comm.init()
     mpi = MPI.COMM_WORLD
     ring_comm = mpi.Dup()
+    pending: list = []  # the ring's done messages (NOTE [MPI progress] in comm/ring.py)
     rank, p = mpi.rank, mpi.size
     port = None
     if rank == 0:
@@ -50,7 +91,7 @@ def _worker(max_mib: int, rounds: int) -> None:
     b = 4 << 10
     while b <= max_mib << 20:
         sizes.append(b)
-        b *= 4
+        b *= 2 if algorithms else 4  # crossovers need the finer sweep
     copy_src = np.ones(64 << 18, np.float32)  # 64 MiB
     copy_dst = np.empty_like(copy_src)
     copies = []
@@ -63,10 +104,13 @@ def _worker(max_mib: int, rounds: int) -> None:
         fns = {
             "jit_allreduce": lambda t=t: comm.jit_allreduce(t, op="sum"),
             "comm.allreduce": lambda a=a: comm.allreduce(a, "sum"),
-            "ring over MPI": lambda a=a: ring_allreduce(ring_comm, a, SUM, 0, lambda req, _: req.Wait()),
+            "ring over MPI": lambda a=a: ring_allreduce(ring_comm, a, SUM, 0,
+                                                        lambda req, _w, _p: req.Wait(), pending),
             "mpi Allreduce": lambda a=a: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
             "gloo all_reduce": lambda t=t: dist.all_reduce(t),
         }
+        if algorithms:
+            fns = _algorithm_cases(a, mpi, MPI)
         for fn in fns.values():
             fn()  # warm-up (compilation, connections, page faults)
         for _ in range(rounds):
@@ -86,18 +130,23 @@ def _worker(max_mib: int, rounds: int) -> None:
                 copies.append(copy_src.nbytes / (time.perf_counter() - start) / 1e9)
             mpi.Barrier()
     dist.destroy_process_group()
+    mpi.Barrier()
     if rank == 0:
         report_from_rank0({"p": p, "copy_gbs": copies,
                            "samples": [[k[0], k[1], v] for k, v in results.items()]})
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = rank_sweep_args(__doc__, argv)
+    args = rank_sweep_args(__doc__, argv, algorithms=True)
     if args.worker:
-        _worker(args.max_mib, args.rounds)
+        _worker(args.max_mib, args.rounds, args.algorithms)
         return
     data = run_ranks("benchmarks.allreduce", args.n,
-                     ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)])
+                     ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)]
+                     + (["--algorithms"] if args.algorithms else []))
+    if args.algorithms:
+        _report_algorithms(data, args)
+        return
     nranks = data["p"]
     copy = statistics.median(data["copy_gbs"])
     med = {(c, b): statistics.median(v) for c, b, v in data["samples"]}
@@ -128,6 +177,29 @@ def main(argv: list[str] | None = None) -> None:
                           ceiling=(copy, "memcpy (1 thread)"))
 
     for f in save(f"allreduce_n{nranks}", result, plot):
+        print(f"wrote {f}")
+
+
+def _report_algorithms(data: dict, args) -> None:
+    nranks = data["p"]
+    med = {(c, b): statistics.median(v) for c, b, v in data["samples"]}
+    sizes = sorted({b for _, b, _ in data["samples"]})
+    rows, records = [], []
+    ours = [c for c in ALGORITHMS if c not in ("comm.allreduce", "mpi Allreduce")]
+    for b in sizes:
+        row = [_size(b)]
+        for c in ALGORITHMS:
+            t = med.get((c, b))
+            row.append("-" if t is None else f"{1e6 * t:.0f}")
+            if t is not None:
+                records.append({"case": c, "bytes": b, "seconds": t, "algbw": b / t / 1e9})
+        best = min((c for c in ours if (c, b) in med), key=lambda c: med[(c, b)])
+        row += [best, f"{med[('mpi Allreduce', b)] / med[('comm.allreduce', b)]:.2f}x"]
+        rows.append(row)
+    print(f"\n{nranks} ranks, float32 sum in place, microseconds per call (median of {args.rounds} "
+          "interleaved rounds), each path forced; 'fastest' among ours")
+    print(format_table(["size", *ALGORITHMS, "fastest", "comm vs MPICH"], rows))
+    for f in save(f"allreduce_algorithms_n{nranks}", {"ranks": nranks, "records": records}):
         print(f"wrote {f}")
 
 

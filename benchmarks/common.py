@@ -127,9 +127,10 @@ def report_from_rank0(payload: dict) -> None:
     print(_RESULTS_TAG + json.dumps(payload), flush=True)
 
 
-def rank_sweep_args(doc: str | None, argv: list[str] | None):
+def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = False):
     """The command line of a benchmark that sweeps message sizes over ranks: ``-n`` ranks,
-    ``--max-mib``, ``--rounds`` and the hidden ``--worker`` that :func:`run_ranks` passes."""
+    ``--max-mib``, ``--rounds`` and the hidden ``--worker`` that :func:`run_ranks` passes
+    (``algorithms``: also ``--algorithms``)."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,6 +138,8 @@ def rank_sweep_args(doc: str | None, argv: list[str] | None):
     p.add_argument("--max-mib", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    if algorithms:
+        p.add_argument("--algorithms", action="store_true", help="time each path, forced")
     return p.parse_args(argv)
 
 

@@ -13,15 +13,22 @@ NOTE [collective ordering]
        publish signature and data together (ShmTransport.oneshot).
 
 NOTE [transport selection]
-    ``Group._route`` is the only place that chooses. Under torchrun every collective goes over
-    Gloo. Under MPI: flat over MPI when MPI is forced or nodes differ in rank count; across
-    nodes, allreduce is hierarchical (shm on the node, MPI per part between nodes) and the other
-    collectives go over MPI; on one node, an allreduce of at most ``SMALL_BYTES`` is one
-    shared-memory barrier (the one-shot), one of ``_MPI_ALLREDUCE_BYTES`` or more goes over MPI
-    (MPI's own below ``RING_BYTES``, our ring above: fewer copies than through the segment,
-    measured by ``benchmarks.allreduce --algorithms``), except device-staged ones (their chunks
-    overlap the copies, NOTE [staging gate]) or with ``TERRAPIPE_COMM_BACKEND=shm``; the rest use
-    the segment. CUDA tensors go to NCCL before any of this (comm/nccl.py).
+    ``Group._route`` (with ``_oneshot_fits``) is the only place that chooses; the crossovers are
+    measured with ``python -m benchmarks.allreduce --algorithms -n 2`` / ``-n 4``.
+    1. CUDA tensors go to NCCL before any of this, when the group can use it (comm/nccl.py).
+    2. Under torchrun every collective goes over Gloo.
+    3. Under MPI, flat over MPI when MPI is forced or nodes differ in rank count.
+    4. Across nodes: allreduce is hierarchical (shm on the node, MPI per part between nodes),
+       the other collectives go over MPI.
+    5. On one node, an allreduce of at most ``SMALL_BYTES`` (512 KiB) is the one-shot: one
+       barrier, signature and data together (1.04-2.2x MPICH's Allreduce here, 2 and 4 ranks).
+    6. Larger ones go through our ring over MPI when every local rank has a core of its own:
+       one copy fewer than the segment (at 2 ranks here 1.3-1.5x the chunked segment from
+       1 MiB, 2.4x MPICH from 32 MiB). When ranks outnumber the node's cores, each ring step
+       waits for a neighbour to be scheduled (at 4 ranks on 2 cores the ring took 3x the
+       segment's time at 1 MiB), so the chunked segment carries them, as it does device-staged
+       allreduces (their chunks overlap the copies, NOTE [staging gate] in shm.py) and
+       everything under ``TERRAPIPE_COMM_BACKEND=shm``.
 """
 
 from __future__ import annotations
@@ -47,8 +54,6 @@ _COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "r
          "nccl_allreduce": 10, "nccl_broadcast": 11, "nccl_allgather": 12}
 _CODE_DTYPE = {v: k for k, v in DTYPE_CODES.items()}
 _CODE_OP = {v: k for k, v in kreduce.OPS.items()}
-# From this many bytes an allreduce on one node goes over MPI (NOTE [transport selection]).
-_MPI_ALLREDUCE_BYTES = int(os.environ.get("TERRAPIPE_MPI_ALLREDUCE_BYTES", 1 << 20))
 
 
 class Handle:
@@ -94,6 +99,10 @@ class Group:
             shared.Free()
         node = mpi_comm.Split(color, key=self.rank)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        # Cores this node's ranks may run on: the union of their affinity masks (ranks bound
+        # to one core each still count every core).
+        cores = set().union(*node.allgather(sorted(os.sched_getaffinity(0))))
+        self.oversubscribed = self.local_size > len(cores)
         cross = mpi_comm.Split(self.local_rank, key=self.rank)
         colors = mpi_comm.allgather(color)
         self.nnodes = len(set(colors))
@@ -144,6 +153,7 @@ class Group:
         self.shm: ShmTransport | None = None
         self.mpi = self.gloo = self._cross = self.control = None
         self.uniform = True
+        self.oversubscribed = False
         self.staging_pool = None  # comm/staging.py: pinned buffers and side streams, made on demand
         self.nccl = None  # comm/nccl.py: None (undecided), False (staged) or its NcclTransport
         self._small_entries: dict[tuple, tuple | None] = {}  # allreduce_small's plans
@@ -279,14 +289,13 @@ class Group:
         raise CollectiveMismatchError(f"{coll}: ranks called it differently: {lines}")
 
     # -- NOTE [transport selection] ----------------------------------------------------------------
-    def _route(self, coll: str, nbytes: int, gate=NO_GATE) -> Transport:
+    def _route(self, coll: str, gate=NO_GATE) -> Transport:
         if self.gloo is not None:
             return self.gloo
         if self.force_mpi or not self.uniform:
             return self.mpi
         if coll == "allreduce":
-            if (self.nnodes == 1 and nbytes >= _MPI_ALLREDUCE_BYTES and gate is NO_GATE
-                    and not self.force_shm):
+            if self.nnodes == 1 and not self.oversubscribed and gate is NO_GATE and not self.force_shm:
                 return self.mpi
             return self.shm
         return self.mpi if self.nnodes > 1 else self.shm
@@ -335,7 +344,7 @@ class Group:
             gate.wrote(fs.n)
             return
         self.agree(coll, op, sig_buf)
-        self._route("allreduce", nbytes, gate).allreduce(fs, fd, op, rows_dtype, rkind, ckind, gate=gate)
+        self._route("allreduce", gate).allreduce(fs, fd, op, rows_dtype, rkind, ckind, gate=gate)
 
     def allreduce_small(self, x: np.ndarray, op: int, coll: str = "allreduce", ckind: int = 0,
                         sig_shape: tuple | None = None) -> bool:
@@ -346,17 +355,17 @@ class Group:
         ``sig_shape``: the shape the signature names (default ``x.shape``). Same signature and
         step accounting as the general small path, so ranks may mix the two."""
         key = (x.dtype, x.shape, op, coll, ckind)
-        entry = self._small_entries.get(key)
-        if entry is None:
+        plan = self._small_entries.get(key)
+        if plan is None:
             if len(self._small_entries) > 1024:
                 self._small_entries.clear()
-            entry = self._small_entries[key] = self._small_entry(
+            plan = self._small_entries[key] = self._small_plan(
                 x.dtype, x.size, op, coll, ckind, x.shape if sig_shape is None else sig_shape)
-        if not entry or self._pending or not x.flags.c_contiguous:
+        if not plan or self._pending or not x.flags.c_contiguous:
             return False
-        sig, dtype, kind, check = entry
+        call, as16 = plan
         flat = x.reshape(-1)
-        if kind and not ckind:
+        if as16:
             flat = flat.view(np.uint16)
         with self._state:
             if self._pending:
@@ -365,26 +374,32 @@ class Group:
         try:
             if self._failed:
                 raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
-            self._guarded(self.shm.oneshot, flat, flat, dtype, op, kind, coll, sig, check)
+            call(flat, flat)
+        except CollectiveTimeoutError as e:
+            self._failed = str(e)
+            raise
         finally:
             self._exec.release()
         return True
 
-    def _small_entry(self, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, shape: tuple):
+    def _small_plan(self, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, shape: tuple):
+        """(the one-shot call with everything but the arrays fixed, whether the array is passed
+        as uint16 bits), or False when such an allreduce does not take the latency path."""
         name = dtype.name
         kind = ckind or (F16 if name == "float16" else 0)
         rows_dtype = np.dtype(np.uint16) if kind else dtype
         if (self.size == 1 or name not in ("float32", "float64", "int32", "int64", "float16")
                 or (ckind and name != "float32") or not self._oneshot_fits(size * rows_dtype.itemsize)):
             return False
-        return (self._signature_of(coll, op, name, size, tuple(shape), -1), rows_dtype, kind,
-                functools.partial(self._mismatch, coll))
+        sig = self._signature_of(coll, op, name, size, tuple(shape), -1)
+        call = self.shm.oneshot_plan(rows_dtype, op, kind, coll, sig, functools.partial(self._mismatch, coll))
+        return call, bool(kind and not ckind)
 
     # -- the other collectives: the one-rank shortcut and the agreement, once; then the data ------
     def broadcast_flat(self, buf: Buffer, root: int) -> None:
         if self.size > 1:
             self.agree("broadcast", 0, buf, root)
-            self._route("broadcast", buf.flat.nbytes).broadcast(buf.flat, root)
+            self._route("broadcast").broadcast(buf.flat, root)
 
     def allgather_flat(self, buf: Buffer, out: np.ndarray, root: int = -1) -> None:
         """out: (size, n) flat rows; ``root`` >= 0 makes it a gather (only root fills out)."""
@@ -393,7 +408,7 @@ class Group:
             return
         coll = "gather" if root >= 0 else "allgather"
         self.agree(coll, 0, buf, root)
-        self._route(coll, buf.flat.nbytes).allgather(buf.flat, out, root)
+        self._route(coll).allgather(buf.flat, out, root)
 
     def scatter_flat(self, full: Buffer, out: np.ndarray, root: int) -> None:
         """full: (size * n) on every rank (read on root only); out: this rank's n elements."""
@@ -401,7 +416,7 @@ class Group:
             out[...] = full.flat[:out.shape[0]]
             return
         self.agree("scatter", 0, full, root)
-        self._route("scatter", full.flat.nbytes).scatter(full.flat, out, root)
+        self._route("scatter").scatter(full.flat, out, root)
 
     def reduce_scatter_flat(self, buf: Buffer, out: np.ndarray, op: int) -> None:
         """out: this rank's part (np.array_split over ranks) of the reduced flat buffer."""
@@ -409,20 +424,20 @@ class Group:
             out[...] = buf.flat
             return
         self.agree("reduce_scatter", op, buf)
-        self._route("reduce_scatter", buf.flat.nbytes).reduce_scatter(buf.flat, out, op, buf.kind)
+        self._route("reduce_scatter").reduce_scatter(buf.flat, out, op, buf.kind)
 
     def reduce_flat(self, buf: Buffer, op: int, root: int) -> None:
         if self.size == 1:
             return
         self.agree("reduce", op, buf, root)
         tmp = buf.flat if self.rank == root else np.empty_like(buf.flat)
-        self._route("allreduce", buf.flat.nbytes).allreduce(
+        self._route("allreduce").allreduce(
             Fused([buf.flat]), Fused([tmp]), op, buf.flat.dtype, buf.kind, root=root)
 
     def barrier(self) -> None:
         if self.size > 1:
             self.agree("barrier")
-            self._route("barrier", 0).barrier()
+            self._route("barrier").barrier()
 
     def send(self, buf: Buffer, dest: int, tag: int) -> None:
         if self.size == 1:

@@ -122,10 +122,12 @@ class MpiTransport(Transport):
             dsts.write(0, buf, ckind)
         gate.wrote(srcs.n)
 
-    def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
+    def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str,
+                        ring: bool | None = None) -> None:
         """In place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``); ``avg`` sums (the
-        caller divides, by the size of the whole group when this is its cross-node part)."""
-        if buf.nbytes >= RING_BYTES:
+        caller divides, by the size of the whole group when this is its cross-node part).
+        ``ring``: our ring (True) or MPI's own allreduce (False); default by RING_BYTES."""
+        if ring if ring is not None else buf.nbytes >= RING_BYTES:
             ring_allreduce(self.ring_comm, buf, op, kind,
                            lambda req, w, peer: self.wait(req, f"{what}: {w}", peer), self._done_sends)
         elif kind:

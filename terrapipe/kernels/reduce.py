@@ -57,6 +57,9 @@ TILE = 2048
 
 def op_code(op: str | int) -> int:
     """Map an op name (``"sum"``, ``"avg"``, ``"min"``, ``"max"``, ``"prod"``) to its code."""
+    code = OPS.get(op) if isinstance(op, str) else None
+    if code is not None:  # the common case first: a lower-case name
+        return code
     if isinstance(op, (int, np.integer)) and int(op) in OPS.values():
         return int(op)
     try:

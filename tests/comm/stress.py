@@ -3,8 +3,8 @@
 Every rank draws the same schedule from one seed: allreduce (sum, avg, max), broadcast,
 allgather, reduce_scatter and jit_allreduce, sync and async mixed with up to ``outstanding``
 async operations in flight, NumPy arrays and torch tensors, sizes across every path threshold
-of comm/group.py (the one-shot path at 64 KiB, the shared-memory row halves at 512 KiB, the ring
-at 1 MiB) with odd lengths on both sides, up to ``max_bytes``. Inputs are small integers in
+of comm (the one-shot allreduce up to 512 KiB, which is also the shared-memory row half, the
+ring from 1 MiB, the old one-shot limit at 64 KiB) with odd lengths on both sides, up to ``max_bytes``. Inputs are small integers in
 float32 (and int64, bfloat16), so every sum is exact and each result is compared bit for bit.
 
     python -m tests.comm.stress --minutes 5          # under mpiexec: the soak (make soak)
