@@ -3,8 +3,10 @@
     python -m benchmarks.allreduce -n 2 [--max-mib 256] [--rounds 5] [--algorithms]
 
 Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
-``--max-mib``), in each round and interleaved: ``comm.jit_allreduce`` (torch tensor),
-``comm.allreduce`` (NumPy array), our chunked ring over MPI point-to-point (the path
+``--max-mib``), in each round and interleaved: ``comm.jit_allreduce`` of a gradient bucket (a
+torch tensor over the memory DistributedGradients allocates for its buckets: NumPy's, 2 MiB
+pages) and of a plain ``torch.ones`` tensor (PyTorch's allocator, 4 KiB pages unless
+THP_MEM_ALLOC_ENABLE=1), ``comm.allreduce`` (NumPy array), our chunked ring over MPI point-to-point (the path
 ``comm.allreduce`` takes between nodes and under ``backend="mpi"`` from 1 MiB),
 ``MPI.COMM_WORLD.Allreduce`` in place, and ``torch.distributed.all_reduce`` over Gloo, all
 summing in place. A sample is the slowest rank's time for a batch of calls. Reported: median
@@ -28,7 +30,8 @@ import numpy as np
 
 from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
-CASES = ("jit_allreduce", "comm.allreduce", "ring over MPI", "mpi Allreduce", "gloo all_reduce")
+CASES = ("jit_allreduce", "jit (torch.ones)", "comm.allreduce", "ring over MPI", "mpi Allreduce",
+         "gloo all_reduce")
 ALGORITHMS = ("shm one-shot", "shm chunked", "mpi transport: MPI's own", "comm.allreduce",
               "mpi transport: ring", "mpi Allreduce")
 
@@ -72,6 +75,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
 
     import terrapipe.comm as comm
     from terrapipe.comm.ring import ring_allreduce
+    from terrapipe.engine.gradients import bucket_buffer
     from terrapipe.kernels.reduce import SUM
 
     comm.init()
@@ -99,10 +103,12 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     for nbytes in sizes:
         n = nbytes // 4
         t = torch.ones(n)
+        bucket = bucket_buffer(n, torch.float32, torch.device("cpu")).fill_(1.0)
         a = np.ones(n, np.float32)
         reps = max(1, min(200, (8 << 20) // nbytes))
         fns = {
-            "jit_allreduce": lambda t=t: comm.jit_allreduce(t, op="sum"),
+            "jit_allreduce": lambda b=bucket: comm.jit_allreduce(b, op="sum"),
+            "jit (torch.ones)": lambda t=t: comm.jit_allreduce(t, op="sum"),
             "comm.allreduce": lambda a=a: comm.allreduce(a, "sum"),
             "ring over MPI": lambda a=a: ring_allreduce(ring_comm, a, SUM, 0,
                                                         lambda req, _w, _p: req.Wait(), pending),
@@ -116,6 +122,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
         for _ in range(rounds):
             for name, fn in fns.items():
                 t.fill_(1.0)
+                bucket.fill_(1.0)
                 a.fill(1.0)
                 mpi.Barrier()
                 start = time.perf_counter()

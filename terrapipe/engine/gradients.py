@@ -33,7 +33,7 @@ import torch
 from .. import comm
 from ..comm import nccl
 
-__all__ = ["DistributedGradients"]
+__all__ = ["DistributedGradients", "bucket_buffer"]
 
 _BACKENDS = ("auto", "jit", "nccl")
 
@@ -101,7 +101,7 @@ class DistributedGradients:
         self._bucket_flats: list[torch.Tensor] = []
         if self.as_views:
             for bucket in self.buckets:
-                flat = _flat_buffer(sum(p.numel() for p in bucket), bucket[0].dtype, bucket[0].device)
+                flat = bucket_buffer(sum(p.numel() for p in bucket), bucket[0].dtype, bucket[0].device)
                 self._bucket_flats.append(flat)
                 o = 0
                 for p in bucket:
@@ -236,7 +236,7 @@ class DistributedGradients:
         self._hooks = []
 
 
-def _flat_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def bucket_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat bucket buffer of ``n`` elements: on the host, memory from NumPy's allocator (2 MiB
     pages for large arrays: NOTE [gradients as bucket views] 1), viewed as ``dtype``."""
     if device.type != "cpu":
