@@ -9,7 +9,7 @@ STAMP       := $(VENV)/.terrapipe-installed
 TORCH_SPEC  ?= torch==2.13.0
 PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test soak bench lint clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,13 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+# Not in CI: the collectives' stress schedule (tests/comm/stress.py) for SOAK_MINUTES at 2 and 4
+# ranks, up to 256 MiB, reporting operations run and resident memory growth per rank.
+SOAK_MINUTES ?= 5
+soak: setup
+	$(VENV)/bin/mpiexec -n 2 $(PY) -m tests.comm.stress --minutes $(SOAK_MINUTES)
+	$(VENV)/bin/mpiexec -n 4 $(PY) -m tests.comm.stress --minutes $(SOAK_MINUTES)
 
 bench: setup
 	$(PY) -m benchmarks.kernels
