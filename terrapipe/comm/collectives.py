@@ -7,7 +7,7 @@ Arrays and tensors may be non-contiguous (results are written back) or CUDA tens
 allreduce, broadcast and allgather where every rank can use it (comm/nccl.py), else copied
 through host memory (pinned and overlapped for jit_allreduce: comm/staging.py). Ranks must
 call collectives in the same order with matching arguments; otherwise every rank raises
-CollectiveMismatchError (see NOTE [collective ordering]).
+CollectiveMismatchError (see NOTE [collective ordering] in group.py).
 """
 
 from __future__ import annotations

@@ -67,19 +67,23 @@ class MpiTransport(Transport):
         spins = 0
         while not Testall(reqs):
             spins += 1
-            if spins > _SPINS_BEFORE_YIELD:
-                os.sched_yield()  # ranks may outnumber cores
-                if spins % 256 == 0 and time.monotonic() - start > self.timeout:
-                    for req in reqs:
-                        try:
-                            req.Cancel()
-                        except self._MPI.Exception:
-                            pass  # a collective's request cannot be cancelled; it is abandoned
-                    late, why = self._late_ranks(peer)
-                    names = ", ".join(f"rank {r}" for r in late)
-                    raise CollectiveTimeoutError(
-                        f"{what}: timed out after {self.timeout:g}s in MPI waiting for {names} ({why})",
-                        late)
+            if spins <= _SPINS_BEFORE_YIELD:
+                continue
+            os.sched_yield()  # ranks may outnumber cores
+            if spins % 256:
+                continue
+            hint = self._late_hint()
+            died = hint is not None and hint[1] == "died"  # no use waiting out the timeout
+            if died or time.monotonic() - start > self.timeout:
+                for req in reqs:
+                    try:
+                        req.Cancel()
+                    except self._MPI.Exception:
+                        pass  # a collective's request cannot be cancelled; it is abandoned
+                late, why = hint if died else self._late_ranks(peer)
+                names = ", ".join(f"rank {r}" for r in late)
+                cause = "a peer died" if died else f"timed out after {self.timeout:g}s"
+                raise CollectiveTimeoutError(f"{what}: {cause} in MPI waiting for {names} ({why})", late)
 
     def _late_ranks(self, peer: int | None) -> tuple[list[int], str]:
         hint = self._late_hint()

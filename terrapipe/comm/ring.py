@@ -1,8 +1,9 @@
 """Chunked ring allreduce over MPI point-to-point, reducing received chunks with the JIT kernels.
 
-Used for large messages between nodes (one rank per node per part, NOTE [row halves] in
-group.py) and when every collective is forced through MPI. Bandwidth-optimal: each rank sends
-and receives 2 (p - 1) / p of the buffer, whatever p.
+Used by the MPI transport (comm/mpi.py): for large allreduces on one node when each rank has a
+core, between nodes for the parts of the hierarchical allreduce, and whenever collectives go
+flat over MPI (NOTE [transport selection] in group.py). Bandwidth-optimal: each rank sends and
+receives 2 (p - 1) / p of the buffer, whatever p.
 
 NOTE [ring schedule]
     The buffer is cut into p segments (:func:`segments`). Reduce-scatter: at step s = 0 .. p-2, rank r

@@ -116,7 +116,7 @@ class DistributedGradients:
         self._ready = [0] * len(self.buckets)
         self._next = 0  # first bucket not yet launched
         self._handles: list = []  # comm.Handle, or _FlatBucket for "nccl"
-        self._flats: dict[int, torch.Tensor] = {}  # "nccl": each bucket's device buffer, made once
+        self._wire_flats: dict[int, torch.Tensor] = {}  # NCCL + compression: 16-bit buffers, made once
         self._passes = 0
         self._skip = False
         self.synchronized = False  # every bucket reduced, and no backward since
@@ -145,22 +145,21 @@ class DistributedGradients:
             self._next += 1
 
     def _launch(self, b: int) -> None:
-        grads = []
-        for p in self.buckets[b]:
-            if self.as_views:
-                view = self._views[id(p)]
-                if p.grad is None:  # no gradient on this rank: it contributes zeros
-                    view.zero_()
-                    p.grad = view
-                elif p.grad.data_ptr() != view.data_ptr():  # made outside the hook (no_sync)
-                    view.copy_(p.grad)
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
         if not self.as_views:
-            self._handles.append(self._launch_flat(b, grads))
-        elif self.backend == "nccl":
+            for p in self.buckets[b]:
+                if p.grad is None:  # no gradient on this rank: it contributes zeros
+                    p.grad = torch.zeros_like(p)
+            self._handles.append(self._launch_wire(b, [p.grad for p in self.buckets[b]]))
+            return
+        for p in self.buckets[b]:
+            view = self._views[id(p)]
+            if p.grad is None:  # no gradient on this rank: it contributes zeros
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():  # made outside the hook (no_sync)
+                view.copy_(p.grad)
+                p.grad = view
+        if self.backend == "nccl":
             self._handles.append(comm.allreduce(self._bucket_flats[b], op=self.op, async_op=True,
                                                 group=self.group))
         else:
@@ -168,13 +167,14 @@ class DistributedGradients:
                                                     compression=self.compression, async_op=True,
                                                     group=self.group))
 
-    def _launch_flat(self, b: int, grads: list[torch.Tensor]) -> _FlatBucket:
-        flat = self._flats.get(b)
+    def _launch_wire(self, b: int, grads: list[torch.Tensor]) -> _FlatBucket:
+        """NCCL with compression: the gradients copied into the bucket's 16-bit device buffer."""
+        flat = self._wire_flats.get(b)
         if flat is None:
             dtype = grads[0].dtype
             if self.compression and dtype == torch.float32:
                 dtype = torch.bfloat16 if self.compression == "bf16" else torch.float16
-            flat = self._flats[b] = torch.empty(sum(g.numel() for g in grads), dtype=dtype,
+            flat = self._wire_flats[b] = torch.empty(sum(g.numel() for g in grads), dtype=dtype,
                                                 device=grads[0].device)
         o = 0
         for g in grads:  # on the current stream: the one backward produced the gradient on
@@ -217,17 +217,20 @@ class DistributedGradients:
             raise RuntimeError("zero_grad() while gradient reductions are in flight: call "
                                "synchronize() (or optimizer.step()) first")
         self.synchronized = False
-        if not set_to_none and self.as_views:
+        params = [p for bucket in self.buckets for p in bucket]
+        if set_to_none:
+            for p in params:
+                p.grad = None
+        elif self.as_views:
             for flat in self._bucket_flats:
                 flat.zero_()
-        for bucket in self.buckets:
-            for p in bucket:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None and not self.as_views:
-                    p.grad.zero_()
-                elif p.grad is not None and p.grad.data_ptr() != self._views[id(p)].data_ptr():
+            for p in params:
+                if p.grad is not None:
                     p.grad = self._views[id(p)]
+        else:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
 
     def remove(self) -> None:
         """Detach the hooks from the model."""

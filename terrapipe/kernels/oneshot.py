@@ -18,7 +18,7 @@ Returns: ``-1`` done; ``r >= 0`` the signature of row ``r`` differs from row 0 (
 reduced); ``WAITING`` (-2) when a peer had not arrived within ``spins`` polls: the caller waits
 (looking at the clock and at its peers' liveness), checks the signatures and calls
 :func:`finish`. The row must not be written again before every peer has passed a later step
-(the caller alternates halves of the row: NOTE [row halves] in ``terrapipe.comm.group``).
+(the caller alternates halves of the row: NOTE [row halves] in ``terrapipe.comm.shm``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Every rank draws the same schedule from one seed: allreduce (sum, avg, max), bro
 allgather, reduce_scatter and jit_allreduce, sync and async mixed with up to ``outstanding``
 async operations in flight, NumPy arrays and torch tensors, sizes across every path threshold
 of comm (the one-shot allreduce up to 512 KiB, which is also the shared-memory row half, the
-ring from 1 MiB, the old one-shot limit at 64 KiB) with odd lengths on both sides, up to ``max_bytes``. Inputs are small integers in
-float32 (and int64, bfloat16), so every sum is exact and each result is compared bit for bit.
+ring from 1 MiB, the old one-shot limit at 64 KiB) with odd lengths on both sides, up to
+``max_bytes``. Inputs are small integers in float32 (and int64, bfloat16), so every sum is
+exact and each result is compared bit for bit.
 
     python -m tests.comm.stress --minutes 5          # under mpiexec: the soak (make soak)
 """
@@ -66,11 +67,9 @@ def _same(got, want: np.ndarray, what: str) -> None:
         raise AssertionError(f"{what}: element {bad} is {got[bad]}, expected {want[bad]}")
 
 
-def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, outstanding: int = 8,
-        deadline: float | None = None) -> int:
+def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, outstanding: int = 8) -> int:
     """Issue ``n_ops`` collectives on ``group`` (every rank the same schedule) and check each.
-    Stops early at ``deadline`` (time.monotonic(); every rank must give the same ``n_ops``
-    when it is None). Returns the number of operations run."""
+    Returns the number of operations run."""
     r, p = group.rank, group.size
     sizes = [s for s in SIZES if s <= max_bytes]
     pattern = (np.arange(max(sizes) // 4 + 1) % _PATTERN_PERIOD).astype(np.float32)
@@ -78,12 +77,6 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
     inflight: deque[_Expect] = deque()
     done = 0
     for i in range(n_ops):
-        if deadline is not None:
-            # Every rank must stop at the same operation: agree on it with a tiny allreduce.
-            flag = np.array([time.monotonic() > deadline], np.int32)
-            comm.allreduce(flag, "max", group=group)
-            if flag[0]:
-                break
         kind = OPS[rng.integers(len(OPS))]
         nbytes = int(sizes[rng.integers(len(sizes))])
         if kind == "allgather":
@@ -165,18 +158,25 @@ def main() -> None:
     start = time.monotonic()
     deadline = start + 60 * args.minutes
     total, rounds, rss = 0, 0, []
-    while time.monotonic() < deadline:
-        for name, g in groups_under_test(world).items():
-            total += run(g, seed=rounds, n_ops=10**9 if name == "world" else 50,
-                         max_bytes=args.max_mib * MIB, deadline=deadline if name == "world" else None)
+    groups = groups_under_test(world)
+    while True:
+        for name, g in groups.items():
+            total += run(g, seed=rounds, n_ops=200 if name == "world" else 50, max_bytes=args.max_mib * MIB)
         rounds += 1
         rss.append(_rss_mib())
-        comm.barrier()
+        # Every rank stops after the same round: agree on it.
+        stop = np.array([time.monotonic() > deadline], np.int32)
+        comm.allreduce(stop, "max")
         if world.rank == 0:
             print(f"soak: round {rounds}, {total} operations, {time.monotonic() - start:.0f}s, "
                   f"resident {rss[-1]:.0f} MiB", flush=True)
+        if stop[0]:
+            break
     summary = np.array([total, rss[0], rss[-1], max_rss_mib()], np.float64)
     every = comm.allgather(summary)
+    for g in groups.values():
+        if g is not world:
+            g.close()
     if world.rank == 0:
         for q, (ops, first, last, peak) in enumerate(every):
             print(f"soak: rank {q}: {int(ops)} operations in {rounds} rounds, resident after round 1 "

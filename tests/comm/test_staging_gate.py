@@ -1,4 +1,4 @@
-"""The staging gate (NOTE [staging gate] in comm/group.py), checked on the host at 1, 2 and 4 ranks.
+"""The staging gate (NOTE [staging gate] in comm/shm.py), checked on the host at 1, 2 and 4 ranks.
 
 A stand-in for device memory: a source element shows up in the host views only when the
 reduction asks for it with ``ready``, and the result is "copied back" exactly as it is in the
