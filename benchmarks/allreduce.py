@@ -74,7 +74,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     from mpi4py import MPI
 
     import terrapipe.comm as comm
-    from terrapipe.comm.ring import ring_allreduce
+    from terrapipe.comm.ring import CHUNK_BYTES, ring_allreduce
     from terrapipe.engine.gradients import bucket_buffer
     from terrapipe.kernels.reduce import SUM
 
@@ -82,6 +82,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     mpi = MPI.COMM_WORLD
     ring_comm = mpi.Dup()
     pending: list = []  # the ring's done messages (NOTE [MPI progress] in comm/ring.py)
+    scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # its receive buffers, as the MPI transport keeps
     rank, p = mpi.rank, mpi.size
     port = None
     if rank == 0:
@@ -111,7 +112,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
             "jit (torch.ones)": lambda t=t: comm.jit_allreduce(t, op="sum"),
             "comm.allreduce": lambda a=a: comm.allreduce(a, "sum"),
             "ring over MPI": lambda a=a: ring_allreduce(ring_comm, a, SUM, 0,
-                                                        lambda req, _w, _p: req.Wait(), pending),
+                                                        lambda req, _w, _p: req.Wait(), pending, scratch),
             "mpi Allreduce": lambda a=a: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
             "gloo all_reduce": lambda t=t: dist.all_reduce(t),
         }

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..kernels import reduce as kreduce
 from .errors import CollectiveTimeoutError
-from .ring import ring_allreduce, segments
+from .ring import CHUNK_BYTES, ring_allreduce, segments
 from .transport import NO_GATE, Fused, Transport, divide
 
 __all__ = ["MpiTransport", "RING_BYTES"]
@@ -52,6 +52,7 @@ class MpiTransport(Transport):
         self.timeout = timeout
         self._late_hint = late_hint
         self._done_sends: list = []  # the ring's done messages not known complete (NOTE [MPI progress] 3)
+        self._ring_scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # the ring's receive buffers
         self._acc = np.empty(kreduce.TILE, np.float32)
 
     # -- waiting ------------------------------------------------------------------------------
@@ -133,7 +134,8 @@ class MpiTransport(Transport):
         ``ring``: our ring (True) or MPI's own allreduce (False); default by RING_BYTES."""
         if ring if ring is not None else buf.nbytes >= RING_BYTES:
             ring_allreduce(self.ring_comm, buf, op, kind,
-                           lambda req, w, peer: self.wait(req, f"{what}: {w}", peer), self._done_sends)
+                           lambda req, w, peer: self.wait(req, f"{what}: {w}", peer), self._done_sends,
+                           self._ring_scratch)
         elif kind:
             gathered = np.empty((self.size, buf.shape[0]), buf.dtype)
             self.wait(self.comm.Iallgather(buf, gathered), what)

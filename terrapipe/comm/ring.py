@@ -44,11 +44,14 @@ import numpy as np
 
 from ..kernels import reduce as kreduce
 
-__all__ = ["RING_TAG", "DONE_TAG", "ring_allreduce", "segments"]
+__all__ = ["RING_TAG", "DONE_TAG", "CHUNK_BYTES", "ring_allreduce", "segments"]
 
 RING_TAG = 7201
 DONE_TAG = 7202
-_CHUNK_BYTES = 256 << 10  # fits L2 beside the destination chunk; amortises per-message cost
+# Per-message cost (MPICH's rendezvous handshake) outweighs cache fit: at 2 ranks here 512 KiB
+# chunks ran 10-13% faster than 256 KiB from 1 to 64 MiB, and larger ones lose the overlap of
+# receiving and reducing at 16 MiB and up (benchmarks.allreduce; the sweep is in the README).
+CHUNK_BYTES = 512 << 10
 _EMPTY = np.empty(0, np.uint8)  # the done message: no payload, only its arrival counts
 
 
@@ -62,7 +65,7 @@ def segments(n: int, p: int) -> list[tuple[int, int]]:
 
 def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int,
                    wait: Callable[[object, str, int], None], pending: list,
-                   chunk_bytes: int = _CHUNK_BYTES) -> None:
+                   scratch: np.ndarray | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
     """In place: ``buf`` = op over every rank's ``buf`` (AVG sums; the caller divides).
 
     comm: an mpi4py communicator reserved for this traffic; buf: 1-D C-contiguous, native
@@ -71,7 +74,9 @@ def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int,
     completes an MPI request with rank ``peer`` of ``comm`` or raises (the caller's timeout).
     Same length and dtype on every rank.
     ``pending``: the caller's list of this communicator's outstanding done-message sends (NOTE
-    [MPI progress] 3); completed ones are dropped here, this call's is appended.
+    [MPI progress] 3); completed ones are dropped here, this call's is appended. ``scratch``:
+    uint8, at least 2 * ``chunk_bytes``, owned by the caller for the call: the two receive
+    buffers of the reduce-scatter (allocated per call when None: fresh pages, page faults).
     """
     p, r = comm.Get_size(), comm.Get_rank()
     n = buf.shape[0]
@@ -81,7 +86,11 @@ def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int,
     parts = segments(n, p)
     right, left = (r + 1) % p, (r - 1) % p
     chunk = max(1, chunk_bytes // buf.itemsize)
-    spare = [np.empty(min(chunk, parts[0][1] - parts[0][0]), buf.dtype) for _ in range(2)]
+    m = min(chunk, parts[0][1] - parts[0][0])
+    if scratch is None or scratch.shape[0] < 2 * chunk * buf.itemsize:
+        scratch = np.empty(2 * chunk * buf.itemsize, np.uint8)
+    half = chunk * buf.itemsize
+    spare = [scratch[k * half:(k + 1) * half].view(buf.dtype)[:m] for k in range(2)]
     for s in range(p - 1):
         _step(comm, buf, parts[(r - s) % p], parts[(r - s - 1) % p], right, left, chunk, spare,
               op, kind, wait, "reduce-scatter")
