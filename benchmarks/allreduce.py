@@ -14,7 +14,7 @@ algbw (bytes / time) and busbw (algbw x 2(p-1)/p), next to this machine's single
 memory-copy bandwidth (bytes copied per second, np.copyto of 64 MiB) measured in the same run.
 
 ``--algorithms`` times instead each path ``comm.allreduce`` can take on one node, forced, with
-the signature agreement every collective pays: the shared-memory one-shot (up to 64 KiB), the
+the signature agreement every collective pays: the shared-memory one-shot (up to its limit), the
 chunked shared-memory allreduce, MPI's own allreduce and our ring (both through the MPI
 transport), against MPICH's ``Allreduce`` and ``comm.allreduce`` itself; it prints the fastest
 path per size, which is what NOTE [transport selection] in comm/group.py encodes.
@@ -40,7 +40,6 @@ def _algorithm_cases(a: np.ndarray, mpi, MPI) -> dict:
     """Each path comm.allreduce can take for ``a`` (float32 sum in place), forced."""
     import terrapipe.comm as comm
     from terrapipe.comm.buffers import Buffer
-    from terrapipe.comm.shm import SMALL_BYTES
     from terrapipe.comm.transport import Fused
     from terrapipe.kernels.reduce import SUM
 
@@ -57,7 +56,7 @@ def _algorithm_cases(a: np.ndarray, mpi, MPI) -> dict:
         return call
 
     cases = {}
-    if a.nbytes <= SMALL_BYTES:
+    if a.nbytes <= g.shm.small_bytes:
         oneshot = g.shm.oneshot_plan(a.dtype, SUM, 0, "allreduce", sig, check)
         cases["shm one-shot"] = lambda: oneshot(a, a)
     cases["shm chunked"] = agreed(lambda: g.shm.allreduce(fused, fused, SUM, a.dtype, 0))
@@ -116,15 +115,17 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
             "mpi Allreduce": lambda a=a: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
             "gloo all_reduce": lambda t=t: dist.all_reduce(t),
         }
+        # The buffer each case reduces: refilled right before its sample, so that no case starts
+        # with its data hotter in cache than another's.
+        operand = {"jit_allreduce": bucket, "jit (torch.ones)": t, "gloo all_reduce": t}
         if algorithms:
             fns = _algorithm_cases(a, mpi, MPI)
         for fn in fns.values():
             fn()  # warm-up (compilation, connections, page faults)
         for _ in range(rounds):
             for name, fn in fns.items():
-                t.fill_(1.0)
-                bucket.fill_(1.0)
-                a.fill(1.0)
+                x = operand.get(name, a)
+                x.fill_(1.0) if isinstance(x, torch.Tensor) else x.fill(1.0)
                 mpi.Barrier()
                 start = time.perf_counter()
                 for _ in range(reps):

@@ -20,8 +20,10 @@ NOTE [transport selection]
     3. Under MPI, flat over MPI when MPI is forced or nodes differ in rank count.
     4. Across nodes: allreduce is hierarchical (shm on the node, MPI per part between nodes),
        the other collectives go over MPI.
-    5. On one node, an allreduce of at most ``SMALL_BYTES`` (512 KiB) is the one-shot: one
-       barrier, signature and data together (1.04-2.2x MPICH's Allreduce here, 2 and 4 ranks).
+    5. On one node, an allreduce of at most ``ShmTransport.small_bytes`` is the one-shot: one
+       barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
+       (2 MiB messages at 2 ranks, 1 MiB at 4: ``shm.ONESHOT_READ_BYTES``), where it beats
+       MPICH's Allreduce here (1.2-2x).
     6. Larger ones go through our ring over MPI when every local rank has a core of its own:
        one copy fewer than the segment (at 2 ranks here 1.3-1.5x the chunked segment from
        1 MiB, 2.4x MPICH from 32 MiB). When ranks outnumber the node's cores, each ring step
@@ -44,7 +46,7 @@ from ..kernels import reduce as kreduce
 from ..kernels.floats import F16, compress, decompress
 from .buffers import DTYPE_CODES, Buffer
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
-from .shm import SIG_WORDS, SMALL_BYTES, ShmTransport
+from .shm import SIG_WORDS, ShmTransport
 from .transport import NO_GATE, Fused, Transport
 
 __all__ = ["Group", "Handle", "NO_GATE"]
@@ -301,7 +303,8 @@ class Group:
         return self.mpi if self.nnodes > 1 else self.shm
 
     def _oneshot_fits(self, nbytes: int) -> bool:
-        return self.shm is not None and self.nnodes == 1 and not self.force_mpi and nbytes <= SMALL_BYTES
+        return (self.shm is not None and self.nnodes == 1 and not self.force_mpi
+                and nbytes <= self.shm.small_bytes)
 
     # -- allreduce -----------------------------------------------------------------------------
     def allreduce_views(self, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, kind: int,

@@ -52,7 +52,8 @@ from .errors import CollectiveTimeoutError
 from .ring import segments
 from .transport import NO_GATE, Fused, Transport, divide
 
-__all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "SMALL_BYTES"]
+__all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "row_bytes",
+           "oneshot_bytes"]
 
 PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
@@ -63,13 +64,28 @@ _SIG_COLS = (8, 32)  # the two signature slots (by step parity); column 0 is the
 # the usual wait when every rank has a core), then per round between yields.
 _FIRST_SPINS = 2000
 _ROUND_SPINS = 64
-# Bytes of each rank's row in the segment (two halves: NOTE [row halves]).
-_ROW_BYTES = int(os.environ.get("TERRAPIPE_SHM_ROW_BYTES", 1 << 20)) // 64 * 64
-# At or below this many bytes an allreduce is one barrier: data and signature are published
-# together and every rank reduces the whole message (latency over bandwidth). Up to a row half;
-# benchmarks.allreduce --algorithms: faster than MPICH's Allreduce up to 512 KiB at 2 and 4
-# ranks here (1.04-2.2x), where the chunked path pays two barriers per chunk.
-SMALL_BYTES = min(512 << 10, _ROW_BYTES // 2)
+# The one-shot allreduce (one barrier: data and signature published together, every rank reduces
+# the whole message) has each rank read p x n bytes; it beats MPICH's Allreduce and our other
+# paths while that stays within ONESHOT_READ_BYTES (measured here: at 2 ranks up to 2 MiB,
+# 279 vs 337 us, not at 4 MiB; at 4 ranks up to 1 MiB, 404 vs 619 us, not at 2 MiB).
+ONESHOT_READ_BYTES = 4 << 20
+# Each rank's row of the segment holds two halves (NOTE [row halves]), each one one-shot
+# message: p x row = 8 MiB per node whatever p, and at least 1 MiB a row.
+_SEGMENT_BYTES = 8 << 20
+_MIN_ROW_BYTES = 1 << 20
+
+
+def row_bytes(local_size: int) -> int:
+    """Bytes of each rank's row for a node of ``local_size`` ranks (TERRAPIPE_SHM_ROW_BYTES
+    overrides)."""
+    forced = os.environ.get("TERRAPIPE_SHM_ROW_BYTES")
+    row = int(forced) if forced else max(_MIN_ROW_BYTES, _SEGMENT_BYTES // max(local_size, 1))
+    return row // 64 * 64
+
+
+def oneshot_bytes(local_size: int, row: int) -> int:
+    """The largest allreduce (bytes as exchanged) the one-shot takes on such a node."""
+    return min(row // 2, ONESHOT_READ_BYTES // max(local_size, 1))
 # Polls before a one-shot allreduce leaves its compiled call to wait while yielding the core.
 _ONESHOT_SPINS = 2000
 
@@ -228,11 +244,13 @@ class ShmTransport(Transport):
         self.timeout = timeout
         self.cross = cross
         p = self.local_size
+        row = self.row_bytes = row_bytes(p)
+        self.small_bytes = oneshot_bytes(p, row)  # the one-shot's limit (NOTE [transport selection])
         board_bytes = Board.nbytes(p)
-        self.segment = Segment(node_comm, board_bytes + p * _ROW_BYTES)
+        self.segment = Segment(node_comm, board_bytes + p * row)
         self.board = Board(self.segment.buf[:board_bytes].view(np.int64), p, self.local_rank, node_ranks)
-        self._rows_u8 = self.segment.buf[board_bytes:board_bytes + p * _ROW_BYTES].reshape(p, _ROW_BYTES)
-        self._private_u8 = np.empty(_ROW_BYTES, np.uint8)
+        self._rows_u8 = self.segment.buf[board_bytes:board_bytes + p * row].reshape(p, row)
+        self._private_u8 = np.empty(row, np.uint8)
         self._acc = np.empty(kreduce.TILE, np.float32)
         self._plans: dict[tuple, object] = {}  # oneshot's plans
         self._half = 0
@@ -275,7 +293,7 @@ class ShmTransport(Transport):
             kreduce.reduce_many_native(mine, rows, op, offset, length)
 
     def _chunk_ranges(self, n: int, itemsize: int):
-        half = (_ROW_BYTES // itemsize) // 2
+        half = (self.row_bytes // itemsize) // 2
         for c0 in range(0, n, half):
             h = self._half * half
             self._half ^= 1
@@ -288,7 +306,7 @@ class ShmTransport(Transport):
         and signature are published together and every rank reduces the whole message into a
         private scratch row, never into its shared row, which the others are still reading.
         ``src``/``dst``: 1-D, ``dtype`` (the rows' dtype), or float32 over uint16 rows of 16-bit
-        format ``kind`` (sent rounded). One node only; at most SMALL_BYTES exchanged."""
+        format ``kind`` (sent rounded). One node only; at most ``small_bytes`` exchanged."""
         key = (dtype, op, kind, coll, sig.tobytes())
         plan = self._plans.get(key)
         if plan is None:

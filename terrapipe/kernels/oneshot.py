@@ -3,8 +3,10 @@
 For small messages the cost of an allreduce is its fixed overhead, not its bytes, so every step
 runs in one call: copy the message into this process's row, publish the collective's signature
 and a new step (release), poll until every peer reached the step (acquire), check that all
-signatures agree, reduce all rows into private scratch (every process reduces the whole message,
-so nobody waits a second time), divide for ``avg``, and copy the result out.
+signatures agree, and reduce all rows into the output (every process reduces the whole message,
+so nobody waits a second time; never into its shared row, which the others are still reading),
+dividing for ``avg``. Native rows are reduced straight into ``dst``; 16-bit rows go through
+private scratch and are then widened or copied out.
 
 Layouts: ``rows`` is the C-contiguous ``(p, row_len)`` array of the node's rows, the message
 occupies ``rows[:, h:h+n]``; ``board`` is the ``(p, words)`` int64 table of
@@ -27,7 +29,7 @@ from numba import njit, types
 from numba.extending import overload
 
 from .floats import compress, decompress
-from .reduce import divide_16, divide_float, divide_int, reduce_many_16, reduce_many_native
+from .reduce import divide_16, divide_float, divide_int, reduce_many_16, reduce_many_native, reduce_rows_into
 from .sync import publish_step, rows_equal, spin_until
 
 __all__ = ["WAITING", "oneshot_allreduce", "finish"]
@@ -80,6 +82,29 @@ def _reduce_rows_impl(scratch, rows, op, h, n, divisor, kind, acc):
     return native
 
 
+def _reduce_out(dst, rows, op, h, n, divisor, kind, scratch, acc):
+    """``dst[:n]`` = op over ``rows[:, h:h+n]`` (divided once by ``divisor`` when > 1)."""
+    raise NotImplementedError("compiled use only")
+
+
+@overload(_reduce_out, inline="always")
+def _reduce_out_impl(dst, rows, op, h, n, divisor, kind, scratch, acc):
+    if rows.dtype == dst.dtype and rows.dtype != types.uint16:
+        # Native: straight into dst, tile by tile (no second pass over a scratch row).
+        divide = divide_int if isinstance(rows.dtype, types.Integer) else divide_float
+
+        def direct(dst, rows, op, h, n, divisor, kind, scratch, acc):
+            reduce_rows_into(dst, rows, op, h, n)
+            if divisor > 1:
+                divide(dst, divisor, 0, n)
+        return direct
+
+    def staged(dst, rows, op, h, n, divisor, kind, scratch, acc):
+        _reduce_rows(scratch, rows, op, h, n, divisor, kind, acc)
+        _transfer(scratch[h:h + n], dst, kind)
+    return staged
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _meet(board, sig_col, me, sig, step, spins):
     steps = board[:, 0]
@@ -96,9 +121,7 @@ def finish(dst, rows, h, op, divisor, kind, scratch, acc):
     (float32/float64/int32/int64; floor division for integers) or uint16-held 16-bit floats of
     format ``kind`` accumulated in float32 and rounded once; a float32 ``dst`` over uint16 rows
     receives the widened result."""
-    n = dst.shape[0]
-    _reduce_rows(scratch, rows, op, h, n, divisor, kind, acc)
-    _transfer(scratch[h:h + n], dst, kind)
+    _reduce_out(dst, rows, op, h, dst.shape[0], divisor, kind, scratch, acc)
 
 
 @njit(nogil=True, cache=True)

@@ -28,6 +28,7 @@ __all__ = [
     "AVG",
     "OPS",
     "op_code",
+    "reduce_rows_into",
     "reduce_native",
     "reduce_16",
     "reduce_many_native",
@@ -160,6 +161,38 @@ def reduce_many_native(dst, srcs, op, offset, length):
             if r == first:
                 continue
             s = srcs[r, t0:t1]
+            if op == SUM or op == AVG:
+                for i in range(n):
+                    d[i] += s[i]
+            elif op == PROD:
+                for i in range(n):
+                    d[i] *= s[i]
+            elif op == MIN:
+                for i in range(n):
+                    d[i] = _combine(d[i], s[i], MIN)
+            else:
+                for i in range(n):
+                    d[i] = _combine(d[i], s[i], MAX)
+
+
+@njit(nogil=True, cache=True)
+def reduce_rows_into(dst, srcs, op, offset, length):
+    """``dst[j] = op(srcs[0, offset + j], ..., srcs[k-1, offset + j])`` for ``j < length``
+    (native dtypes): :func:`reduce_many_native` into an array of its own (a caller's output,
+    never one of the rows), so a result needs no second pass to reach it. ``dst``: 1-D, at
+    least ``length`` elements, written only there. Same tiling, same order of operations."""
+    k = srcs.shape[0]
+    if length == 0:
+        return
+    for t0 in range(0, length, TILE):
+        t1 = min(t0 + TILE, length)
+        n = t1 - t0
+        d = dst[t0:t1]
+        s0 = srcs[0, offset + t0:offset + t1]
+        for i in range(n):
+            d[i] = s0[i]
+        for r in range(1, k):
+            s = srcs[r, offset + t0:offset + t1]
             if op == SUM or op == AVG:
                 for i in range(n):
                     d[i] += s[i]

@@ -4,7 +4,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from terrapipe.kernels.reduce import TILE, divide, reduce_into, reduce_many_into
+from terrapipe.kernels.reduce import (
+    OPS as OP_CODES,
+)
+from terrapipe.kernels.reduce import (
+    TILE,
+    divide,
+    reduce_into,
+    reduce_many_into,
+    reduce_many_native,
+    reduce_rows_into,
+)
 
 NATIVE = [np.float32, np.float64, np.int32, np.int64]
 DTYPES = NATIVE + [np.float16, "bfloat16"]
@@ -98,6 +108,34 @@ def test_reduce_many_into_matches_numpy(n, k, dtype, op, data):
         ref = _NP[op].reduce(srcs, axis=0)
         np.testing.assert_allclose(dst[sl], ref[sl], rtol=1e-6 if dtype == np.float32 else 1e-12)
     assert not np.any(dst[:offset]) and not np.any(dst[offset + length:])
+
+
+@given(
+    n=st.integers(0, 2 * TILE + 3),
+    k=st.integers(1, 5),
+    dtype=st.sampled_from(NATIVE),
+    op=st.sampled_from(OPS),
+    data=st.data(),
+)
+def test_reduce_rows_into_equals_the_row_kernel_bit_for_bit(n, k, dtype, op, data):
+    # The one-shot allreduce writes its result with reduce_rows_into where it used a scratch row
+    # and a copy: the bytes must not change (ranks and paths are compared bit for bit).
+    rng = np.random.default_rng(n * 5 + k)
+    rows = _make(rng, n, dtype, k)
+    offset = data.draw(st.integers(0, n))
+    length = data.draw(st.integers(0, n - offset))
+    out = np.full(length + 3, 99, rows.dtype)  # longer than the result: the tail stays
+    reduce_rows_into(out, rows, OP_CODES[op], offset, length)
+    scratch = np.zeros(n, rows.dtype)
+    reduce_many_native(scratch, rows, OP_CODES[op], offset, length)
+    np.testing.assert_array_equal(out[:length], scratch[offset:offset + length])
+    if dtype in (np.int32, np.int64):
+        ref = _NP[op].reduce(rows.astype(np.int64), axis=0)[offset:offset + length].astype(dtype)
+        np.testing.assert_array_equal(out[:length], ref)
+    else:
+        np.testing.assert_allclose(out[:length], _NP[op].reduce(rows, axis=0)[offset:offset + length],
+                                   rtol=1e-6 if dtype == np.float32 else 1e-12)
+    assert np.all(out[length:] == 99)
 
 
 def test_reduce_many_aliasing_a_source_row():
