@@ -3,8 +3,9 @@
     python -m benchmarks.allreduce -n 2 [--max-mib 256] [--rounds 5] [--algorithms]
 
 Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
-``--max-mib``), in each round and interleaved: ``comm.jit_allreduce`` of a gradient bucket (a
-torch tensor over the memory DistributedGradients allocates for its buckets: NumPy's, 2 MiB
+``--max-mib``), interleaved, each round starting with the next case, each operand refilled
+(through NumPy) right before its sample: ``comm.jit_allreduce`` of a gradient bucket (a torch
+tensor over the memory DistributedGradients allocates for its buckets: NumPy's, 2 MiB
 pages) and of a plain ``torch.ones`` tensor (PyTorch's allocator, 4 KiB pages unless
 THP_MEM_ALLOC_ENABLE=1), ``comm.allreduce`` (NumPy array), our chunked ring over MPI point-to-point (the path
 ``comm.allreduce`` takes between nodes and under ``backend="mpi"`` from 1 MiB),
@@ -122,10 +123,16 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
             fns = _algorithm_cases(a, mpi, MPI)
         for fn in fns.values():
             fn()  # warm-up (compilation, connections, page faults)
-        for _ in range(rounds):
-            for name, fn in fns.items():
+        names = list(fns)
+        for k in range(rounds):
+            # Each round starts with another case: none always follows the same neighbour (Gloo's
+            # threads winding down, MPICH's own state) or always goes first.
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                fn = fns[name]
+                # Through NumPy for tensors too: torch's fill_ runs on its OpenMP threads, which go
+                # on spinning on a core beside whatever is timed next.
                 x = operand.get(name, a)
-                x.fill_(1.0) if isinstance(x, torch.Tensor) else x.fill(1.0)
+                (x.numpy() if isinstance(x, torch.Tensor) else x).fill(1.0)
                 mpi.Barrier()
                 start = time.perf_counter()
                 for _ in range(reps):

@@ -46,8 +46,8 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     CollectiveTimeoutError. ``TERRAPIPE_NODE_SIZE=k`` groups ranks k per node (to emulate
     several nodes on one machine). ``backend`` (or ``TERRAPIPE_COMM_BACKEND``) "mpi" routes every
     collective through MPI; "shm" keeps large allreduces on one node in shared memory, where
-    "auto" sends those above 512 KiB through the MPI ring when each rank has a core (NOTE
-    [transport selection] in group.py); "torch" joins over torch.distributed (Gloo). Also
+    "auto" sends those above the one-shot's limit through the MPI ring when each rank has a core
+    (NOTE [transport selection] in group.py); "torch" joins over torch.distributed (Gloo). Also
     exports RANK / WORLD_SIZE / LOCAL_RANK for libraries that read them (FastLoader's sharding
     defaults).
     """

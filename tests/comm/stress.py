@@ -5,8 +5,9 @@ allgather, reduce_scatter and jit_allreduce, sync and async mixed with up to ``o
 async operations in flight, NumPy arrays and torch tensors, sizes across every path threshold
 of comm (the one-shot allreduce up to 2 MiB at 2 ranks and 1 MiB at 4, which are also the
 shared-memory row halves; the ring's 512 KiB chunks and its 1 MiB start under forced MPI; the
-old one-shot limit at 64 KiB) with odd lengths on both sides, up to ``max_bytes``. Inputs are small integers in float32 (and int64, bfloat16), so every sum is
-exact and each result is compared bit for bit.
+old one-shot limit at 64 KiB) with odd lengths on both sides, up to ``max_bytes``. Inputs are
+small integers in float32 (and int64, bfloat16), so every sum is exact and each result is
+compared bit for bit.
 
     python -m tests.comm.stress --minutes 5          # under mpiexec: the soak (make soak)
 """
