@@ -38,6 +38,15 @@ def _int(value: str | None) -> int | None:
     return int(value)
 
 
+def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` set to an integer in ``env``, else None."""
+    for name in names:
+        value = _int(env.get(name))
+        if value is not None:
+            return value
+    return None
+
+
 def mpi_launched(env: Mapping[str, str] = os.environ) -> bool:
     """True when an MPI launcher (mpiexec, ``terrapipe run``) started this process."""
     return any(k in env for k in _MPI_VARS)
@@ -66,20 +75,12 @@ def world(env: Mapping[str, str] = os.environ) -> tuple[int, int]:
 
 def local_rank(env: Mapping[str, str] = os.environ) -> int | None:
     """This process's rank on its node; None if no launcher said."""
-    for name in _LOCAL_RANK_VARS:
-        value = _int(env.get(name))
-        if value is not None:
-            return value
-    return None
+    return _first_int(env, _LOCAL_RANK_VARS)
 
 
 def local_size(env: Mapping[str, str] = os.environ) -> int | None:
     """How many ranks run on this node; None if no launcher said."""
-    for name in _LOCAL_SIZE_VARS:
-        value = _int(env.get(name))
-        if value is not None:
-            return value
-    return None
+    return _first_int(env, _LOCAL_SIZE_VARS)
 
 
 def mpiexec_path() -> str | None:

@@ -307,18 +307,22 @@ class ShmTransport(Transport):
         private scratch row, never into its shared row, which the others are still reading.
         ``src``/``dst``: 1-D, ``dtype`` (the rows' dtype), or float32 over uint16 rows of 16-bit
         format ``kind`` (sent rounded). One node only; at most ``small_bytes`` exchanged."""
+        self.oneshot_plan(dtype, op, kind, coll, sig, check)(src, dst)
+
+    def oneshot_plan(self, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check):
+        """:meth:`oneshot` with everything but the arrays fixed: a function ``(src, dst)``, one
+        per signature (kept here for the general path and the latency path alike,
+        Group.allreduce_small), which calls the compiled overload directly once it knows the
+        argument types (skipping Numba's per-call type dispatch)."""
         key = (dtype, op, kind, coll, sig.tobytes())
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) > 256:
                 self._plans.clear()
-            plan = self._plans[key] = self.oneshot_plan(dtype, op, kind, coll, sig, check)
-        plan(src, dst)
+            plan = self._plans[key] = self._build_plan(dtype, op, kind, coll, sig, check)
+        return plan
 
-    def oneshot_plan(self, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check):
-        """:meth:`oneshot` with everything but the arrays fixed: a function ``(src, dst)`` for
-        the latency path (Group.allreduce_small), which calls the compiled overload directly once
-        it knows the argument types (skipping Numba's per-call type dispatch)."""
+    def _build_plan(self, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check):
         rows, scratch = self._rows_u8.view(dtype), self._private_u8.view(dtype)
         half = rows.shape[1] // 2
         board, me, acc = self.board, self.local_rank, self._acc
