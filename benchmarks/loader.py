@@ -1,6 +1,7 @@
 """FastLoader vs torch DataLoader (+ Pillow transforms) vs decode alone, on the same JPEGs.
 
-    python -m benchmarks.loader [--data DIR] [--images N] [--batch 256] [--batches B] [--rounds 3]
+    python -m benchmarks.loader [--source folder|shards] [--data DIR] [--images N] [--batch 256]
+                                [--batches B] [--rounds 3]
 
 If DIR has no images, an ImageNet-like set is generated there first (benchmarks/data.py). The
 cases share one epoch: ``--batches`` x ``--batch`` files of DIR, in a fixed mixed-class order.
@@ -24,6 +25,16 @@ Cases, all producing float32 NCHW 224x224 normalized batches from the same files
   are started again every epoch, and that start-up is part of the epoch's time;
 * decode: Pillow decoding each file at full resolution on N threads, nothing else (the ceiling:
   no crop, resize, copy or collation).
+
+``--source shards`` packs the same images, in the same order, into WebDataset-layout tar shards
+(``terrapipe.pipeline.write_shards``, 16 shards, cached beside DIR) and measures:
+* fastloader: FastLoader on ``TarShards`` (one ``pread`` per sample);
+* fastloader-folder: FastLoader on the same files as a folder (the "at least as fast" target);
+* dataloader / dataloader-defaults: the DataLoader reading the same shards as WebDataset reads
+  them (each worker streams whole shards, a 1000-sample shuffle buffer, Pillow decode, the same
+  transforms, batches built in the workers) when the ``webdataset`` package is installed; else
+  the folder DataLoader above;
+* decode: as above, on the files.
 """
 
 from __future__ import annotations
@@ -42,7 +53,14 @@ import torch
 from PIL import Image
 
 from terrapipe import FastLoader
-from terrapipe.pipeline import ImageFolder, Normalize, RandomHorizontalFlip, RandomResizedCrop
+from terrapipe.pipeline import (
+    ImageFolder,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    TarShards,
+    write_shards,
+)
 
 from .common import format_table, save
 from .data import make_image_folder
@@ -116,6 +134,34 @@ class _Subset:
         return self.ds.describe(self.order[i])
 
 
+def _shards_of(data: Path, picked: list[tuple[str, int]], n_shards: int = 16) -> list[str]:
+    """``picked`` packed into ``n_shards`` tar shards (cached: rebuilt only if the list changes)."""
+    out = data.parent / f"{data.name}-shards-{len(picked)}"
+    manifest = out / "manifest.txt"
+    want = "\n".join(f"{p}\t{label}" for p, label in picked)
+    paths = sorted(str(p) for p in out.glob("bench-*.tar"))
+    if manifest.exists() and manifest.read_text() == want and paths:
+        return paths
+    for p in out.glob("bench-*"):
+        p.unlink()
+    paths = write_shards(picked, out, prefix="bench", samples_per_shard=math.ceil(len(picked) / n_shards))
+    manifest.write_text(want)
+    return paths
+
+
+def _webdataset_loader(shards: list[str], transform, batch: int, workers: int, persistent: bool):
+    """The DataLoader as WebDataset's documentation sets it up, or None without webdataset."""
+    try:
+        import webdataset as wds
+    except ImportError:
+        return None
+    ds = (wds.WebDataset(shards, shardshuffle=len(shards), empty_check=False)
+          .shuffle(1000).decode("pil").to_tuple("jpg;jpeg;png", "cls")
+          .map_tuple(transform, int).batched(batch, partial=True))
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+                                       persistent_workers=persistent and workers > 0)
+
+
 def _epoch_rate(batches) -> float:
     """img/s over one whole epoch, from ``iter()`` to exhaustion (what a training epoch pays)."""
     t = time.perf_counter()
@@ -125,7 +171,8 @@ def _epoch_rate(batches) -> float:
     return n / (time.perf_counter() - t)
 
 
-def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, threads: list[int]) -> dict:
+def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, threads: list[int],
+        source: str = "folder") -> dict:
     make_image_folder(data, images)
     folder = ImageFolder(data)
     need = n_batches * batch
@@ -136,20 +183,31 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
     files = [p for p, _ in picked]
     transform, baseline_kind = _torchvision_transform()
     tds = _TorchDataset(picked, transform)
+    shards = _shards_of(data, picked) if source == "shards" else None
+    baseline_source = "folder"
 
-    loaders, dls, fresh, pools = {}, {}, {}, {}
+    loaders, folder_loaders, dls, fresh, pools = {}, {}, {}, {}, {}
     # DataLoader workers are forked first: forked after the FastLoaders' batch buffers exist,
     # they would share those pages copy-on-write, and FastLoader's next pass would pay a page
     # copy per 4 KiB it writes (a third of its rate in the first round, seen on 2 cores).
     for n in threads:
-        dls[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n,
-                                             persistent_workers=True, prefetch_factor=2)
+        wds_dl = _webdataset_loader(shards, transform, batch, n, True) if shards else None
+        if wds_dl is not None:
+            baseline_source = "shards (webdataset)"
+            dls[n] = wds_dl
+            fresh[n] = _webdataset_loader(shards, transform, batch, n, False)
+        else:
+            dls[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n,
+                                                 persistent_workers=True, prefetch_factor=2)
+            # What most training scripts write: workers started (forked) again every epoch.
+            fresh[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n)
         _epoch_rate(dls[n])  # warm-up (starts the workers), untimed
-        # What most training scripts write: workers started (forked) again every epoch.
-        fresh[n] = torch.utils.data.DataLoader(tds, batch_size=batch, shuffle=True, num_workers=n)
+    tf = [RandomResizedCrop(224), RandomHorizontalFlip(), Normalize(MEAN, STD)]
     for n in threads:
-        loaders[n] = FastLoader(ds, [RandomResizedCrop(224), RandomHorizontalFlip(), Normalize(MEAN, STD)],
-                                batch_size=batch, shuffle=True, num_threads=n, prefetch=3)
+        loaders[n] = FastLoader(TarShards(shards) if shards else ds, tf, batch_size=batch, shuffle=True,
+                                num_threads=n, prefetch=3)
+        if shards:
+            folder_loaders[n] = FastLoader(ds, tf, batch_size=batch, shuffle=True, num_threads=n, prefetch=3)
         pools[n] = ThreadPoolExecutor(n)
 
     def decode_batches(n):
@@ -166,8 +224,12 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
             yield torch.empty(len(arrs)), None
 
     def cases(n):
-        return (("fastloader", lambda: loaders[n]), ("dataloader", lambda: dls[n]),
-                ("dataloader-defaults", lambda: fresh[n]), ("decode", lambda: decode_batches(n)))
+        both = (("fastloader", lambda: loaders[n]),)
+        if shards:
+            both += (("fastloader-folder", lambda: folder_loaders[n]),)
+        return both + (("dataloader", lambda: dls[n]), ("dataloader-defaults", lambda: fresh[n]),
+                       ("decode", lambda: decode_batches(n)))
+    names = tuple(c for c, _ in cases(threads[0]))
 
     for n in threads:
         for case, make in cases(n):
@@ -177,36 +239,41 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
     for r in range(rounds):
         for n in threads:
             for case, make in cases(n):
-                if case == "fastloader":
-                    loaders[n].set_epoch(r)
+                if case.startswith("fastloader"):
+                    make().set_epoch(r)
                 rate = _epoch_rate(make())
                 samples.setdefault((case, n), []).append(rate)
                 print(f"round {r + 1}/{rounds} threads={n} {case:19s} {rate:7.0f} img/s", flush=True)
     for n in threads:
         loaders[n].close()
+        if shards:
+            folder_loaders[n].close()
         pools[n].shutdown()
         del dls[n], fresh[n]
 
     rows, records = [], []
-    names = ("fastloader", "dataloader", "dataloader-defaults", "decode")
     for n in threads:
         med = {c: statistics.median(samples[(c, n)]) for c in names}
         for c in names:
             s = samples[(c, n)]
-            rows.append([c, n, med[c], min(s), max(s),
-                         f"{med['fastloader'] / med[c]:.2f}x" if c.startswith("dataloader") else "",
+            ratio = "" if c == "fastloader" or c == "decode" else f"{med['fastloader'] / med[c]:.2f}x"
+            rows.append([c, n, med[c], min(s), max(s), ratio,
                          f"{100 * med['fastloader'] / med['decode']:.0f}%" if c == "decode" else ""])
             records.append({"case": c, "threads": n, "img_per_s": s, "median": med[c]})
     print()
     print(f"{len(ds)} of the JPEGs in {data} per epoch, batch {batch}, one epoch per sample, "
-          f"{rounds} interleaved rounds; baseline transforms: {baseline_kind}")
+          f"{rounds} interleaved rounds; source: {source}; DataLoader reads: {baseline_source}; "
+          f"baseline transforms: {baseline_kind}")
     print(format_table(["case", "threads", "img/s median", "min", "max", "fast/this", "fast/decode"], rows))
-    return {"data": str(data), "images": len(ds), "batch": batch, "batches": n_batches,
-            "baseline": baseline_kind, "records": records, "threads": threads}
+    return {"data": str(data), "images": len(ds), "batch": batch, "batches": n_batches, "source": source,
+            "dataloader_reads": baseline_source, "baseline": baseline_kind, "records": records,
+            "threads": threads}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", choices=("folder", "shards"), default="folder",
+                   help="what FastLoader reads: the files, or the same images packed as tar shards")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--images", type=int, default=None,
                    help="images to generate if --data is empty (default: enough for --batches, >= 3000)")
@@ -220,13 +287,13 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or sorted({1, cores})
     batches = args.batches or max(6, 4 * max(threads))
     images = args.images or max(3000, batches * args.batch)
-    result = run(args.data, images, args.batch, batches, args.rounds, threads)
+    result = run(args.data, images, args.batch, batches, args.rounds, threads, args.source)
 
     def plot():
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        for case in ("decode", "fastloader", "dataloader", "dataloader-defaults"):
+        for case in sorted({r["case"] for r in result["records"]}):
             ys = [next(r["median"] for r in result["records"] if r["case"] == case and r["threads"] == n)
                   for n in threads]
             ax.plot(threads, ys, marker="o", label=case)
@@ -237,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.grid(alpha=0.3)
         return fig
 
-    for f in save("loader", result, plot):
+    for f in save("loader" if args.source == "folder" else "loader_shards", result, plot):
         print(f"wrote {f}")
 
 

@@ -3,8 +3,9 @@
 from . import roi_jpeg
 from .loader import FastLoader, SampleError
 from .order import epoch_indices
-from .sources import ArrayDataset, ImageFolder, Source
-from .transforms import CenterCrop, Normalize, RandomHorizontalFlip, RandomResizedCrop, Resize
+from .shards import ShardError, TarShards, write_shards
+from .sources import ArrayDataset, ImageFolder, Source, TorchDataset
+from .transforms import CenterCrop, Normalize, RandomHorizontalFlip, RandomResizedCrop, Resize, Transform
 
 __all__ = [
     "roi_jpeg",
@@ -14,6 +15,11 @@ __all__ = [
     "ArrayDataset",
     "ImageFolder",
     "Source",
+    "TarShards",
+    "ShardError",
+    "write_shards",
+    "TorchDataset",
+    "Transform",
     "CenterCrop",
     "Normalize",
     "RandomHorizontalFlip",

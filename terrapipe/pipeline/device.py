@@ -27,12 +27,14 @@ NOTE [device feed streams]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from .. import launch_env
+from ..kernels import image as kimage
+from .feed import Feed
+from .transforms import Plan
 
 __all__ = ["DEVICE_RING", "resolve_device", "pick_cuda_index", "normalize_into",
            "SlotLedger", "DeviceFeed"]
@@ -156,21 +158,23 @@ class SlotLedger:
         return d
 
 
-class DeviceFeed:
+class DeviceFeed(Feed):
     """Pinned host slots, device slots and the side stream that moves batches between them.
 
     Owned by one FastLoader and driven from the thread that iterates it (NOTE [device feed
-    streams]); pool threads only write the numpy views from :meth:`host_views`.
+    streams]); pool threads only write the NumPy views ``images`` / ``labels``.
 
     device: a resolved CUDA device; host_ring: number of host slots, which hold uint8 (N, C, H, W)
-    batches; shape: (N, C, H, W) of a full batch; out_dtype: the consumer's image dtype (uint8
-    when ``norm`` is None); norm: C means and C stds in [0, 1] units (Plan.norm), applied on the
-    device; channels_last: the device images' memory format.
+    batches (pool threads write through the identity table: uint8 crosses the bus); shape:
+    (N, C, H, W) of a full batch; plan: gives the consumer's image dtype and the per-channel
+    mean/std applied on the device; channels_last: the device images' memory format.
     """
 
-    def __init__(self, device: torch.device, host_ring: int, shape: Sequence[int], out_dtype: torch.dtype,
-                 norm: tuple[Sequence[float], Sequence[float]] | None, channels_last: bool) -> None:
+    def __init__(self, device: torch.device, host_ring: int, shape: Sequence[int], plan: Plan,
+                 channels_last: bool) -> None:
         self.device = device
+        out_dtype, norm = plan.torch_dtype, plan.norm
+        self.lut = kimage.identity_lut(shape[1])
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         n = shape[0]
         self.host_images = [torch.empty(tuple(shape), dtype=torch.uint8, pin_memory=True)
@@ -178,9 +182,9 @@ class DeviceFeed:
         self.host_labels = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(host_ring)]
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
-            self.images = [torch.empty(tuple(shape), dtype=out_dtype, device=device, memory_format=fmt)
+            self.dev_images = [torch.empty(tuple(shape), dtype=out_dtype, device=device, memory_format=fmt)
                            for _ in range(DEVICE_RING)]
-            self.labels = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(DEVICE_RING)]
+            self.dev_labels = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(DEVICE_RING)]
             # A direct copy needs the host layout and dtype on the device; otherwise stage uint8.
             direct = norm is None and not channels_last
             self.staging = None if direct else torch.empty(tuple(shape), dtype=torch.uint8, device=device)
@@ -195,17 +199,29 @@ class DeviceFeed:
         self.mark = torch.cuda.Event()
         self.ledger = SlotLedger()
 
-    def host_views(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """NumPy views of the pinned host slots, for pool threads to write into."""
-        return [t.numpy() for t in self.host_images], [t.numpy() for t in self.host_labels]
+        self.images = [t.numpy() for t in self.host_images]
+        self.labels = [t.numpy() for t in self.host_labels]
 
     def start_pass(self) -> None:
         """A new iteration: batches copied ahead by an abandoned pass are never handed out."""
         self.ledger.start_pass()
 
-    def host_slot_writable(self, slot: int) -> None:
+    def slot_writable(self, slot: int) -> None:
         """Block until no enqueued copy still reads host slot ``slot`` (host slot reuse)."""
         self.host_free[slot].synchronize()
+
+    def deliver(self, batch: int, slot: int, count: int,
+                filled: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.request()
+        if not self.is_enqueued(batch):
+            filled()
+            self.issue(batch, slot, count)
+        return self.hand_out(batch, count)
+
+    def copy_ahead(self, batch: int, slot: int, count: int) -> None:
+        # The copy overlaps the consumer's step instead of waiting for its next request.
+        if not self.is_enqueued(batch):
+            self.issue(batch, slot, count)
 
     def request(self) -> None:
         """The consumer asks for its next batch: everything it enqueued so far is fenced."""
@@ -221,9 +237,9 @@ class DeviceFeed:
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if was_handed_out:
                 self.stream.wait_event(self.mark)
-            out = self.images[d][:count]
+            out = self.dev_images[d][:count]
             src = self.host_images[slot][:count]
-            self.labels[d][:count].copy_(self.host_labels[slot][:count], non_blocking=True)
+            self.dev_labels[d][:count].copy_(self.host_labels[slot][:count], non_blocking=True)
             if self.staging is None:
                 out.copy_(src, non_blocking=True)
                 self.host_free[slot].record(self.stream)
@@ -243,8 +259,8 @@ class DeviceFeed:
         stream; owned by the consumer until its second request from now."""
         d = self.ledger.hand_out(batch)
         torch.cuda.current_stream(self.device).wait_event(self.copied[d])
-        return self.images[d][:count], self.labels[d][:count]
+        return self.dev_images[d][:count], self.dev_labels[d][:count]
 
-    def drain(self) -> None:
-        """Wait for everything enqueued on the side stream (close(); not the whole device)."""
+    def close(self) -> None:
+        """Wait for everything enqueued on the side stream (not the whole device)."""
         self.stream.synchronize()

@@ -1,5 +1,18 @@
 """FastLoader: decode + augmentation on a persistent thread pool into a ring of batch buffers.
 
+NOTE [one iterator per epoch]
+    ``iter(loader)`` creates an :class:`_EpochIterator` (torch's ``_BaseDataLoaderIter`` plays
+    the same part). It captures, when created:
+    1. the epoch, seed and sample order (``set_epoch`` or ``load_state_dict`` afterwards affect
+       the next iterator, never a running one);
+    2. the resume point (``load_state_dict``'s batch, consumed by this iterator);
+    3. the loader's slots: pool threads receive (seed, epoch) as arguments and never read the
+       loader's attributes, so nothing they compute can change under them.
+    Only one iterator over a loader is live at a time: a second ``iter()`` while the first is
+    neither exhausted nor closed raises, because both would write the same batch slots. An
+    iterator ends (and frees the slots) when exhausted, when ``close()``d, when it raises, or
+    when it is garbage collected (``break`` out of a ``for`` loop drops the last reference).
+
 NOTE [batch buffer ownership]
     The loader owns ``prefetch + 2`` batch slots, allocated once. Batch ``b`` is written into
     slot ``b % ring`` by pool threads, each thread writing only the samples it was given (disjoint
@@ -16,7 +29,7 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -26,9 +39,10 @@ from .. import launch_env
 from ..kernels import image as kimage
 from . import decode, roi_jpeg
 from .device import DeviceFeed, resolve_device
+from .feed import Feed, HostFeed
 from .order import epoch_indices
-from .sources import Source
-from .transforms import Plan, compile_plan
+from .sources import Source, TorchDataset
+from .transforms import Plan, Transform, compile_plan
 
 __all__ = ["FastLoader", "SampleError"]
 
@@ -42,21 +56,6 @@ class SampleError(RuntimeError):
         super().__init__(f"sample {index} ({where}): {type(cause).__name__}: {cause}")
         self.index = index
         self.where = where
-
-
-def _host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype: torch.dtype,
-                channels_last: bool) -> tuple[torch.Tensor, np.ndarray]:
-    """One host batch buffer: the torch tensor handed out (NCHW shape, channels_last strides if
-    asked) and the NumPy view of the same memory pool threads write (kernel outputs take any
-    strides, so the layout costs nothing). 16-bit floats are stored as their uint16 bits."""
-    n, c, h, w = shape
-    arr = np.empty((n, h, w, c) if channels_last else shape, np_dtype)
-    t = torch.from_numpy(arr)
-    if torch_dtype in (torch.float16, torch.bfloat16):
-        t = t.view(torch_dtype)
-    if channels_last:
-        return t.permute(0, 3, 1, 2), arr.transpose(0, 3, 1, 2)
-    return t, arr
 
 
 # NOTE [loader threads yield the CPU]
@@ -105,11 +104,17 @@ class _Scratch(threading.local):
 class FastLoader:
     """Drop-in for ``torch.utils.data.DataLoader`` over a terrapipe source.
 
+    dataset: a source (``ImageFolder``, ``TarShards``, ``ArrayDataset``, anything with
+    ``__len__``, ``read`` and ``describe``), or a map-style ``torch.utils.data.Dataset``, which
+    is wrapped in :class:`~terrapipe.pipeline.TorchDataset` (its ``__getitem__`` then runs on the
+    loader's threads).
+
     Yields ``(images, labels)``: images (N, C, H, W) (float per ``Normalize``, else uint8;
     ``channels_last=True`` gives channels-last strides), labels int64 (N,), on ``device``.
     Yielded tensors are views of reused buffers (NOTE [batch buffer ownership]); pass
     ``copy=True`` for owned tensors. Augmentation is a pure function of (seed, epoch, sample
-    index), so any ``num_threads`` gives the same bytes.
+    index), so any ``num_threads`` gives the same bytes. Each ``iter()`` is one epoch's iterator
+    (NOTE [one iterator per epoch]).
 
     ``device="cuda"`` / ``"cuda:N"`` (default index under a multi-process launch: the local
     rank's GPU, round-robin): host buffers are pinned, uint8 crosses the bus on a side stream and
@@ -120,7 +125,7 @@ class FastLoader:
     def __init__(
         self,
         dataset: Source,
-        transforms: Sequence[object] = (),
+        transforms: Sequence[Transform] = (),
         *,
         batch_size: int = 256,
         shuffle: bool = False,
@@ -135,9 +140,13 @@ class FastLoader:
         on_error: str = "raise",
         copy: bool = False,
     ) -> None:
+        if not all(hasattr(dataset, a) for a in ("read", "describe")) and isinstance(
+                dataset, torch.utils.data.Dataset):
+            dataset = TorchDataset(dataset)
         for attr in ("__len__", "read", "describe"):
             if not hasattr(dataset, attr):
-                raise TypeError(f"dataset: a source needs {attr} (see terrapipe.pipeline.sources)")
+                raise TypeError(f"dataset: a source needs {attr} (see terrapipe.pipeline.sources), "
+                                f"or pass a map-style torch.utils.data.Dataset")
         if len(dataset) == 0:
             raise ValueError("dataset: the dataset is empty")
         if not isinstance(batch_size, int) or batch_size <= 0:
@@ -169,51 +178,39 @@ class FastLoader:
         self.skipped: list[tuple[int, str, str]] = []  # (index, where, error) under "skip"
         self._skip_lock = threading.Lock()
         self._resume_batch = 0
-        self._next_batch = 0
+        self._live: weakref.ref[_EpochIterator] | None = None
+        self._last_state: dict | None = None
 
         first, _ = dataset.read(0)
-        channels = 1 if (isinstance(first, np.ndarray) and first.ndim == 2) else (
-            first.shape[2] if isinstance(first, np.ndarray) else 3)
-        self.plan: Plan = compile_plan(list(transforms), channels)
-        if self.plan.out_hw is None:
+        if isinstance(first, np.ndarray):
+            channels = 1 if first.ndim == 2 else first.shape[2]
+        else:
+            channels = 3
+        plan = compile_plan(list(transforms), channels)
+        if plan.out_hw is None:
             if not isinstance(first, np.ndarray):
                 raise ValueError("transforms: encoded images need a crop/resize so batches have one size")
-            self.plan.out_hw = (first.shape[0], first.shape[1])
-        oh, ow = self.plan.out_hw
+            plan = plan.with_size(first.shape[:2])
+        self.plan: Plan = plan
+        oh, ow = plan.out_hw
         ring = self.prefetch + 2
         self.channels_last = bool(channels_last)
         shape = (batch_size, channels, oh, ow)
-        self._feed: DeviceFeed | None = None
-        if self.device.type == "cuda":
-            # uint8 crosses the bus; Normalize runs on the device (NOTE [device feed streams]).
-            self._lut = kimage.identity_lut(channels)
-            self._feed = DeviceFeed(self.device, ring, shape, self.plan.torch_dtype, self.plan.norm,
-                                    self.channels_last)
-            self._images, self._labels = self._feed.host_views()
-        else:
-            self._lut = self.plan.lut
-            self._images_t, self._images = [], []
-            for _ in range(ring):
-                t, a = _host_batch(shape, self._lut.dtype, self.plan.torch_dtype, self.channels_last)
-                self._images_t.append(t)
-                self._images.append(a)
-            self._labels = [np.empty(batch_size, np.int64) for _ in range(ring)]
-            self._labels_t = [torch.from_numpy(a) for a in self._labels]
+        self._feed: Feed = (
+            DeviceFeed(self.device, ring, shape, plan, self.channels_last) if self.device.type == "cuda"
+            else HostFeed(ring, shape, plan, self.channels_last))
         self._scratch = _Scratch()
         self._roi = roi_jpeg.enabled()
         self._pool = ThreadPoolExecutor(
             self.num_threads, thread_name_prefix="terrapipe-loader",
-            initializer=_yield_cpu_to_the_consumer if self._feed is not None else None)
+            initializer=_yield_cpu_to_the_consumer if self.device.type == "cuda" else None)
         self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=True, cancel_futures=True)
         self._closed = False
 
     # -- order ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iterator runs (order and augmentation draws)."""
         self.epoch = int(epoch)
-
-    def _indices(self) -> np.ndarray:
-        return epoch_indices(len(self.dataset), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle,
-                             rank=self.rank, world_size=self.world_size)
 
     def _per_rank(self) -> int:
         return math.ceil(len(self.dataset) / self.world_size)
@@ -223,19 +220,27 @@ class FastLoader:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def state_dict(self) -> dict:
-        """Where iteration stands: resuming skips the batches already yielded, without decoding."""
-        return {"epoch": self.epoch, "batch": self._next_batch, "seed": self.seed,
+        """Where iteration stands: the live iterator's position (else the last one's, or the
+        start of ``epoch``); resuming skips the batches already yielded, without decoding."""
+        live = self._live() if self._live is not None else None
+        if live is not None:
+            return live.state_dict()
+        if self._last_state is not None:
+            return dict(self._last_state)
+        return {"epoch": self.epoch, "batch": self._resume_batch, "seed": self.seed,
                 "rank": self.rank, "world_size": self.world_size, "num_samples": len(self.dataset)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state``: the next iterator starts at its epoch and batch."""
         if state["num_samples"] != len(self.dataset) or state["world_size"] != self.world_size:
             raise ValueError("state_dict: saved for a different dataset size or world size")
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self._resume_batch = int(state["batch"])
+        self._last_state = None
 
     # -- per-sample work (pool threads) -------------------------------------------------------
-    def _decode_into(self, index: int, out: np.ndarray) -> int:
+    def _decode_into(self, index: int, out: np.ndarray, seed: int, epoch: int) -> int:
         payload, label = self.dataset.read(index)
         plan = self.plan
         oh, ow = plan.out_hw
@@ -245,7 +250,7 @@ class FastLoader:
             arr = payload if payload.ndim == 3 else payload[:, :, None]
             ox = oy = 0
             img_h, img_w = arr.shape[:2]
-            box = plan.box(img_w, img_h, self.seed, self.epoch, index)
+            box = plan.box(img_w, img_h, seed, epoch, index)
         else:
             region = None
             if self._roi:
@@ -254,13 +259,13 @@ class FastLoader:
                 dec = self._scratch.roi_decoder()
                 size = dec.header(payload)
                 if size is not None:
-                    region = dec.decode(plan.box(*size, self.seed, self.epoch, index), plan.out_hw)
+                    region = dec.decode(plan.box(*size, seed, epoch, index), plan.out_hw)
             if region is not None:
                 arr, ox, oy, img_w, img_h, box = region
             else:
                 im = decode.open_image(payload)
                 w, h = im.size
-                box = decode.draft_box(im, plan.box(w, h, self.seed, self.epoch, index), plan.out_hw)
+                box = decode.draft_box(im, plan.box(w, h, seed, epoch, index), plan.out_hw)
                 arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
                 ox = oy = 0
                 img_h, img_w = arr.shape[:2]
@@ -269,18 +274,18 @@ class FastLoader:
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
         scratch = self._scratch.get(arr.shape[0], arr.shape[1], oh, ow, arr.shape[2])
-        flip = plan.flip(self.seed, self.epoch, index)
+        flip = plan.flip(seed, epoch, index)
         kimage.resize_crop_bilinear_region(arr, ox, oy, img_w, img_h, box[0], box[1], box[2], box[3], out,
-                                           self._lut, flip, *scratch)
+                                           self._feed.lut, flip, *scratch)
         return label
 
-    def _fill(self, slot: int, row0: int, indices: np.ndarray) -> None:
-        images, labels = self._images[slot], self._labels[slot]
+    def _fill(self, slot: int, row0: int, indices: np.ndarray, seed: int, epoch: int) -> None:
+        images, labels = self._feed.images[slot], self._feed.labels[slot]
         n = len(self.dataset)
         for k, index in enumerate(indices):
             index = int(index)
             try:
-                labels[row0 + k] = self._decode_into(index, images[row0 + k])
+                labels[row0 + k] = self._decode_into(index, images[row0 + k], seed, epoch)
             except Exception as exc:
                 err = SampleError(index, self.dataset.describe(index), exc)
                 if self.on_error == "raise":
@@ -291,91 +296,136 @@ class FastLoader:
                 for step in range(1, n):
                     alt = (index + step) % n
                     try:
-                        labels[row0 + k] = self._decode_into(alt, images[row0 + k])
+                        labels[row0 + k] = self._decode_into(alt, images[row0 + k], seed, epoch)
                         break
                     except Exception:
                         continue
                 else:
                     raise err from exc
 
-    def _submit(self, slot: int, batch_indices: np.ndarray) -> list[Future]:
-        return [self._pool.submit(self._fill, slot, r, batch_indices[r:r + _CHUNK])
-                for r in range(0, len(batch_indices), _CHUNK)]
-
     # -- iteration ------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> _EpochIterator:
         if self._closed:
             raise RuntimeError("FastLoader is closed")
-        indices = self._indices()
-        nb = len(self)
-        start = self._resume_batch
+        live = self._live() if self._live is not None else None
+        if live is not None and not live.finished:
+            raise RuntimeError(
+                f"FastLoader: an iterator over this loader is still live (epoch {live.epoch}, "
+                f"{live.position} of {live.num_batches} batches yielded); both would write the same "
+                f"batch buffers. Exhaust it, close() it or drop it before starting another")
+        it = _EpochIterator(self, self.epoch, self.seed, self._resume_batch)
         self._resume_batch = 0
-        ring = self.prefetch + 2
-        pending: dict[int, list[Future]] = {}
-
-        feed = self._feed
-        if feed is not None:
-            feed.start_pass()
-
-        def submit(b: int) -> None:
-            if b < nb and b not in pending:
-                if feed is not None:
-                    feed.host_slot_writable(b % ring)
-                pending[b] = self._submit(b % ring, indices[b * self.batch_size:(b + 1) * self.batch_size])
-
-        def rows(b: int) -> int:
-            return min(self.batch_size, len(indices) - b * self.batch_size)
-
-        try:
-            for b in range(start, nb):
-                for ahead in range(b, b + self.prefetch + 1):
-                    submit(ahead)
-                futures = pending.pop(b)
-                slot = b % ring
-                count = rows(b)
-                if feed is None:
-                    for f in futures:
-                        f.result()  # re-raises a SampleError from a worker
-                    images, labels = self._images_t[slot][:count], self._labels_t[slot][:count]
-                else:
-                    feed.request()
-                    if not feed.is_enqueued(b):
-                        for f in futures:
-                            f.result()
-                        feed.issue(b, slot, count)
-                    images, labels = feed.hand_out(b, count)
-                    # Copy the next batch ahead if its samples are already decoded, so the copy
-                    # overlaps the consumer's step; a failed one is left to raise in its turn.
-                    nxt = pending.get(b + 1)
-                    if nxt and all(f.done() and f.exception() is None for f in nxt):
-                        feed.issue(b + 1, (b + 1) % ring, rows(b + 1))
-                self._next_batch = b + 1
-                if self.copy:
-                    images, labels = images.clone(), labels.clone()
-                yield images, labels
-            self._next_batch = 0
-        finally:
-            # Nothing may still write a slot once iteration ends (break, error, Ctrl-C, GC).
-            for fs in pending.values():
-                for f in fs:
-                    f.cancel()
-            for fs in pending.values():
-                for f in fs:
-                    if not f.cancelled():
-                        try:
-                            f.result()
-                        except Exception:
-                            pass
+        self._last_state = None
+        self._live = weakref.ref(it)
+        return it
 
     def close(self) -> None:
         """Stop the pool; no loader thread survives this call, and no copy is left in flight."""
         self._closed = True
+        live = self._live() if self._live is not None else None
+        if live is not None:
+            live.close()
         self._finalizer()
-        if self._feed is not None:
-            self._feed.drain()
+        self._feed.close()
 
     def __enter__(self) -> FastLoader:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _EpochIterator:
+    """One pass over a FastLoader (NOTE [one iterator per epoch]); created by ``iter(loader)``.
+
+    Yields ``(images, labels)`` as described on :class:`FastLoader`. ``close()`` stops it early:
+    queued samples are cancelled and running ones waited for, so no thread writes a slot after.
+    """
+
+    def __init__(self, loader: FastLoader, epoch: int, seed: int, start: int) -> None:
+        self._loader = loader
+        self.epoch, self.seed = epoch, seed
+        self._indices = epoch_indices(len(loader.dataset), seed=seed, epoch=epoch, shuffle=loader.shuffle,
+                                      rank=loader.rank, world_size=loader.world_size)
+        self.num_batches = len(loader)
+        self.position = start  # the next batch to yield
+        self.finished = False
+        self._ring = loader.prefetch + 2
+        self._pending: dict[int, list[Future]] = {}
+        loader._feed.start_pass()
+
+    def state_dict(self) -> dict:
+        loader = self._loader
+        done = self.position >= self.num_batches
+        return {"epoch": self.epoch, "batch": 0 if done else self.position, "seed": self.seed,
+                "rank": loader.rank, "world_size": loader.world_size, "num_samples": len(loader.dataset)}
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def _rows(self, b: int) -> int:
+        return min(self._loader.batch_size, len(self._indices) - b * self._loader.batch_size)
+
+    def _submit(self, b: int) -> None:
+        if b >= self.num_batches or b in self._pending:
+            return
+        loader = self._loader
+        slot = b % self._ring
+        loader._feed.slot_writable(slot)
+        bs = loader.batch_size
+        idx = self._indices[b * bs:(b + 1) * bs]
+        self._pending[b] = [
+            loader._pool.submit(loader._fill, slot, r, idx[r:r + _CHUNK], self.seed, self.epoch)
+            for r in range(0, len(idx), _CHUNK)]
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.finished or self.position >= self.num_batches:
+            self.close()
+            raise StopIteration
+        b = self.position
+        loader = self._loader
+        try:
+            for ahead in range(b, b + loader.prefetch + 1):
+                self._submit(ahead)
+            futures = self._pending.pop(b)
+
+            def filled() -> None:
+                for f in futures:
+                    f.result()  # re-raises a SampleError from a worker
+
+            images, labels = loader._feed.deliver(b, b % self._ring, self._rows(b), filled)
+            nxt = self._pending.get(b + 1)
+            if nxt and all(f.done() and f.exception() is None for f in nxt):
+                loader._feed.copy_ahead(b + 1, (b + 1) % self._ring, self._rows(b + 1))
+        except BaseException:
+            self.close()  # the error is this iterator's end; no thread keeps writing its slots
+            raise
+        self.position = b + 1
+        if loader.copy:
+            images, labels = images.clone(), labels.clone()
+        return images, labels
+
+    def close(self) -> None:
+        """End this pass: nothing may still write a slot once it returns."""
+        if self.finished:
+            return
+        self.finished = True
+        pending, self._pending = self._pending, {}
+        for fs in pending.values():
+            for f in fs:
+                f.cancel()
+        for fs in pending.values():
+            for f in fs:
+                if not f.cancelled():
+                    try:
+                        f.result()
+                    except Exception:
+                        pass
+        loader = self._loader
+        loader._last_state = self.state_dict()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -4,11 +4,13 @@ A source is anything with ``__len__``, ``read(i) -> (payload, label)`` and ``des
 
 * payload: encoded image bytes (anything Pillow opens) or a uint8 array (H, W, C) / (H, W);
 * label: an int;
-* describe(i): what to name in an error about sample i (a path, or "array[i]").
+* describe(i): what to name in an error about sample i (a path, "shard.tar:key.jpg",
+  "array[i]").
 
 ``read`` is called from loader threads concurrently, so it must be thread-safe (plain file
-reads and array indexing are). Sources that also define ``size(i) -> (w, h)`` let the loader
-skip nothing; it is optional.
+reads and array indexing are). Sources here: :class:`ImageFolder` (files), :class:`ArrayDataset`
+(arrays in memory), :class:`TorchDataset` (any map-style torch dataset) and
+:class:`terrapipe.pipeline.shards.TarShards` (WebDataset tar shards).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import torch
+from PIL import Image
 
-__all__ = ["Source", "ImageFolder", "ArrayDataset", "IMG_EXTENSIONS"]
+__all__ = ["Source", "ImageFolder", "ArrayDataset", "TorchDataset", "IMG_EXTENSIONS"]
 
 # torchvision's list, so ImageFolder sees the same files.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -116,3 +120,82 @@ class ArrayDataset:
 
     def describe(self, i: int) -> str:
         return f"array[{i}]"
+
+
+class TorchDataset:
+    """A map-style ``torch.utils.data.Dataset`` as a FastLoader source.
+
+    ``dataset[i]`` must return ``(image, label)`` with image one of:
+
+    * encoded bytes: ``bytes`` / ``bytearray`` / ``memoryview``, or a 1-D uint8 array or tensor
+      (what ``torchvision.io.read_file`` returns), decoded by the loader like any file;
+    * a PIL image (converted to RGB, as torchvision's ``ImageFolder`` loader does);
+    * a uint8 NumPy array (H, W, C) or (H, W);
+    * a uint8 CPU tensor (C, H, W) or (H, W) (read in place through a permuted view);
+
+    and label an int (Python, NumPy or a 0-d integer tensor). Anything else raises TypeError
+    naming the index; the loader reports it (and any exception of ``__getitem__``) as a
+    ``SampleError`` naming ``<DatasetClass>[i]``.
+
+    ``__getitem__`` is called from the loader's threads, several at once: it must be
+    thread-safe (reading a file or indexing arrays is; a shared file handle or an unlocked
+    cache is not). Its own transforms should stop at the decoded image; FastLoader's compiled
+    transforms do the augmentation.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(f"dataset: a map-style dataset (with __getitem__ and __len__) is needed, "
+                            f"got {type(dataset).__name__}")
+        self.dataset = dataset
+        self._name = type(dataset).__name__
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def describe(self, i: int) -> str:
+        return f"{self._name}[{i}]"
+
+    def read(self, i: int) -> tuple[bytes | np.ndarray, int]:
+        item = self.dataset[i]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"{self.describe(i)}: expected an (image, label) pair, got "
+                            f"{type(item).__name__}")
+        return self._image(i, item[0]), self._label(i, item[1])
+
+    def _image(self, i: int, x: object) -> bytes | np.ndarray:
+        if isinstance(x, (bytes, bytearray, memoryview)):
+            return bytes(x)
+        if isinstance(x, Image.Image):
+            return np.asarray(x if x.mode == "RGB" else x.convert("RGB"))
+        if isinstance(x, torch.Tensor):
+            if x.dtype != torch.uint8 or x.device.type != "cpu":
+                raise TypeError(f"{self.describe(i)}: image tensors must be uint8 on the CPU, got "
+                                f"{x.dtype} on {x.device}")
+            x = x.detach()
+            if x.dim() == 3:
+                return x.permute(1, 2, 0).numpy()  # CHW -> HWC view; no copy here
+            arr = x.numpy()
+        elif isinstance(x, np.ndarray):
+            if x.dtype != np.uint8:
+                raise TypeError(f"{self.describe(i)}: image arrays must be uint8, got {x.dtype}")
+            arr = x
+        else:
+            raise TypeError(f"{self.describe(i)}: unsupported image type {type(x).__name__} (bytes, "
+                            f"PIL image, uint8 HWC array or uint8 CHW tensor)")
+        if arr.ndim == 1:
+            return arr.tobytes()  # encoded file contents
+        if arr.ndim not in (2, 3):
+            raise TypeError(f"{self.describe(i)}: image of shape {tuple(arr.shape)}; expected "
+                            f"(H, W, C) or (H, W)")
+        return arr
+
+    def _label(self, i: int, y: object) -> int:
+        if isinstance(y, torch.Tensor):
+            if y.numel() != 1 or y.dtype.is_floating_point or y.dtype.is_complex:
+                raise TypeError(f"{self.describe(i)}: label must be one integer, got a "
+                                f"{y.dtype} tensor of shape {tuple(y.shape)}")
+            return int(y.item())
+        if isinstance(y, (int, np.integer)) and not isinstance(y, bool):
+            return int(y)
+        raise TypeError(f"{self.describe(i)}: label must be an int, got {type(y).__name__}")

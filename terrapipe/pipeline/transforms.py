@@ -1,19 +1,26 @@
 """Transforms: declarations that compile into one per-sample plan.
 
-Each transform only declares what it does; :func:`compile_plan` checks the list and folds it
-into a :class:`Plan`: how to pick the crop box from the source size (before decode), the output
-size, the flip probability and the lookup table that maps resampled uint8 values to the output
-dtype. The loader then runs one compiled kernel per sample
-(:func:`terrapipe.kernels.image.resize_crop_bilinear`) that writes the sample's slot.
+A transform never runs on pixels itself. Each one *declares* what it contributes (FFCV's
+operations declare their output state and memory the same way): given the :class:`SampleSpec`
+it receives, it records in the draft plan its part (a crop-box function, the flip probability,
+the per-channel lookup table) and returns the spec it hands on (output size, channels, dtype).
+:func:`compile_plan` asks each transform in turn and freezes the result into a :class:`Plan`;
+the loader sizes every buffer from the final spec and runs one compiled kernel per sample
+(:func:`terrapipe.kernels.image.resize_crop_bilinear_region`) that writes the sample's slot.
+Adding a transform touches its own class only.
 
-Accepted order: a geometry (``RandomResizedCrop``, or ``Resize`` and/or ``CenterCrop``; none
-means every image must have the same size), then ``RandomHorizontalFlip``, then ``Normalize``.
+Accepted order (each transform's ``stage``): a geometry (``RandomResizedCrop``, or ``Resize``
+and/or ``CenterCrop``; none means every image must have the same size), then
+``RandomHorizontalFlip``, then ``Normalize``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -21,11 +28,13 @@ import torch
 from ..kernels import geometry, image, rng
 
 __all__ = [
+    "Transform",
     "RandomResizedCrop",
     "Resize",
     "CenterCrop",
     "RandomHorizontalFlip",
     "Normalize",
+    "SampleSpec",
     "Plan",
     "compile_plan",
 ]
@@ -33,6 +42,46 @@ __all__ = [
 # op ids: independent random streams per kind of draw.
 _OP_CROP = 1
 _OP_FLIP = 2
+
+# stages, in the order a chain must follow
+_GEOMETRY, _FLIP, _NORMALIZE = 0, 1, 2
+_STAGE_NAMES = {_GEOMETRY: "a crop/resize", _FLIP: "a flip", _NORMALIZE: "Normalize"}
+
+BoxFn = Callable[[int, int, int, int, int], tuple[float, float, float, float]]
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """A sample as it leaves a transform.
+
+    out_hw: fixed (H, W), or None while every source image keeps its own size; channels: C;
+    dtype: the element type the loader's batch buffer holds (uint8 until ``Normalize``).
+    """
+
+    out_hw: tuple[int, int] | None
+    channels: int
+    dtype: torch.dtype = torch.uint8
+
+
+@dataclass
+class _Draft:
+    """What the transforms declared so far (mutable while compiling, frozen into a Plan)."""
+
+    box: BoxFn | None = None
+    resize: int = 0  # shorter side a CenterCrop applies first (Resize)
+    unfinished: str = ""  # the error to raise if the chain ends here
+    flip_p: float = 0.0
+    lut: np.ndarray | None = None
+    norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+
+class Transform:
+    """One step of the per-sample chain: ``declare`` says what it does, nothing runs here."""
+
+    stage: ClassVar[int]
+
+    def declare(self, spec: SampleSpec, draft: _Draft) -> SampleSpec:  # pragma: no cover
+        raise NotImplementedError
 
 
 def _size2(name: str, size: int | tuple[int, int]) -> tuple[int, int]:
@@ -43,9 +92,11 @@ def _size2(name: str, size: int | tuple[int, int]) -> tuple[int, int]:
     return int(size[0]), int(size[1])
 
 
-class RandomResizedCrop:
+class RandomResizedCrop(Transform):
     """torchvision semantics: area fraction in ``scale``, aspect ratio log-uniform in ``ratio``,
     10 attempts then a central crop; output ``size`` (int or (h, w))."""
+
+    stage = _GEOMETRY
 
     def __init__(self, size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> None:
         self.size = _size2("RandomResizedCrop", size)
@@ -55,36 +106,82 @@ class RandomResizedCrop:
             raise ValueError(f"RandomResizedCrop: ratio must satisfy 0 < lo <= hi, got {ratio}")
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
+        self._logr = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+
+    def box(self, w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, float, float, float]:
+        return geometry.random_resized_crop_box(w, h, self.scale[0], self.scale[1], *self._logr,
+                                                seed, epoch, index, _OP_CROP)
+
+    def declare(self, spec: SampleSpec, draft: _Draft) -> SampleSpec:
+        if draft.box is not None or draft.resize:
+            raise ValueError("transforms: RandomResizedCrop cannot follow another geometry")
+        draft.box = self.box
+        return dataclasses.replace(spec, out_hw=self.size)
 
 
-class Resize:
-    """Resize the shorter side to ``size`` (an int), keeping the aspect ratio."""
+class Resize(Transform):
+    """Resize the shorter side to ``size`` (an int), keeping the aspect ratio; a ``CenterCrop``
+    must follow so every sample has one size (batches are fixed-shape)."""
+
+    stage = _GEOMETRY
 
     def __init__(self, size: int) -> None:
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"Resize: size must be a positive int (shorter side), got {size!r}")
         self.size = size
 
+    def declare(self, spec: SampleSpec, draft: _Draft) -> SampleSpec:
+        if draft.box is not None or draft.resize:
+            raise ValueError("transforms: Resize must come first, once")
+        draft.resize = self.size
+        draft.unfinished = ("transforms: Resize needs a CenterCrop after it so every sample has one "
+                            "size (batches are fixed-shape)")
+        return spec
 
-class CenterCrop:
+
+class CenterCrop(Transform):
+    """The central (h, w) region, after a ``Resize`` if one precedes it (one resampling pass)."""
+
+    stage = _GEOMETRY
+
     def __init__(self, size) -> None:
         self.size = _size2("CenterCrop", size)
+        self._resize = 0
+
+    def box(self, w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, float, float, float]:
+        return geometry.resize_center_crop_box(w, h, self._resize, *self.size)
+
+    def declare(self, spec: SampleSpec, draft: _Draft) -> SampleSpec:
+        if draft.box is not None:
+            raise ValueError("transforms: CenterCrop cannot follow RandomResizedCrop/CenterCrop")
+        crop = CenterCrop(self.size)  # the compiled copy carries the Resize; self stays reusable
+        crop._resize = draft.resize
+        draft.box, draft.unfinished = crop.box, ""
+        return dataclasses.replace(spec, out_hw=self.size)
 
 
-class RandomHorizontalFlip:
+class RandomHorizontalFlip(Transform):
+    stage = _FLIP
+
     def __init__(self, p: float = 0.5) -> None:
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"RandomHorizontalFlip: p must be in [0, 1], got {p}")
         self.p = float(p)
+
+    def declare(self, spec: SampleSpec, draft: _Draft) -> SampleSpec:
+        draft.flip_p = self.p
+        return spec
 
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
            torch.float64: "float64"}
 
 
-class Normalize:
+class Normalize(Transform):
     """``(x / 255 - mean) / std`` per channel, output ``dtype`` (float32, float16, bfloat16,
     float64). Without it the loader yields uint8."""
+
+    stage = _NORMALIZE
 
     def __init__(self, mean, std, dtype: torch.dtype = torch.float32) -> None:
         if dtype not in _DTYPES:
@@ -97,86 +194,67 @@ class Normalize:
             raise ValueError(f"Normalize: std must be non-zero, got {self.std}")
         self.dtype = dtype
 
+    def declare(self, spec: SampleSpec, draft: _Draft) -> SampleSpec:
+        if draft.norm is not None:
+            raise ValueError("transforms: Normalize given twice")
+        c = spec.channels
+        if len(self.mean) not in (1, c):
+            raise ValueError(f"Normalize: {len(self.mean)} channel means for {c}-channel images")
+        mean = np.broadcast_to(np.asarray(self.mean), (c,))
+        std = np.broadcast_to(np.asarray(self.std), (c,))
+        draft.lut = image.build_normalize_lut(mean, std, _DTYPES[self.dtype])
+        draft.norm = (tuple(float(m) for m in mean), tuple(float(s) for s in std))
+        return dataclasses.replace(spec, dtype=self.dtype)
 
-@dataclass
+
+def _whole_image(w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, float, float, float]:
+    return 0.0, 0.0, float(w), float(h)
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The compiled per-sample chain. ``out_hw`` None means "source size" (no geometry)."""
+    """The compiled per-sample chain; immutable, shared by every loader thread.
+
+    out_hw: (H, W) of every output sample, or None for "source size" (no geometry: the loader
+    makes a copy with the size it finds, :meth:`with_size`); lut: (C, 256) table of the kernel's
+    output dtype (uint8 identity without Normalize); torch_dtype: the yielded image dtype;
+    norm: per-channel (mean, std) in [0, 1] units, or None.
+    """
 
     out_hw: tuple[int, int] | None
     channels: int
-    rrc: RandomResizedCrop | None
-    resize: int
-    center: tuple[int, int] | None
+    box_fn: BoxFn
     flip_p: float
-    lut: np.ndarray  # (C, 256) of the kernel's output dtype
+    lut: np.ndarray
     torch_dtype: torch.dtype
-    norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # per-channel (mean, std)
+    norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     def box(self, w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, ...]:
         """Crop box (x0, y0, x1, y1) in source pixels for sample ``index`` (drawn before decode)."""
-        if self.rrc is not None:
-            r = self.rrc
-            return geometry.random_resized_crop_box(
-                w, h, r.scale[0], r.scale[1], math.log(r.ratio[0]), math.log(r.ratio[1]),
-                seed, epoch, index, _OP_CROP)
-        if self.center is None:  # no geometry (compile_plan rejects Resize without CenterCrop)
-            return 0.0, 0.0, float(w), float(h)
-        return geometry.resize_center_crop_box(w, h, self.resize, *self.center)
+        return self.box_fn(w, h, seed, epoch, index)
 
     def flip(self, seed: int, epoch: int, index: int) -> bool:
         return self.flip_p > 0 and rng.uniform(seed, epoch, index, _OP_FLIP, 0) < self.flip_p
 
+    def with_size(self, out_hw: tuple[int, int]) -> Plan:
+        return dataclasses.replace(self, out_hw=(int(out_hw[0]), int(out_hw[1])))
 
-def compile_plan(transforms, channels: int = 3) -> Plan:
+
+def compile_plan(transforms: Sequence[Transform], channels: int = 3) -> Plan:
     """Check the transform list and fold it into a :class:`Plan` (ValueError names the problem)."""
-    rrc = None
-    resize = 0
-    center = None
-    flip_p = 0.0
-    norm = None
-    stage = 0  # 0 geometry, 1 flip, 2 normalize: each stage only after the previous ones
+    spec = SampleSpec(None, channels)
+    draft = _Draft()
+    stage = _GEOMETRY
     for t in transforms:
-        if isinstance(t, (RandomResizedCrop, Resize, CenterCrop)):
-            if stage > 0:
-                raise ValueError(f"transforms: {type(t).__name__} must come before flip/normalize")
-            if isinstance(t, RandomResizedCrop):
-                if rrc or resize or center:
-                    raise ValueError("transforms: RandomResizedCrop cannot follow another geometry")
-                rrc = t
-            elif isinstance(t, Resize):
-                if rrc or center or resize:
-                    raise ValueError("transforms: Resize must come first, once")
-                resize = t.size
-            else:
-                if rrc or center:
-                    raise ValueError("transforms: CenterCrop cannot follow RandomResizedCrop/CenterCrop")
-                center = t.size
-        elif isinstance(t, RandomHorizontalFlip):
-            if stage > 1:
-                raise ValueError("transforms: RandomHorizontalFlip must come before Normalize")
-            stage = 1
-            flip_p = t.p
-        elif isinstance(t, Normalize):
-            if norm is not None:
-                raise ValueError("transforms: Normalize given twice")
-            stage = 2
-            norm = t
-        else:
-            raise ValueError(f"transforms: unsupported transform {t!r}")
-    if resize and center is None:
-        raise ValueError("transforms: Resize needs a CenterCrop after it so every sample has one "
-                         "size (batches are fixed-shape)")
-    out_hw = rrc.size if rrc else center
-    if norm is not None:
-        if len(norm.mean) not in (1, channels):
-            raise ValueError(f"Normalize: {len(norm.mean)} channel means for {channels}-channel images")
-        mean = np.broadcast_to(np.asarray(norm.mean), (channels,))
-        std = np.broadcast_to(np.asarray(norm.std), (channels,))
-        lut = image.build_normalize_lut(mean, std, _DTYPES[norm.dtype])
-        tdtype = norm.dtype
-        mean_std = (tuple(float(m) for m in mean), tuple(float(s) for s in std))
-    else:
-        lut = image.identity_lut(channels)
-        tdtype = torch.uint8
-        mean_std = None
-    return Plan(out_hw, channels, rrc, resize, center, flip_p, lut, tdtype, mean_std)
+        if not isinstance(t, Transform):
+            raise ValueError(f"transforms: unsupported transform {t!r} (terrapipe.pipeline's "
+                             f"transforms compile into one kernel per sample)")
+        if t.stage < stage:
+            raise ValueError(f"transforms: {type(t).__name__} must come before {_STAGE_NAMES[stage]}")
+        stage = t.stage
+        spec = t.declare(spec, draft)
+    if draft.unfinished:
+        raise ValueError(draft.unfinished)
+    lut = draft.lut if draft.lut is not None else image.identity_lut(channels)
+    return Plan(spec.out_hw, channels, draft.box or _whole_image, draft.flip_p, lut, spec.dtype,
+                draft.norm)

@@ -1,0 +1,154 @@
+"""One iterator per epoch (NOTE [one iterator per epoch]) and transforms that declare themselves."""
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from terrapipe import FastLoader
+from terrapipe.kernels.geometry import resize_center_crop_box
+from terrapipe.pipeline import ArrayDataset, CenterCrop, RandomHorizontalFlip, Resize, Transform
+from terrapipe.pipeline.transforms import SampleSpec, compile_plan
+
+IMGS = np.random.default_rng(0).integers(0, 256, (40, 12, 14, 3), dtype=np.uint8)
+
+
+def _loader(**kw):
+    kw = {"batch_size": 4, "shuffle": True, "seed": 1, "num_threads": 2, **kw}
+    return FastLoader(ArrayDataset(IMGS, range(40)), [CenterCrop(8), RandomHorizontalFlip()], **kw)
+
+
+def _epoch(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def test_a_second_live_iterator_is_refused():
+    with _loader() as L:
+        it = iter(L)
+        next(it)
+        with pytest.raises(RuntimeError, match=r"still live \(epoch 0, 1 of 10 batches"):
+            iter(L)
+        it.close()
+        assert len(_epoch(L)) == 10  # closed: a new pass may start
+        it = iter(L)
+        for _ in it:
+            pass
+        assert len(_epoch(L)) == 10  # exhausted: likewise
+        for i, _ in enumerate(L):
+            if i == 2:
+                break
+        gc.collect()  # (CPython frees it at once; be explicit for other interpreters)
+        assert len(_epoch(L)) == 10  # dropped after break: likewise
+
+
+def test_the_iterator_captures_epoch_and_seed_when_created():
+    with _loader() as L:
+        L.set_epoch(3)
+        ref = _epoch(L)
+        L.set_epoch(3)
+        it = iter(L)
+        got = [tuple(t.clone() for t in next(it))]
+        L.set_epoch(4)  # affects the next iterator only
+        L.seed = 99
+        got += [(x.clone(), y.clone()) for x, y in it]
+        for (a, b), (c, d) in zip(ref, got, strict=True):
+            assert torch.equal(a, c) and torch.equal(b, d)
+        assert it.epoch == 3 and it.seed == 1
+        L.seed = 1
+        assert not torch.equal(torch.cat([y for _, y in _epoch(L)]), torch.cat([y for _, y in ref]))
+
+
+def test_state_dict_follows_the_live_iterator_and_resume_is_consumed_once():
+    with _loader() as L:
+        L.set_epoch(2)
+        it = iter(L)
+        for _ in range(3):
+            next(it)
+        sd = L.state_dict()
+        assert (sd["epoch"], sd["batch"]) == (2, 3)
+        ref = _epoch_rest = [(x.clone(), y.clone()) for x, y in it]
+        assert L.state_dict()["batch"] == 0  # a finished epoch resumes at its start
+    with _loader() as M:
+        M.load_state_dict(sd)
+        rest = _epoch(M)
+        assert len(rest) == 7 and all(torch.equal(a[0], b[0]) for a, b in zip(ref, rest, strict=True))
+        assert len(_epoch(M)) == 10  # the resume point served one iterator only
+    del _epoch_rest
+
+
+def test_an_error_ends_the_iterator_and_frees_the_loader():
+    class Flaky(ArrayDataset):
+        fail = True
+
+        def read(self, i):
+            if i == 13 and self.fail:
+                raise OSError("disk hiccup")
+            return super().read(i)
+
+    ds = Flaky(IMGS, range(40))
+    with FastLoader(ds, [CenterCrop(8)], batch_size=4, num_threads=2) as L:
+        with pytest.raises(Exception, match="disk hiccup"):
+            for _ in L:
+                pass
+        ds.fail = False
+        assert len(_epoch(L)) == 10
+
+
+def test_pool_threads_never_read_the_loaders_epoch():
+    # Regression: pool threads once read the live ``loader.epoch``; a set_epoch() while batches
+    # were prefetched gave them the next epoch's crops and flips.
+    with _loader(prefetch=6, num_threads=1) as L:
+        ref = _epoch(L)
+        it = iter(L)
+        first = tuple(t.clone() for t in next(it))
+        L.set_epoch(1)  # batches 1..6 are queued or being built right now
+        got = [first] + [(x.clone(), y.clone()) for x, y in it]
+        for (a, _), (b, _) in zip(ref, got, strict=True):
+            assert torch.equal(a, b)
+
+
+class FixedCrop(Transform):
+    """A transform written outside terrapipe: the top-left (h, w) corner, no resampling."""
+
+    stage = 0
+
+    def __init__(self, h, w):
+        self.h, self.w = h, w
+
+    def declare(self, spec, draft):
+        draft.box = lambda w, h, seed, epoch, index: (0.0, 0.0, float(self.w), float(self.h))
+        return SampleSpec((self.h, self.w), spec.channels, spec.dtype)
+
+
+def test_a_new_transform_is_one_class():
+    with FastLoader(ArrayDataset(IMGS, range(40)), [FixedCrop(5, 7)], batch_size=8) as L:
+        x = torch.cat([b.clone() for b, _ in L])
+    assert torch.equal(x, torch.from_numpy(IMGS[:, :5, :7].transpose(0, 3, 1, 2).copy()))
+
+
+def test_plans_are_immutable_and_transforms_reusable():
+    crop = CenterCrop(8)
+    with_resize = compile_plan([Resize(10), crop])
+    alone = compile_plan([crop])
+    assert with_resize.box(14, 12, 0, 0, 0) == resize_center_crop_box(14, 12, 10, 8, 8)
+    assert alone.box(14, 12, 0, 0, 0) == resize_center_crop_box(14, 12, 0, 8, 8)
+    none = compile_plan([])
+    with FastLoader(ArrayDataset(IMGS, range(40)), [], batch_size=8) as L:
+        assert L.plan.out_hw == (12, 14) and none.out_hw is None
+    with pytest.raises(AttributeError):
+        L.plan.out_hw = (1, 1)
+    with pytest.raises(ValueError, match="unsupported transform"):
+        compile_plan([lambda x: x])
+
+
+def test_close_ends_a_live_iterator_and_leaves_no_threads():
+    L = _loader()
+    it = iter(L)
+    next(it)
+    L.close()
+    assert it.finished
+    assert not [t for t in threading.enumerate() if t.name.startswith("terrapipe-loader")]
+    with pytest.raises(StopIteration):
+        next(it)
