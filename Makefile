@@ -9,7 +9,7 @@ STAMP       := $(VENV)/.terrapipe-installed
 TORCH_SPEC  ?= torch==2.13.0
 PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 
-.PHONY: setup demo test soak bench lint clean
+.PHONY: setup demo test soak bench lint clean torch-suite
 
 setup: $(STAMP)
 
@@ -56,3 +56,15 @@ clean:
 	rm -rf $(VENV) benchmarks/results build
 	find terrapipe -name '*.so' -delete
 	find . -name __pycache__ -prune -exec rm -rf {} +
+
+# Not in CI (tens of minutes): torch's own distributed suite at world size 2, once over Gloo and
+# once over terrapipe, with pass/skip/fail counts for each (tests/distributed/torch_suite.py).
+# SUITE_FILTER narrows it (pytest -k), e.g. SUITE_FILTER=all_reduce.
+SUITE_FILTER ?=
+torch-suite: setup
+	@$(PIP) install expecttest
+	@for b in gloo terrapipe; do \
+	  echo "== BACKEND=$$b"; \
+	  BACKEND=$$b WORLD_SIZE=2 $(PY) -m pytest -q -p no:randomly tests/distributed/torch_suite.py \
+	    $(if $(SUITE_FILTER),-k "$(SUITE_FILTER)") 2>&1 | tail -1; \
+	done

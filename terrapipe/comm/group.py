@@ -133,6 +133,34 @@ class Group:
         return cls._over_gloo(GlooTransport(timeout, pg), timeout, pg is None and launch_env.local_size())
 
     @classmethod
+    def over_store(cls, store, prefix: str, rank: int, size: int, timeout: float = 300.0) -> Group:
+        """A group of ``size`` processes on one node, over shared memory, set up through a
+        key-value store (torch c10d's ``Store``: what a ``torch.distributed`` backend is given)
+        instead of MPI. ``prefix``: a key space unique to this group. Every rank must be on this
+        node (ValueError naming the ranks that are not); ranks on several nodes need MPI or Gloo
+        between them."""
+        from .store import StoreComm, node_of
+
+        self = cls.__new__(cls)
+        self._init_execution(timeout)
+        comm = StoreComm(store, prefix, rank, size, timeout)
+        nodes = comm.allgather(node_of())
+        away = [r for r, n in enumerate(nodes) if n != nodes[rank]]
+        if away:
+            raise ValueError(f"over_store: ranks {away} are on another node than rank {rank}; "
+                             f"shared memory reaches one node only")
+        self.comm = None
+        self.rank, self.size = int(rank), int(size)
+        self.local_rank, self.local_size, self.nnodes = self.rank, self.size, 1
+        self.whole_world = False
+        if self.size > 1:
+            cores = set().union(*map(set, comm.allgather(sorted(os.sched_getaffinity(0)))))
+            self.oversubscribed = self.size > len(cores)
+            self.shm = ShmTransport(comm, self.rank, self.size, list(range(self.size)), self.timeout)
+            self.control = self.shm
+        return self
+
+    @classmethod
     def _over_gloo(cls, gloo, timeout: float, local_size: int | None) -> Group:
         self = cls.__new__(cls)
         self._init_execution(timeout)
@@ -294,6 +322,8 @@ class Group:
     def _route(self, coll: str, gate=NO_GATE) -> Transport:
         if self.gloo is not None:
             return self.gloo
+        if self.mpi is None:
+            return self.shm  # a one-node group set up without MPI (over_store)
         if self.force_mpi or not self.uniform:
             return self.mpi
         if coll == "allreduce":
@@ -443,11 +473,15 @@ class Group:
             self._route("barrier").barrier()
 
     def send(self, buf: Buffer, dest: int, tag: int) -> None:
-        if self.size == 1:
-            raise CommError("send: a lone process has no peer")
-        (self.gloo or self.mpi).send(buf.flat, dest, tag)
+        self._p2p("send").send(buf.flat, dest, tag)
 
     def recv(self, buf: Buffer, source: int, tag: int) -> None:
+        self._p2p("recv").recv(buf.flat, source, tag)
+
+    def _p2p(self, what: str) -> Transport:
         if self.size == 1:
-            raise CommError("recv: a lone process has no peer")
-        (self.gloo or self.mpi).recv(buf.flat, source, tag)
+            raise CommError(f"{what}: a lone process has no peer")
+        t = self.gloo or self.mpi
+        if t is None:
+            raise CommError(f"{what}: point-to-point needs MPI or Gloo; this group has shared memory only")
+        return t

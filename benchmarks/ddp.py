@@ -1,0 +1,160 @@
+"""torch DDP over backend="terrapipe" vs backend="gloo" vs no communication, same model and data.
+
+    python -m benchmarks.ddp -n 2 [--params 1 10 100] [--rounds 5] [--steps 3]
+
+Launches ``mpiexec -n N``; the ranks rendezvous over ``tcp://`` as torch does, with the default
+group on the "terrapipe" backend and a Gloo group of the same ranks beside it. For each model
+size (an MLP 1024 -> h -> h -> 1024 -> 10 with h chosen for about ``--params`` million
+parameters), every rank trains on its own batch of 64 with one torch thread, and each round runs
+``--steps`` SGD steps of each case, interleaved: ``none`` (the same model without DDP: the
+floor), ``terrapipe`` (DDP on the terrapipe group), ``gloo`` (DDP on the Gloo group); DDP's
+default 25 MB buckets both times. A sample is the slowest rank's mean step time. Reported per
+size: median step time and the communication overhead (t - t_none) / t of each backend, and
+their ratio. Then the latency of ``dist.all_reduce`` of 4 KiB (float32) on each group,
+alternating, median of many calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+import statistics
+import time
+
+from .common import format_table, report_from_rank0, run_ranks, save
+
+CASES = ("none", "terrapipe", "gloo")
+
+
+def _hidden_for(million: float) -> int:
+    # params = h^2 + 2 * 1024 * h + (1024 * 10 + biases) ~ solve h^2 + 2048 h = P
+    p = million * 1e6
+    return max(16, int((-2048 + math.sqrt(2048**2 + 4 * p)) / 2))
+
+
+def _mlp(hidden: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def _worker(params: list[float], rounds: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from mpi4py import MPI
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import terrapipe.distributed  # noqa: F401 (registers the backend)
+
+    torch.set_num_threads(1)
+    mpi = MPI.COMM_WORLD
+    port = None
+    if mpi.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = mpi.bcast(port, root=0)
+    dist.init_process_group("terrapipe", init_method=f"tcp://127.0.0.1:{port}", rank=mpi.rank,
+                            world_size=mpi.size)
+    gloo = dist.new_group(backend="gloo")
+    g = torch.Generator().manual_seed(mpi.rank)
+    x, y = torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+    def measure(hidden: int) -> dict:
+        models = {"none": _mlp(hidden), "terrapipe": DDP(_mlp(hidden)),
+                  "gloo": DDP(_mlp(hidden), process_group=gloo)}
+        opts = {c: torch.optim.SGD(m.parameters(), lr=0.01) for c, m in models.items()}
+
+        def step(case):
+            opts[case].zero_grad()
+            F.cross_entropy(models[case](x), y).backward()
+            opts[case].step()
+
+        for c in CASES:  # warm-up: buffers, connections, DDP's first-iteration broadcasts
+            step(c)
+            step(c)
+        samples = {c: [] for c in CASES}
+        for _ in range(rounds):
+            for c in CASES:
+                mpi.Barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step(c)
+                samples[c].append(mpi.allreduce((time.perf_counter() - start) / steps, op=MPI.MAX))
+        return {"params": sum(p.numel() for p in models["none"].parameters()), "samples": samples}
+
+    sizes = [measure(_hidden_for(million)) for million in params]
+    lat = {"terrapipe": [], "gloo": []}
+    t = torch.zeros(1024)
+    for grp in (None, gloo):  # warm-up
+        for _ in range(20):
+            dist.all_reduce(t, group=grp)
+    for _ in range(15):
+        for name, grp in (("terrapipe", None), ("gloo", gloo)):
+            mpi.Barrier()
+            start = time.perf_counter()
+            for _ in range(200):
+                dist.all_reduce(t, group=grp)
+            lat[name].append(mpi.allreduce((time.perf_counter() - start) / 200, op=MPI.MAX))
+    dist.destroy_process_group()
+    if mpi.rank == 0:
+        report_from_rank0({"p": mpi.size, "sizes": sizes, "latency_4k": lat})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", type=int, default=2)
+    p.add_argument("--params", type=float, nargs="+", default=[1, 10, 100], help="millions of parameters")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.params, args.rounds, args.steps)
+        return
+    flags = ["--params", *map(str, args.params), "--rounds", str(args.rounds), "--steps", str(args.steps)]
+    data = run_ranks("benchmarks.ddp", args.n, flags, env={"OMP_NUM_THREADS": "1"})
+    rows = []
+    for size in data["sizes"]:
+        med = {c: statistics.median(v) for c, v in size["samples"].items()}
+        over = {c: (med[c] - med["none"]) / med[c] for c in CASES}
+        for c in CASES:
+            s = size["samples"][c]
+            ratio = f"{over['terrapipe'] / over['gloo']:.2f}" if c == "terrapipe" and over["gloo"] > 0 else ""
+            rows.append([f"{size['params'] / 1e6:.1f}M", c, f"{1e3 * med[c]:.1f}", f"{1e3 * min(s):.1f}",
+                         f"{1e3 * max(s):.1f}", f"{100 * over[c]:.0f}%" if c != "none" else "-", ratio])
+        size["median_s"], size["overhead"] = med, over
+    print(f"\n{data['p']} ranks, batch 64 per rank, one torch thread per rank, median of {args.rounds} "
+          f"interleaved rounds x {args.steps} steps")
+    print(format_table(["params", "case", "ms/step", "min", "max", "comm overhead", "terrapipe/gloo"], rows))
+    lat = {k: statistics.median(v) for k, v in data["latency_4k"].items()}
+    print(f"\ndist.all_reduce of 4 KiB: terrapipe {1e6 * lat['terrapipe']:.1f} us, "
+          f"gloo {1e6 * lat['gloo']:.1f} us (median of {len(data['latency_4k']['gloo'])} x 200 calls; "
+          f"gloo / terrapipe {lat['gloo'] / lat['terrapipe']:.2f}x)")
+    data["latency_median_s"] = lat
+
+    def plot():
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        xs = [s["params"] / 1e6 for s in data["sizes"]]
+        for c in ("terrapipe", "gloo"):
+            ax.plot(xs, [100 * s["overhead"][c] for s in data["sizes"]], marker="o", label=c)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (millions)")
+        ax.set_ylabel("communication overhead, % of step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        return fig
+
+    for f in save(f"ddp_n{data['p']}", data, plot):
+        print(f"wrote {f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""A node communicator over a key-value store, for groups that have no MPI (torchrun, or a
+``torch.distributed`` backend's rendezvous).
+
+Shared memory needs only two things from the ranks of a node at set-up: the segment's name
+broadcast from local rank 0, and a barrier before the name is unlinked (NOTE [shm segment
+lifetime] in shm.py). :class:`StoreComm` gives exactly those, plus an all-gather of small
+strings, over any store with torch c10d's ``set`` / ``get`` / ``wait`` (values are bytes; the
+store is the one every rank of the job already reached). Values are plain text, never pickles.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+
+__all__ = ["StoreComm", "node_of"]
+
+
+class StoreComm:
+    """The subset of an mpi4py communicator that :class:`~terrapipe.comm.shm.Segment` and
+    :class:`~terrapipe.comm.shm.ShmTransport` use: ``rank``, ``Get_rank``, ``Get_size``,
+    ``bcast`` (str or None), ``Barrier`` and ``allgather`` (JSON values).
+
+    store: a c10d Store (or anything with set/get/wait); prefix: this communicator's key space,
+    unique per communicator; rank/size: within it; timeout: seconds a rank waits for the others.
+    """
+
+    def __init__(self, store, prefix: str, rank: int, size: int, timeout: float) -> None:
+        self.store, self.prefix = store, prefix
+        self.rank, self.size = int(rank), int(size)
+        self.timeout = datetime.timedelta(seconds=float(timeout))
+        self._seq = 0
+
+    def Get_rank(self) -> int:  # noqa: N802 (mpi4py's names)
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+    def _key(self, what: str) -> str:
+        self._seq += 1
+        return f"{self.prefix}/{self._seq}/{what}"
+
+    def allgather(self, value) -> list:
+        """Every rank's ``value`` (JSON-serialisable), in rank order."""
+        key = self._key("allgather")
+        self.store.set(f"{key}/{self.rank}", json.dumps(value))
+        keys = [f"{key}/{r}" for r in range(self.size)]
+        self.store.wait(keys, self.timeout)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def bcast(self, value, root: int = 0):
+        key = self._key("bcast")
+        if self.rank == root:
+            self.store.set(key, json.dumps(value))
+        self.store.wait([key], self.timeout)
+        return json.loads(self.store.get(key))
+
+    def Barrier(self) -> None:  # noqa: N802
+        self.allgather(None)
+
+
+def node_of() -> str:
+    """What identifies this machine to the ranks of a job: its host name and boot id (two
+    containers on one host with separate /dev/shm have different boot ids only when their
+    kernels differ; ranks that share /dev/shm share both)."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"

@@ -1,0 +1,373 @@
+"""``ProcessGroupTerrapipe``: a torch.distributed process group over terrapipe's transports.
+
+NOTE [the terrapipe process group]
+    torch (2.13) accepts a pure-Python subclass of ``torch.distributed.ProcessGroup`` from a
+    registered backend's creator and calls its methods directly: from ``dist.all_reduce`` and
+    friends, from DDP's reducer (one flat bucket per ``allreduce``, completion through
+    ``get_future()``), from FSDP2 and the functional collectives. How this group serves them:
+    1. Data moves through a :class:`terrapipe.comm.Group`: shared memory between the ranks of a
+       node (set up through the store torch hands the backend, no MPI needed), with the same
+       signature agreement as every terrapipe collective, so a shape, dtype or root mismatch
+       raises on every rank instead of corrupting data or hanging.
+    2. An asynchronous call (``opts.asyncOp``, which DDP's reducer and ``async_op=True`` set)
+       returns at once. The transfer runs on the group's ordered executor thread, which releases
+       the GIL inside the kernels, so backward keeps running on the caller's thread while a
+       bucket is reduced. The returned ``Work`` wraps a ``torch.futures.Future`` completed on
+       that thread with the output tensors (``[tensor]`` for allreduce, what DDP's hooks read
+       with ``fut.value()[0]``), or with the error. A synchronous call (``dist.all_reduce``
+       without ``async_op``) runs on the caller's thread, in order after anything outstanding,
+       and takes terrapipe's latency path: no thread hand-off for the 4 KiB allreduce.
+    3. What the shared-memory transport does not do (point-to-point, all-to-all, gather and
+       scatter of lists, bitwise reductions, dtypes the reduction kernels do not cover, ranks on
+       several nodes) goes to a Gloo process group built on the same store beside it, so every
+       call of the ProcessGroup API behaves as on Gloo. Each channel keeps its own issue order,
+       identical on every rank; as with any async collective, a result is read after ``wait()``.
+    4. Timeouts: the group's timeout (``init_process_group(timeout=)``) bounds every wait on
+       another rank; a late rank is named in the CollectiveTimeoutError, and the group is then
+       unusable, as a Gloo group is after a timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+import torch._C._distributed_c10d as c10d
+import torch.distributed as dist
+
+from ..comm import allgather as _allgather
+from ..comm import allreduce as _allreduce
+from ..comm import broadcast as _broadcast
+from ..comm import reduce as _reduce
+from ..comm import reduce_scatter as _reduce_scatter
+from ..comm.group import Group, Handle
+
+__all__ = ["ProcessGroupTerrapipe", "create"]
+
+
+
+class _Work(dist.Work):
+    """A Work over a torch future: ``wait()`` raises the collective's error (a Work made by
+    ``_create_work_from_future`` reports success even when its future failed), and
+    ``get_future()`` is the future itself, completed with the output tensors."""
+
+    def __init__(self, fut: torch.futures.Future) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._fut.wait()  # re-raises the collective's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._fut.value()
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
+
+
+_RED = dist.ReduceOp.RedOpType
+_OPS = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.MIN: "min", _RED.MAX: "max", _RED.PRODUCT: "prod"}
+# dtypes the reduction kernels cover (terrapipe.kernels.reduce); others reduce on Gloo.
+_REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
+# dtypes copies cover (terrapipe.comm.buffers.DTYPE_CODES)
+_COPYABLE = _REDUCIBLE | {torch.uint8, torch.int8, torch.int16, torch.bool}
+
+
+def _op_of(op) -> tuple[str | None, float | torch.Tensor | None]:
+    """(terrapipe op name or None for "Gloo's", premultiply factor or None)."""
+    kind = getattr(op, "op", op)
+    if kind == _RED.PREMUL_SUM:
+        return "sum", op.factor if hasattr(op, "factor") else None
+    return _OPS.get(kind), None
+
+
+def _as_handle(value) -> Handle:
+    """A comm Handle, or a synchronous call's result as an already finished one."""
+    if isinstance(value, Handle):
+        return value
+    f: Future = Future()
+    f.set_result(value)
+    return Handle(f)
+
+
+def _async(opts) -> bool:
+    return bool(getattr(opts, "asyncOp", True))
+
+
+class ProcessGroupTerrapipe(dist.ProcessGroup):
+    """The ``"terrapipe"`` torch.distributed backend (NOTE [the terrapipe process group]).
+
+    Made by torch from ``dist.init_process_group(backend="terrapipe")`` and ``dist.new_group``
+    (through :func:`create`); not constructed by hand. store: the group's store; rank/size: in
+    the group; timeout: per collective.
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        super().__init__(rank, size)
+        self._timeout = timeout
+        # Calls served by terrapipe's transports vs handed to Gloo, by method name (tests and
+        # anyone wondering where their collectives go read it).
+        self.served: collections.Counter[str] = collections.Counter()
+        seconds = timeout.total_seconds()
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        # torch keeps a group's name (what functional collectives resolve it by) on its
+        # backends; the Gloo one beside us carries it. Calls still come to these methods.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+        try:
+            self._group: Group | None = Group.over_store(dist.PrefixStore("shm/", store), "g", rank, size,
+                                                         seconds)
+        except ValueError:
+            self._group = None  # ranks on several nodes: everything on Gloo (3)
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "terrapipe"
+
+    @property
+    def group(self) -> Group | None:
+        """The terrapipe group carrying this process group's collectives (None: all on Gloo)."""
+        return self._group
+
+    def _ours(self, tensors: Sequence[torch.Tensor], dtypes=_COPYABLE) -> bool:
+        return self._group is not None and all(t.dtype in dtypes and not t.is_sparse for t in tensors)
+
+    def _chain(self, handles: list, finish: Callable[[], object]) -> dist.Work:
+        """A Work completed with ``finish()`` once every comm handle in ``handles`` is done
+        (a synchronous call's results count as done handles)."""
+        self.served["terrapipe"] += 1
+        handles[:] = [_as_handle(h) for h in handles]
+        fut = torch.futures.Future()
+        left = [len(handles)]
+
+        def one(f) -> None:
+            exc = f.exception()
+            if exc is not None:
+                if not fut.done():
+                    fut.set_exception(exc)
+                return
+            left[0] -= 1
+            if left[0] == 0 and not fut.done():
+                try:
+                    fut.set_result(finish())
+                except Exception as e:  # noqa: BLE001 (the caller's wait() raises it)
+                    fut.set_exception(e)
+
+        for h in handles:
+            h._future.add_done_callback(one)
+        if not handles:
+            fut.set_result(finish())
+        return _Work(fut)
+
+    def _body(self, body: Callable[[], object]) -> dist.Work:
+        """``body`` on the group's ordered executor; the Work completes with its result."""
+        handle = self._group.run(body, True)
+        return self._chain([handle], lambda: handle.wait())
+
+    @property
+    def _g(self) -> dist.ProcessGroup:
+        """The Gloo group, counted (NOTE [the terrapipe process group] 3)."""
+        self.served["gloo"] += 1
+        return self._gloo
+
+    # -- collectives -----------------------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllreduceOptions()
+        op, factor = _op_of(opts.reduceOp)
+        if op is None or not self._ours(tensors, _REDUCIBLE):
+            return self._g.allreduce(tensors, opts)
+        if factor is not None:
+            for t in tensors:
+                t.mul_(factor)
+        a = _async(opts)
+        handles = [_allreduce(t, op, async_op=a, group=self._group) for t in tensors]
+        return self._chain(handles, lambda: list(tensors))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.BroadcastOptions()
+        if not self._ours(tensors):
+            return self._g.broadcast(tensors, opts)
+        a = _async(opts)
+        handles = [_broadcast(t, opts.rootRank, async_op=a, group=self._group) for t in tensors]
+        return self._chain(handles, lambda: list(tensors))
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        if not self._ours(inputs) or any(o.shape != inputs[0].shape or o.dtype != inputs[0].dtype
+                                         for outs in output_lists for o in outs):
+            return self._g.allgather(output_lists, inputs, opts)
+        for outs in output_lists:
+            if len(outs) != self.size():
+                raise ValueError(f"allgather: {len(outs)} output tensors for a group of {self.size()}")
+        a = _async(opts)
+        handles = [_allgather(t, async_op=a, group=self._group) for t in inputs]
+
+        def finish():
+            for outs, h in zip(output_lists, handles, strict=True):
+                stacked = h.wait()
+                for r, o in enumerate(outs):
+                    o.copy_(stacked[r])
+            return output_lists
+
+        return self._chain(handles, finish)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        return self._g.allgather_coalesced(output_lists, inputs, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        if not self._ours([input, output]) or output.numel() != input.numel() * self.size():
+            return self._g._allgather_base(output, input, opts)
+        h = _as_handle(_allgather(input, async_op=_async(opts), group=self._group))
+
+        def finish():
+            output.view(-1).copy_(h.wait().reshape(-1))
+            return [output]
+
+        return self._chain([h], finish)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._all_of(works, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _all_of(self, works: list[dist.Work], value) -> dist.Work:
+        def check(f):
+            for x in f.value():
+                x.value()  # raises the first error into the combined future
+            return value
+
+        return _Work(torch.futures.collect_all([w.get_future() for w in works]).then(check))
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        op, factor = _op_of(opts.reduceOp)
+        flat_ok = all(len(ins) == self.size() and all(i.shape == outs.shape for i in ins)
+                      for outs, ins in zip(outputs, input_lists, strict=True))
+        if op is None or not flat_ok or not self._ours(outputs, _REDUCIBLE):
+            return self._g.reduce_scatter(outputs, input_lists, opts)
+        works = [self.reduce_scatter_single(o, torch.cat([i.reshape(-1) for i in ins]), opts)
+                 for o, ins in zip(outputs, input_lists, strict=True)]
+        return self._all_of(works, outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        op, factor = _op_of(opts.reduceOp)
+        if (op is None or not self._ours([input, output], _REDUCIBLE)
+                or input.numel() != output.numel() * self.size()):
+            return self._g._reduce_scatter_base(output, input, opts)
+        if factor is not None:
+            input = input * factor
+        h = _as_handle(_reduce_scatter(input.contiguous(), op, async_op=_async(opts), group=self._group))
+
+        def finish():
+            output.view(-1).copy_(h.wait())
+            return [output]
+
+        return self._chain([h], finish)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.ReduceScatterOptions()
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return self._all_of(works, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.ReduceOptions()
+        op, factor = _op_of(opts.reduceOp)
+        if op is None or not self._ours(tensors, _REDUCIBLE):
+            return self._g.reduce(tensors, opts)
+        if factor is not None:
+            for t in tensors:
+                t.mul_(factor)
+        a = _async(opts)
+        handles = [_reduce(t, op, opts.rootRank, async_op=a, group=self._group) for t in tensors]
+        return self._chain(handles, lambda: list(tensors))
+
+    def barrier(self, opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.BarrierOptions()
+        if self._group is None:
+            return self._g.barrier(opts)
+        # After every collective issued before it, on both channels (NOTE 3).
+        gloo = self._gloo
+
+        def body():
+            self._group.barrier()
+            gloo.barrier(opts).wait()
+            return []
+
+        return self._body(body)
+
+    # -- on Gloo (NOTE [the terrapipe process group] 3) ------------------------------------------
+    def gather(self, outputs, inputs, opts=None) -> dist.Work:
+        return self._g.gather(outputs, inputs, opts if opts is not None else c10d.GatherOptions())
+
+    def scatter(self, outputs, inputs, opts=None) -> dist.Work:
+        return self._g.scatter(outputs, inputs, opts if opts is not None else c10d.ScatterOptions())
+
+    def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
+        return self._g.alltoall(outputs, inputs, opts if opts is not None else c10d.AllToAllOptions())
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None) -> dist.Work:
+        opts = opts if opts is not None else c10d.AllToAllOptions()
+        return self._g.alltoall_base(output, input, output_splits, input_splits, opts)
+
+    alltoall_base = all_to_all_single
+
+    def send(self, tensors, dst: int, tag: int = 0) -> dist.Work:
+        return self._g.send(tensors, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int = 0) -> dist.Work:
+        return self._g.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag: int = 0) -> dist.Work:
+        return self._g.recv_anysource(tensors, tag)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
+        return self._g.monitored_barrier(timeout if timeout is not None else self._timeout, wait_all_ranks)
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def create(opts, backend_options=None) -> ProcessGroupTerrapipe:
+    """The creator torch calls for ``backend="terrapipe"`` (extended API)."""
+    return ProcessGroupTerrapipe(opts.store, opts.group_rank, opts.group_size, opts.timeout)

@@ -1,0 +1,274 @@
+"""The "terrapipe" torch.distributed backend, at 2 and 4 ranks, checked against Gloo's results.
+
+Each body runs under mpiexec (tests/mpi_plugin.py); rank 0 picks a free port and the ranks
+rendezvous over ``tcp://`` as torch does, with a Gloo group of the same ranks beside the
+terrapipe one for reference results.
+"""
+
+import datetime
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import terrapipe.distributed  # noqa: F401 (registers the backend)
+from terrapipe.distributed import ProcessGroupTerrapipe
+
+
+def _init(mpi_comm, timeout=60):
+    port = None
+    if mpi_comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = mpi_comm.bcast(port, root=0)
+    dist.init_process_group("terrapipe", init_method=f"tcp://127.0.0.1:{port}", rank=mpi_comm.rank,
+                            world_size=mpi_comm.size, timeout=datetime.timedelta(seconds=timeout))
+    return dist.group.WORLD, dist.new_group(backend="gloo")
+
+
+def _close():
+    dist.destroy_process_group()
+
+
+# sizes on both sides of the shared-memory paths' thresholds (one-shot, chunked, odd lengths)
+SIZES = [1, 7, 1000, 16 * 1024 + 3, 300_000, 1 << 21]
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_collectives_equal_gloos(mpi_comm):
+    tp, gloo = _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    assert isinstance(tp, ProcessGroupTerrapipe) and dist.get_backend() == "terrapipe"
+    g = torch.Generator().manual_seed(100 + r)
+
+    def both(fn):
+        """fn(group) -> tensors; the terrapipe and Gloo results must be equal."""
+        a, b = fn(tp), fn(gloo)
+        for x, y in zip(a, b, strict=True):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            if x.dtype.is_floating_point:
+                # float sums in another order: the error bound is n ulps of the largest term
+                tol = {torch.float32: 2e-5, torch.float64: 1e-13}.get(x.dtype, 0)
+                torch.testing.assert_close(x, y, rtol=tol, atol=tol)
+            else:
+                assert torch.equal(x, y)
+
+    for numel in SIZES:
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.bfloat16, torch.int8):
+            base = (torch.randn(numel, generator=g) * 4).to(dtype)
+            ops = [dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+            if numel < 2000 and dtype.is_floating_point:
+                ops.append(dist.ReduceOp.PRODUCT)
+            for op in ops:
+                if dtype == torch.bfloat16 and op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
+                    # Gloo adds bf16 in bf16, rank after rank; terrapipe accumulates in float32 and
+                    # rounds once: compare with the float64 result rounded to bf16 instead.
+                    _bf16_against_float64(base, op, gloo, n)
+                    continue
+                both(lambda grp, op=op, base=base: [_ret(dist.all_reduce(t := base.clone(), op=op, group=grp),
+                                                         t)])
+        _copies_and_scatters(both, g, numel, n, r)
+    # AVG is not a Gloo op: check it against SUM / n.
+    x = torch.randn(1001, generator=g)
+    a, s = x.clone(), x.clone()
+    dist.all_reduce(a, op=dist.ReduceOp.AVG)
+    dist.all_reduce(s, group=gloo)
+    torch.testing.assert_close(a, s / n)
+    # Gloo's own share: bitwise ops, gather/scatter, uneven all-to-all, point-to-point.
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        v = torch.randint(0, 1 << 20, (33,), generator=g)
+        both(lambda grp, v=v, op=op: [_ret(dist.all_reduce(t := v.clone(), op=op, group=grp), t)])
+    splits = [(r + k) % 3 + 1 for k in range(n)]  # what this rank sends to each rank
+    recv_splits = [(k + r) % 3 + 1 for k in range(n)]
+    src = torch.arange(sum(splits), dtype=torch.float32) + 100 * r
+    both(lambda grp: [_ret(dist.all_to_all_single(o := torch.empty(sum(recv_splits)), src, recv_splits,
+                                                  splits, group=grp), o)])
+    both(lambda grp: _ret(dist.gather(x, [torch.empty_like(x) for _ in range(n)] if r == 0 else None, dst=0,
+                                      group=grp), [x]))
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    got = torch.empty(5)
+    reqs = [dist.isend(torch.full((5,), float(r)), nxt), dist.irecv(got, prv)]
+    for q in reqs:
+        q.wait()
+    assert got.tolist() == [float(prv)] * 5
+    dist.barrier()
+    assert tp.served["terrapipe"] > 0 and tp.served["gloo"] > 0
+    _close()
+
+
+def _ret(work, value):
+    return value
+
+
+def _bf16_against_float64(base, op, gloo, n):
+    parts = [torch.empty(base.shape, dtype=torch.float64) for _ in range(n)]
+    dist.all_gather(parts, base.double(), group=gloo)
+    ref = torch.stack(parts).sum(0) if op == dist.ReduceOp.SUM else torch.stack(parts).prod(0)
+    ours = base.clone()
+    dist.all_reduce(ours, op=op)
+    # sum: exact in float32 for these magnitudes, then one rounding; product: float32 rounds too
+    tol = 0 if op == dist.ReduceOp.SUM else 2.0**-8
+    torch.testing.assert_close(ours, ref.to(torch.bfloat16), rtol=tol, atol=0)
+
+
+def _copies_and_scatters(both, g, numel, n, r):
+    x = torch.randn(numel, generator=g)
+    big = torch.randn(n * numel, generator=g)
+    both(lambda grp: [_ret(dist.broadcast(t := x.clone(), src=n - 1, group=grp), t)])
+    both(lambda grp: _ret(dist.all_gather(o := [torch.empty(numel) for _ in range(n)], x, group=grp), o))
+    both(lambda grp: [_ret(dist.all_gather_into_tensor(o := torch.empty(n * numel), x, group=grp), o)])
+    both(lambda grp: [_ret(dist.reduce_scatter_tensor(o := torch.empty(numel), big, group=grp), o)])
+    both(lambda grp: [_ret(dist.reduce_scatter(o := torch.empty(numel), list(big.chunk(n)), group=grp), o)])
+    # reduce: only the destination's result is defined (Gloo uses the others' tensors as scratch)
+    def reduce(grp):
+        t = x.clone()
+        dist.reduce(t, dst=1, group=grp)
+        return [t] if r == 1 else []
+
+    both(reduce)
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_many_outstanding_async_allreduces(mpi_comm):
+    tp, gloo = _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    for it in range(30):
+        sizes = [4096, 1 << 20, 17, 300_001, 8 << 20][it % 5:] + [1000]
+        ts = [torch.full((s,), float(r + it), dtype=torch.float32) for s in sizes]
+        works = [dist.all_reduce(t, async_op=True) for t in ts]
+        futs = [w.get_future() for w in works]
+        for w in works:
+            w.wait()
+        want = sum(range(n)) + n * it
+        for t, f in zip(ts, futs, strict=True):
+            assert t[0].item() == want and t[-1].item() == want
+            assert f.value()[0] is t  # the future's value is the reduced tensor
+    _close()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_ddp_equals_one_process_on_the_union_batch(mpi_comm):
+    tp, _ = _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 5))
+
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(8 * n, 32, generator=g), torch.randint(0, 5, (8 * n,), generator=g))
+               for _ in range(5)]
+    ref = model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for static in (False, True):
+        net = model()
+        # Small buckets: several allreduces per backward, launched while backward runs.
+        ddp = DDP(net, bucket_cap_mb=0.005, static_graph=static)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for x, y in batches:
+            lo, hi = r * 8, (r + 1) * 8
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x[lo:hi]), y[lo:hi]).backward()
+            opt.step()
+        if not static:
+            for x, y in batches:
+                ropt.zero_grad()
+                torch.nn.functional.cross_entropy(ref(x), y).backward()
+                ropt.step()
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert tp.served["terrapipe"] >= 5 * 3
+    _close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=240)
+def test_comm_hooks_functional_collectives_and_fsdp2(mpi_comm):
+    _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    import torch.distributed._functional_collectives as fc
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    t = torch.arange(6.0) * (r + 1)
+    assert fc.all_reduce(t, "sum", dist.group.WORLD).tolist() == (torch.arange(6.0) * 3).tolist()
+    assert fc.all_gather_tensor(t, 0, dist.group.WORLD).tolist() == torch.cat(
+        [torch.arange(6.0), torch.arange(6.0) * 2]).tolist()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 4)
+    ddp = DDP(net)
+    ddp.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+    x = torch.randn(4, 16) + r
+    ddp(x).sum().backward()
+    grads = [torch.empty_like(net.weight.grad) for _ in range(n)]
+    dist.all_gather(grads, net.weight.grad)
+    assert torch.equal(grads[0], grads[1])  # every rank holds the same averaged gradient
+    # FSDP2: shards parameters, all-gathers them forward, reduce-scatters gradients backward.
+    torch.manual_seed(1)
+    mesh = init_device_mesh("cpu", (n,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    torch.manual_seed(1)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        xs = torch.randn(4 * n, 8, generator=g)
+        model(xs[4 * r:4 * (r + 1)]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(xs).pow(2).mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+    _close()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_mismatch_raises_on_every_rank_and_subgroups(mpi_comm):
+    _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    t = torch.zeros(10 + (r == 1))
+    with pytest.raises(Exception, match="ranks called it differently"):
+        dist.all_reduce(t)
+    # the group stays usable after a mismatch
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    assert t.tolist() == [float(n)] * 3
+    evens = dist.new_group([k for k in range(n) if k % 2 == 0])
+    odds = dist.new_group([k for k in range(n) if k % 2 == 1])
+    mine = evens if r % 2 == 0 else odds
+    assert isinstance(mine, ProcessGroupTerrapipe)
+    t = torch.full((5,), float(r))
+    dist.all_reduce(t, group=mine)
+    assert t[0].item() == float(sum(k for k in range(n) if k % 2 == r % 2))
+    _close()
+
+
+def test_registered_and_unused_without_init():
+    assert "TERRAPIPE" in dist.Backend._plugins
+    assert not dist.is_initialized()
+    np.testing.assert_equal(dist.Backend("terrapipe"), "terrapipe")
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_premul_sum_and_avg_of_integers(mpi_comm):
+    _, gloo = _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    t = torch.arange(5, dtype=torch.float32) + r
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.5))
+    assert t.tolist() == [2.5 * (2 * k + 1) for k in range(5)]
+    # a tensor factor, as FSDP passes it
+    t = torch.ones(3, dtype=torch.float64)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor(0.5, dtype=torch.float64)))
+    assert t.tolist() == [0.5 * n] * 3
+    _close()
