@@ -64,7 +64,7 @@ SUITE_FILTER ?=
 torch-suite: setup
 	@$(PIP) install expecttest
 	@for b in gloo terrapipe; do \
-	  echo "== BACKEND=$$b"; \
-	  BACKEND=$$b WORLD_SIZE=2 $(PY) -m pytest -q -p no:randomly tests/distributed/torch_suite.py \
-	    $(if $(SUITE_FILTER),-k "$(SUITE_FILTER)") 2>&1 | tail -1; \
+	  echo "== BACKEND=$$b"; tmp=$$(mktemp -d); \
+	  BACKEND=$$b WORLD_SIZE=2 TEMP_DIR=$$tmp $(PY) -m pytest -q -p no:randomly tests/distributed/torch_suite.py \
+	    $(if $(SUITE_FILTER),-k "$(SUITE_FILTER)") 2>&1 | tail -1; rm -rf $$tmp; \
 	done

@@ -8,8 +8,10 @@ runs this module once per backend and prints pass/skip/fail counts for each::
 ``torch.testing._internal.distributed.distributed_test`` reads ``BACKEND`` and ``WORLD_SIZE``
 when imported and spawns a process per rank for every test; each spawned child imports this
 module again, which registers the backend there too. The suite's decorators name backend sets
-(``DistTestCases.backend_feature``): terrapipe is added wherever Gloo is, before the suite is
-imported, since it serves every call Gloo serves on the CPU. Nothing else of the suite changes.
+(``DistTestCases.backend_feature``): terrapipe is added wherever Gloo is, and to the plugin set,
+before the suite is imported, since it serves every call Gloo serves on the CPU. Decorators that
+name a literal set (``require_backend_is_available({"gloo"})``) or compare ``BACKEND == "gloo"``
+still skip for terrapipe: nothing else of the suite changes.
 """
 
 import os
@@ -19,7 +21,8 @@ import pytest
 
 os.environ.setdefault("BACKEND", "terrapipe")
 os.environ.setdefault("WORLD_SIZE", "2")
-os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="terrapipe-torch-suite-"))
+if "TEMP_DIR" not in os.environ:  # spawned children inherit the parent's
+    os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="terrapipe-torch-suite-")
 
 pytest.importorskip("expecttest", reason="torch's suite needs expecttest (make torch-suite installs it)")
 
@@ -30,6 +33,7 @@ import terrapipe.distributed  # noqa: E402,F401 (registers "terrapipe" here and 
 for _name, _backends in DistTestCases.backend_feature.items():
     if "gloo" in _backends:
         _backends.add("terrapipe")
+DistTestCases.backend_feature["plugin"].add("terrapipe")  # what the suite's availability check reads
 
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
