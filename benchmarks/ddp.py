@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 import statistics
 import time
 
@@ -49,18 +48,11 @@ def _worker(params: list[float], rounds: int, steps: int) -> None:
     from mpi4py import MPI
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import terrapipe.distributed  # noqa: F401 (registers the backend)
+    import terrapipe.distributed
 
     torch.set_num_threads(1)
     mpi = MPI.COMM_WORLD
-    port = None
-    if mpi.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = mpi.bcast(port, root=0)
-    dist.init_process_group("terrapipe", init_method=f"tcp://127.0.0.1:{port}", rank=mpi.rank,
-                            world_size=mpi.size)
+    terrapipe.distributed.init_process_group("terrapipe", mpi_comm=mpi)
     gloo = dist.new_group(backend="gloo")
     g = torch.Generator().manual_seed(mpi.rank)
     x, y = torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)

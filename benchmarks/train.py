@@ -14,7 +14,6 @@ the communication overhead fraction (t - t_none) / t.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 
@@ -39,19 +38,13 @@ def _worker(rounds: int, steps: int, hidden: int) -> None:
     from mpi4py import MPI
 
     import terrapipe.comm as comm
+    import terrapipe.distributed
     from terrapipe.engine import DistributedOptimizer
 
     torch.set_num_threads(1)
     comm.init()
     mpi = MPI.COMM_WORLD
-    port = None
-    if mpi.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = mpi.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=mpi.rank,
-                            world_size=mpi.size)
+    terrapipe.distributed.init_process_group("gloo", mpi_comm=mpi)
     models = {c: _mlp(hidden) for c in CASES}
     models["ddp"] = torch.nn.parallel.DistributedDataParallel(models["ddp"])
     opts = {

@@ -6,17 +6,24 @@ Importing it registers the backend, so a script changes one word::
     dist.init_process_group(backend="terrapipe")   # under torchrun, or any init_method
     model = DDP(model)
 
+Under ``mpiexec`` or ``terrapipe run``, where torch's variables are not set,
+:func:`init_process_group` finds the world from the MPI launcher and meets over ``tcp://``.
 See NOTE [the terrapipe process group] in process_group.py for how calls are served.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
+import socket
+
 import torch
 import torch.distributed as dist
 
+from .. import launch_env
 from .process_group import ProcessGroupTerrapipe, create
 
-__all__ = ["ProcessGroupTerrapipe", "BACKEND", "register"]
+__all__ = ["ProcessGroupTerrapipe", "BACKEND", "register", "init_process_group"]
 
 BACKEND = "terrapipe"
 
@@ -27,6 +34,37 @@ def register() -> None:
         return
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=devices)
+
+
+def init_process_group(backend: str = BACKEND, timeout: float = 300.0, mpi_comm=None) -> None:
+    """``dist.init_process_group`` wherever the job was launched.
+
+    torchrun / SLURM with MASTER_ADDR (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): torch's
+    ``env://``. An MPI launcher (``mpiexec``, ``terrapipe run``): rank and size from MPI
+    (``mpi_comm``, default ``MPI.COMM_WORLD``); rank 0 binds a free port on its host and
+    broadcasts ``tcp://host:port`` over MPI. A lone process: a world of one. backend: any
+    torch.distributed backend name ("terrapipe", "gloo", ...); timeout: seconds per collective.
+    """
+    td = datetime.timedelta(seconds=float(timeout))
+    if launch_env.torch_launched():
+        dist.init_process_group(backend, timeout=td)
+        return
+    if mpi_comm is None and not launch_env.mpi_launched():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        return
+    if mpi_comm is None:
+        from mpi4py import MPI
+
+        mpi_comm = MPI.COMM_WORLD
+    url = None
+    if mpi_comm.Get_rank() == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            url = f"tcp://{host}:{s.getsockname()[1]}"
+    url = mpi_comm.bcast(url, root=0)
+    dist.init_process_group(backend, init_method=url, rank=mpi_comm.Get_rank(),
+                            world_size=mpi_comm.Get_size(), timeout=td)
 
 
 register()

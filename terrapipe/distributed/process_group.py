@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -125,8 +126,8 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
         self._timeout = timeout
-        # Calls served by terrapipe's transports vs handed to Gloo, by method name (tests and
-        # anyone wondering where their collectives go read it).
+        # Calls served by terrapipe's transports ("terrapipe") vs handed to Gloo ("gloo"): for
+        # tests, and for anyone wondering where their collectives go.
         self.served: collections.Counter[str] = collections.Counter()
         seconds = timeout.total_seconds()
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
@@ -158,19 +159,25 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
         handles[:] = [_as_handle(h) for h in handles]
         fut = torch.futures.Future()
         left = [len(handles)]
+        lock = threading.Lock()  # finished handles call back on this thread, the rest on the group's
 
         def one(f) -> None:
             exc = f.exception()
-            if exc is not None:
-                if not fut.done():
+            with lock:
+                if fut.done():
+                    return
+                if exc is not None:
                     fut.set_exception(exc)
-                return
-            left[0] -= 1
-            if left[0] == 0 and not fut.done():
+                    return
+                left[0] -= 1
+                if left[0]:
+                    return
                 try:
-                    fut.set_result(finish())
+                    value = finish()
                 except Exception as e:  # noqa: BLE001 (the caller's wait() raises it)
                     fut.set_exception(e)
+                    return
+            fut.set_result(value)
 
         for h in handles:
             h._future.add_done_callback(one)

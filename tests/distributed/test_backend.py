@@ -1,31 +1,22 @@
 """The "terrapipe" torch.distributed backend, at 2 and 4 ranks, checked against Gloo's results.
 
-Each body runs under mpiexec (tests/mpi_plugin.py); rank 0 picks a free port and the ranks
-rendezvous over ``tcp://`` as torch does, with a Gloo group of the same ranks beside the
-terrapipe one for reference results.
+Each body runs under mpiexec (tests/mpi_plugin.py); the ranks rendezvous over ``tcp://`` as
+torch does (``terrapipe.distributed.init_process_group`` under mpiexec), with a Gloo group of
+the same ranks beside the terrapipe one for reference results.
 """
-
-import datetime
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-import terrapipe.distributed  # noqa: F401 (registers the backend)
+import terrapipe.distributed
 from terrapipe.distributed import ProcessGroupTerrapipe
 
 
 def _init(mpi_comm, timeout=60):
-    port = None
-    if mpi_comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = mpi_comm.bcast(port, root=0)
-    dist.init_process_group("terrapipe", init_method=f"tcp://127.0.0.1:{port}", rank=mpi_comm.rank,
-                            world_size=mpi_comm.size, timeout=datetime.timedelta(seconds=timeout))
+    terrapipe.distributed.init_process_group("terrapipe", timeout, mpi_comm=mpi_comm)
+    assert dist.get_rank() == mpi_comm.rank and dist.get_world_size() == mpi_comm.size
     return dist.group.WORLD, dist.new_group(backend="gloo")
 
 
@@ -272,3 +263,16 @@ def test_premul_sum_and_avg_of_integers(mpi_comm):
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor(0.5, dtype=torch.float64)))
     assert t.tolist() == [0.5 * n] * 3
     _close()
+
+
+def test_a_lone_process_needs_no_launcher(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE",
+                "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD"):
+        monkeypatch.delenv(var, raising=False)
+    terrapipe.distributed.init_process_group()
+    try:
+        t = torch.arange(4.0)
+        dist.all_reduce(t)
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0] and dist.get_backend() == "terrapipe"
+    finally:
+        dist.destroy_process_group()
