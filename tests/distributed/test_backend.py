@@ -276,3 +276,24 @@ def test_a_lone_process_needs_no_launcher(monkeypatch):
         assert t.tolist() == [0.0, 1.0, 2.0, 3.0] and dist.get_backend() == "terrapipe"
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_rank_that_never_arrives_is_named_not_waited_for(mpi_comm):
+    import time
+
+    from terrapipe.comm import CollectiveTimeoutError, CommError
+
+    _init(mpi_comm, timeout=3)
+    r = dist.get_rank()
+    t = torch.ones(100_000)
+    if r == 0:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="rank 1") as e:
+            dist.all_reduce(t)
+        assert time.monotonic() - start < 30, "the timeout bounds the wait"
+        assert "allreduce" in str(e.value)
+        # the step counters are out of step now: the group says so instead of mismatching data
+        with pytest.raises(CommError, match="unusable after an earlier failure"):
+            dist.all_reduce(torch.ones(3), async_op=True)
+    mpi_comm.Barrier()  # rank 1 never called all_reduce; both leave together
