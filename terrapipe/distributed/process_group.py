@@ -5,10 +5,13 @@ NOTE [the terrapipe process group]
     registered backend's creator and calls its methods directly: from ``dist.all_reduce`` and
     friends, from DDP's reducer (one flat bucket per ``allreduce``, completion through
     ``get_future()``), from FSDP2 and the functional collectives. How this group serves them:
-    1. Data moves through a :class:`terrapipe.comm.Group`: shared memory between the ranks of a
-       node (set up through the store torch hands the backend, no MPI needed), with the same
-       signature agreement as every terrapipe collective, so a shape, dtype or root mismatch
-       raises on every rank instead of corrupting data or hanging.
+    1. Data moves through a :class:`terrapipe.comm.Group`, with the same signature agreement as
+       every terrapipe collective, so a shape, dtype or root mismatch raises on every rank
+       instead of corrupting data or hanging. Under an MPI launcher (``mpiexec``, ``terrapipe
+       run``) whose ranks are torch's ranks, the group is made over MPI (shared memory on each
+       node, MPI between nodes and for the ring, as ``terrapipe.comm`` routes them); else it is
+       shared memory between the ranks of one node, set up through the store torch hands the
+       backend (no MPI needed). The ranks decide which together, through the store.
     2. An asynchronous call (``opts.asyncOp``, which DDP's reducer and ``async_op=True`` set)
        returns at once. The transfer runs on the group's ordered executor thread, which releases
        the GIL inside the kernels, so backward keeps running on the caller's thread while a
@@ -39,12 +42,14 @@ import torch
 import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
+from .. import launch_env
 from ..comm import allgather as _allgather
 from ..comm import allreduce as _allreduce
 from ..comm import broadcast as _broadcast
 from ..comm import reduce as _reduce
 from ..comm import reduce_scatter as _reduce_scatter
 from ..comm.group import Group, Handle
+from ..comm.store import StoreComm
 
 __all__ = ["ProcessGroupTerrapipe", "create"]
 
@@ -123,7 +128,8 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
     the group; timeout: per collective.
     """
 
-    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta,
+                 global_ranks: Sequence[int] = ()) -> None:
         super().__init__(rank, size)
         self._timeout = timeout
         # Calls served by terrapipe's transports ("terrapipe") vs handed to Gloo ("gloo"): for
@@ -134,11 +140,12 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
         # torch keeps a group's name (what functional collectives resolve it by) on its
         # backends; the Gloo one beside us carries it. Calls still come to these methods.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
-        try:
-            self._group: Group | None = Group.over_store(dist.PrefixStore("shm/", store), "g", rank, size,
-                                                         seconds)
-        except ValueError:
-            self._group = None  # ranks on several nodes: everything on Gloo (3)
+        self._group: Group | None = _mpi_group(store, rank, size, list(global_ranks), seconds)
+        if self._group is None:
+            try:
+                self._group = Group.over_store(dist.PrefixStore("shm/", store), "g", rank, size, seconds)
+            except ValueError:
+                self._group = None  # several nodes and no MPI: everything on Gloo (3)
 
     # -- plumbing ------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -375,6 +382,29 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
         self.shutdown()
 
 
+def _mpi_group(store, rank: int, size: int, global_ranks: list[int], timeout: float) -> Group | None:
+    """A group over MPI when every rank of this one was started by an MPI launcher whose world
+    ranks are torch's global ranks (NOTE [the terrapipe process group] 1), else None. Decided
+    together through the store, so no rank goes to MPI alone."""
+    ranks = global_ranks or list(range(size))
+    mine = False
+    if launch_env.mpi_launched():
+        try:
+            from mpi4py import MPI
+
+            world = MPI.COMM_WORLD
+            me = ranks[rank] if rank < len(ranks) else -1
+            mine = world.Get_rank() == me and world.Get_size() >= size and max(ranks) < world.Get_size()
+        except ImportError:
+            mine = False
+    votes = StoreComm(dist.PrefixStore("mpi/", store), "vote", rank, size, timeout).allgather(mine)
+    if not all(votes):
+        return None
+    comm = world.Create_group(world.Get_group().Incl(ranks))
+    return Group(comm, timeout)
+
+
 def create(opts, backend_options=None) -> ProcessGroupTerrapipe:
     """The creator torch calls for ``backend="terrapipe"`` (extended API)."""
-    return ProcessGroupTerrapipe(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+    return ProcessGroupTerrapipe(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                                 list(opts.global_ranks_in_group or ()))

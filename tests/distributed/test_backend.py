@@ -33,6 +33,7 @@ def test_collectives_equal_gloos(mpi_comm):
     tp, gloo = _init(mpi_comm)
     r, n = dist.get_rank(), dist.get_world_size()
     assert isinstance(tp, ProcessGroupTerrapipe) and dist.get_backend() == "terrapipe"
+    assert tp.group.mpi is not None  # under mpiexec: the group is made over MPI
     g = torch.Generator().manual_seed(100 + r)
 
     def both(fn):
@@ -297,3 +298,61 @@ def test_a_rank_that_never_arrives_is_named_not_waited_for(mpi_comm):
         with pytest.raises(CommError, match="unusable after an earlier failure"):
             dist.all_reduce(torch.ones(3), async_op=True)
     mpi_comm.Barrier()  # rank 1 never called all_reduce; both leave together
+
+
+TORCHRUN_BODY = """
+import torch, torch.distributed as dist
+import terrapipe.distributed
+from terrapipe.comm import CollectiveMismatchError
+terrapipe.distributed.init_process_group()          # env:// under torchrun
+r, n = dist.get_rank(), dist.get_world_size()
+pg = dist.group.WORLD
+assert pg.group.mpi is None and pg.group.shm is not None, "torchrun: shared memory over the store"
+for size in (5, 4096, 300_001, 3 << 20):
+    t = torch.full((size,), float(r + 1))
+    works = [dist.all_reduce(t, async_op=True), dist.all_reduce(torch.ones(7), async_op=True)]
+    for w in works:
+        w.wait()
+    assert t[0].item() == t[-1].item() == n * (n + 1) / 2
+    x = torch.full((size,), float(r))
+    dist.broadcast(x, src=n - 1)
+    assert x[0].item() == x[-1].item() == n - 1
+    out = torch.empty(n * size)
+    dist.all_gather_into_tensor(out, torch.full((size,), float(r)))
+    assert out.view(n, size)[:, -1].tolist() == [float(k) for k in range(n)]
+try:
+    dist.all_reduce(torch.zeros(3 + r))
+    raise SystemExit("no mismatch error")
+except CollectiveMismatchError:
+    pass
+torch.manual_seed(0)
+net = torch.nn.Linear(8, 3)
+ddp = torch.nn.parallel.DistributedDataParallel(net)
+ddp(torch.randn(4, 8) + r).sum().backward()
+g = [torch.empty_like(net.weight.grad) for _ in range(n)]
+dist.all_gather(g, net.weight.grad)
+assert all(torch.equal(g[0], h) for h in g)
+assert pg.served["terrapipe"] > 10
+dist.destroy_process_group()
+import os
+open(os.path.join(os.environ["OK_DIR"], f"rank{r}"), "w").close()
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_under_torchrun_over_the_store(tmp_path, ranks):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "body.py"
+    script.write_text(TORCHRUN_BODY)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "HYDRA_", "MPI_", "TERRAPIPE_TEST_MPI"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["OK_DIR"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc-per-node={ranks}", str(script)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("rank*")) == [f"rank{k}" for k in range(ranks)]
