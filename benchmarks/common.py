@@ -122,6 +122,23 @@ def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] |
     return json.loads(line[line.index(_RESULTS_TAG) + len(_RESULTS_TAG):])
 
 
+def interleave_ranks(step: Callable[[str], None], cases: tuple[str, ...], rounds: int, steps: int,
+                     mpi) -> dict[str, list[float]]:
+    """Seconds per ``step(case)`` across the ranks of ``mpi``: each round runs ``steps`` of every
+    case in turn, all ranks starting together; a sample is the slowest rank's mean."""
+    from mpi4py import MPI
+
+    samples: dict[str, list[float]] = {c: [] for c in cases}
+    for _ in range(rounds):
+        for c in cases:
+            mpi.Barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(c)
+            samples[c].append(mpi.allreduce((time.perf_counter() - start) / steps, op=MPI.MAX))
+    return samples
+
+
 def report_from_rank0(payload: dict) -> None:
     """What a worker started by :func:`run_ranks` hands back (call it on rank 0 only)."""
     print(_RESULTS_TAG + json.dumps(payload), flush=True)

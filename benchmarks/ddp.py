@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 
-from .common import format_table, report_from_rank0, run_ranks, save
+from .common import format_table, interleave_ranks, report_from_rank0, run_ranks, save
 
 CASES = ("none", "terrapipe", "gloo")
 
@@ -70,14 +70,7 @@ def _worker(params: list[float], rounds: int, steps: int) -> None:
         for c in CASES:  # warm-up: buffers, connections, DDP's first-iteration broadcasts
             step(c)
             step(c)
-        samples = {c: [] for c in CASES}
-        for _ in range(rounds):
-            for c in CASES:
-                mpi.Barrier()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    step(c)
-                samples[c].append(mpi.allreduce((time.perf_counter() - start) / steps, op=MPI.MAX))
+        samples = interleave_ranks(step, CASES, rounds, steps, mpi)
         return {"params": sum(p.numel() for p in models["none"].parameters()), "samples": samples}
 
     sizes = [measure(_hidden_for(million)) for million in params]

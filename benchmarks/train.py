@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from .common import format_table, report_from_rank0, run_ranks, save
+from .common import format_table, interleave_ranks, report_from_rank0, run_ranks, save
 
 CASES = ("none", "terrapipe", "ddp")
 
@@ -63,14 +62,7 @@ def _worker(rounds: int, steps: int, hidden: int) -> None:
 
     for c in CASES:  # warm-up: compilation, buffers, connections
         step(c)
-    samples = {c: [] for c in CASES}
-    for _ in range(rounds):
-        for c in CASES:
-            mpi.Barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step(c)
-            samples[c].append(mpi.allreduce((time.perf_counter() - start) / steps, op=MPI.MAX))
+    samples = interleave_ranks(step, CASES, rounds, steps, mpi)
     dist.destroy_process_group()
     if mpi.rank == 0:
         nparams = sum(p.numel() for p in models["none"].parameters())
