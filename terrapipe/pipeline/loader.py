@@ -211,6 +211,7 @@ class FastLoader:
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iterator runs (order and augmentation draws)."""
         self.epoch = int(epoch)
+        self._last_state = None  # a pass stopped early belongs to the epoch left behind
 
     def _per_rank(self) -> int:
         return math.ceil(len(self.dataset) / self.world_size)
@@ -223,7 +224,7 @@ class FastLoader:
         """Where iteration stands: the live iterator's position (else the last one's, or the
         start of ``epoch``); resuming skips the batches already yielded, without decoding."""
         live = self._live() if self._live is not None else None
-        if live is not None:
+        if live is not None and not live.finished:
             return live.state_dict()
         if self._last_state is not None:
             return dict(self._last_state)
@@ -421,8 +422,8 @@ class _EpochIterator:
                         f.result()
                     except Exception:
                         pass
-        loader = self._loader
-        loader._last_state = self.state_dict()
+        if 0 < self.position < self.num_batches:  # stopped early: state_dict() says where
+            self._loader._last_state = self.state_dict()
 
     def __del__(self) -> None:
         try:

@@ -70,6 +70,12 @@ def test_state_dict_follows_the_live_iterator_and_resume_is_consumed_once():
         assert (sd["epoch"], sd["batch"]) == (2, 3)
         ref = _epoch_rest = [(x.clone(), y.clone()) for x, y in it]
         assert L.state_dict()["batch"] == 0  # a finished epoch resumes at its start
+        L.set_epoch(3)
+        assert (L.state_dict()["epoch"], L.state_dict()["batch"]) == (3, 0)
+        it = iter(L)
+        next(it)
+        it.close()  # stopped early: the state says where, until the next set_epoch
+        assert (L.state_dict()["epoch"], L.state_dict()["batch"]) == (3, 1)
     with _loader() as M:
         M.load_state_dict(sd)
         rest = _epoch(M)
