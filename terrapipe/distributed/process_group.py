@@ -285,7 +285,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts=None) -> dist.Work:
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        op, factor = _op_of(opts.reduceOp)
+        op, _ = _op_of(opts.reduceOp)  # a premultiply factor is applied by reduce_scatter_single
         flat_ok = all(len(ins) == self.size() and all(i.shape == outs.shape for i in ins)
                       for outs, ins in zip(outputs, input_lists, strict=True))
         if op is None or not flat_ok or not self._ours(outputs, _REDUCIBLE):
@@ -394,7 +394,7 @@ def _mpi_group(store, rank: int, size: int, global_ranks: list[int], timeout: fl
 
             world = MPI.COMM_WORLD
             me = ranks[rank] if rank < len(ranks) else -1
-            mine = world.Get_rank() == me and world.Get_size() >= size and max(ranks) < world.Get_size()
+            mine = world.Get_rank() == me and max(ranks) < world.Get_size()
         except ImportError:
             mine = False
     votes = StoreComm(dist.PrefixStore("mpi/", store), "vote", rank, size, timeout).allgather(mine)
