@@ -25,6 +25,7 @@ NOTE [gradients as bucket views]
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 import numpy as np
@@ -54,9 +55,10 @@ class DistributedGradients:
     "auto" takes "nccl" for CUDA parameters when ``terrapipe.comm`` can use NCCL, else "jit".
     """
 
-    def __init__(self, model: torch.nn.Module, bucket_mb: float = 25, first_bucket_mb: float = 1,
-                 compression: str | None = None, op: str = "avg", backward_passes_per_step: int = 1,
-                 group: comm.Group | None = None, backend: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module | Iterable[torch.nn.Parameter], bucket_mb: float = 25,
+                 first_bucket_mb: float = 1, compression: str | None = None, op: str = "avg",
+                 backward_passes_per_step: int = 1, group: comm.Group | None = None, backend: str = "auto",
+                 buckets: list[list[torch.nn.Parameter]] | None = None) -> None:
         if bucket_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError("bucket_mb and first_bucket_mb must be positive, got "
                              f"{bucket_mb}, {first_bucket_mb}")
@@ -72,7 +74,11 @@ class DistributedGradients:
         self.op = op
         self.compression = compression
         self.passes_per_step = backward_passes_per_step
-        params = [p for p in model.parameters() if p.requires_grad]  # parameters() dedupes ties
+        if isinstance(model, torch.nn.Module):
+            params = [p for p in model.parameters() if p.requires_grad]  # parameters() dedupes ties
+        else:
+            seen: set[int] = set()
+            params = [p for p in model if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
         if not params:
             raise ValueError("model: no parameters require gradients")
         on_cuda = all(p.is_cuda for p in params)
@@ -83,8 +89,10 @@ class DistributedGradients:
             backend = "nccl" if on_cuda and nccl.wanted(self.group) else "jit"
         self.backend = backend
         self.buckets: list[list[torch.nn.Parameter]] = []
+        if buckets is not None:
+            self.buckets = _explicit_buckets(buckets, params)
         limit, current, size = first_bucket_mb * 2**20, [], 0
-        for p in reversed(params):
+        for p in reversed(params) if buckets is None else ():
             nbytes = p.numel() * p.element_size()
             # A flat bucket holds one dtype on one device.
             if current and (size + nbytes > limit or p.dtype != current[0].dtype
@@ -127,6 +135,10 @@ class DistributedGradients:
         if self._skip:
             return
         key = id(p)
+        if p.grad.is_sparse:  # buckets are dense: a sparse gradient is reduced as its dense form
+            p.grad = p.grad.to_dense()
+        if self._counts[key] >= self.passes_per_step:
+            self._too_many_passes()
         if self.as_views:
             view = self._views[key]
             if p.grad.data_ptr() != view.data_ptr():  # NOTE [gradients as bucket views] 2
@@ -159,13 +171,20 @@ class DistributedGradients:
             elif p.grad.data_ptr() != view.data_ptr():  # made outside the hook (no_sync)
                 view.copy_(p.grad)
                 p.grad = view
+        self._handles.append(self._reduce_bucket(b, self._bucket_flats[b]))
+
+    def _reduce_bucket(self, b: int, flat: torch.Tensor):
+        """Start reducing bucket ``b``'s flat buffer in place; returns an object whose ``wait()``
+        waits for it (subclasses route buckets elsewhere: terrapipe.horovod's negotiation)."""
         if self.backend == "nccl":
-            self._handles.append(comm.allreduce(self._bucket_flats[b], op=self.op, async_op=True,
-                                                group=self.group))
-        else:
-            self._handles.append(comm.jit_allreduce(self._bucket_flats[b], op=self.op,
-                                                    compression=self.compression, async_op=True,
-                                                    group=self.group))
+            return comm.allreduce(flat, op=self.op, async_op=True, group=self.group)
+        return comm.jit_allreduce(flat, op=self.op, compression=self.compression, async_op=True,
+                                  group=self.group)
+
+    def _too_many_passes(self) -> None:
+        raise RuntimeError("a parameter's gradient was computed more than backward_passes_per_step="
+                           f"{self.passes_per_step} times before synchronize() (or optimizer.step()); "
+                           "raise backward_passes_per_step to accumulate more passes locally")
 
     def _launch_wire(self, b: int, grads: list[torch.Tensor]) -> _FlatBucket:
         """NCCL with compression: the gradients copied into the bucket's 16-bit device buffer."""
@@ -237,6 +256,28 @@ class DistributedGradients:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _explicit_buckets(buckets, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """``buckets`` checked against ``params`` (each exactly once) and split where a bucket mixes
+    dtypes or devices (a flat bucket holds one of each)."""
+    wanted = {id(p) for p in params}
+    placed: dict[int, int] = {}
+    out = []
+    for i, bucket in enumerate(buckets):
+        parts: dict[tuple, list] = {}
+        for p in bucket:
+            if id(p) not in wanted:
+                raise ValueError(f"buckets[{i}]: holds a tensor that is not a parameter requiring gradients")
+            if id(p) in placed:
+                raise ValueError(f"buckets[{i}]: a parameter already in buckets[{placed[id(p)]}]")
+            placed[id(p)] = i
+            parts.setdefault((p.dtype, p.device), []).append(p)
+        out.extend(parts.values())
+    missing = [p for p in params if id(p) not in placed]
+    if missing:
+        out.append(missing)  # parameters no bucket names: one more bucket, reduced last
+    return out
 
 
 def bucket_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,14 @@
 """``terrapipe run``: launch N ranks of a command with the mpiexec that ships with the MPI wheel.
 
     terrapipe run -n 4 [-H host1:2,host2:2] [--] python train.py --epochs 3
+    terrapipe run --horovod -np 4 [-H ...] [--gloo] [--timeline-filename t.json] python train.py
+
+``--horovod`` puts a ``horovod`` package first on the ranks' PYTHONPATH whose ``horovod.torch``
+is terrapipe.horovod, so an unmodified ``import horovod.torch as hvd`` script runs on terrapipe
+(horovodrun's flags are accepted; any other option is an error). ``--gloo`` starts the ranks on
+this machine without MPI, as torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, ...): their world is
+Gloo's. ``--timeline-filename`` records a Chrome trace of every rank's collectives into one file
+(terrapipe.timeline).
 
 Prints the mpiexec command it runs, forwards SIGINT/SIGTERM to the job, and exits with the exit
 code of the first rank that failed, naming it. Each rank runs under a small wrapper
@@ -43,32 +51,124 @@ def build_command(n: int, hosts: str | None, command: list[str]) -> list[str]:
     return cmd + [sys.executable, "-m", "terrapipe.engine.rank_status", *command]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="terrapipe run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--np", type=int, required=True, dest="n", help="number of ranks")
+    p.add_argument("-n", "-np", "--np", type=int, required=True, dest="n", help="number of ranks")
     p.add_argument("-H", "--hosts", default=None, help="host1:slots,host2:slots")
+    p.add_argument("--horovod", action="store_true",
+                   help="make `import horovod.torch` resolve to terrapipe.horovod in every rank")
+    p.add_argument("--gloo", action="store_true", help="start the ranks on this machine without MPI (Gloo)")
+    p.add_argument("--mpi", action="store_true", help="launch with mpiexec (the default)")
+    p.add_argument("--timeline-filename", "--timeline", dest="timeline", default=None,
+                   help="write a Chrome trace of the job's collectives to this file")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    cmd = build_command(args.n, args.hosts, command)
+    if args.gloo and args.mpi:
+        p.error("--gloo and --mpi exclude each other")
+    env = dict(os.environ)
+    if args.horovod:
+        compat = str(Path(__file__).resolve().parent.parent / "horovod" / "compat")
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (compat, env.get("PYTHONPATH", "")) if x)
+    if args.timeline:
+        env["TERRAPIPE_TIMELINE"] = os.path.abspath(args.timeline)
     status_dir = tempfile.mkdtemp(prefix="terrapipe-run-")
-    env = dict(os.environ, TERRAPIPE_RUN_STATUS=status_dir)
+    env["TERRAPIPE_RUN_STATUS"] = status_dir
+    if args.gloo:
+        code = _run_local(args.n, args.hosts, command, env)
+    else:
+        code = _run_mpiexec(build_command(args.n, args.hosts, command), env)
+    if args.timeline:
+        from .. import timeline
+
+        timeline.merge(env["TERRAPIPE_TIMELINE"])
+    return _summarize(status_dir, code)
+
+
+def _forwarding(pgids: list[int]):
+    def forward(signum, _frame):
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, signum)
+            except ProcessLookupError:
+                pass
+
+    return {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _run_mpiexec(cmd: list[str], env: dict) -> int:
     print("terrapipe run:", shlex.join(cmd), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-
-    def forward(signum, _frame):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = _forwarding([proc.pid])
     try:
-        code = proc.wait()
+        return proc.wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _local_hosts() -> set[str]:
+    import socket
+
+    return {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+
+
+def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
+    """``--gloo``: N ranks on this machine, each told its place as torchrun tells it (and as
+    horovodrun's Gloo mode does, HOROVOD_RANK / HOROVOD_SIZE / ...); when one fails, the others
+    are stopped."""
+    import socket
+    import time
+
+    if n <= 0:
+        raise SystemExit(f"terrapipe run: -n must be positive, got {n}")
+    if not command:
+        raise SystemExit("terrapipe run: no command given")
+    if hosts:
+        away = [h.split(":")[0] for h in hosts.split(",") if h.split(":")[0] not in _local_hosts()]
+        if away:
+            raise SystemExit(f"terrapipe run: --gloo starts ranks on this machine only; {away} are other "
+                             "hosts (launch across hosts with MPI: drop --gloo)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(n):
+        renv = dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HOROVOD_RANK=str(r), HOROVOD_SIZE=str(n),
+                    HOROVOD_LOCAL_RANK=str(r), HOROVOD_LOCAL_SIZE=str(n), HOROVOD_CROSS_RANK="0",
+                    HOROVOD_CROSS_SIZE="1")
+        cmd = [sys.executable, "-m", "terrapipe.engine.rank_status", *command]
+        procs.append(subprocess.Popen(cmd, env=renv, start_new_session=True))
+    print(f"terrapipe run: {n} ranks over Gloo on this machine: {shlex.join(command)}", file=sys.stderr,
+          flush=True)
+    old = _forwarding([p.pid for p in procs])
+    try:
+        code = 0
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0].returncode
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGTERM)
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.wait()
+        return code or next((p.returncode for p in procs if p.returncode), 0)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _summarize(status_dir: str, code: int) -> int:
     failures = []
     for f in Path(status_dir).glob("rank*.status"):
         rank = int(f.stem[4:])
@@ -84,5 +184,5 @@ def main(argv: list[str] | None = None) -> int:
         return rc if rc > 0 else 128 - rc
     shutil.rmtree(status_dir, ignore_errors=True)
     if code != 0:
-        print(f"terrapipe run: mpiexec exited with {code}", file=sys.stderr)
+        print(f"terrapipe run: the job exited with {code}", file=sys.stderr)
     return code if code >= 0 else 128 - code

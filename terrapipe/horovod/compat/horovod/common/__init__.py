@@ -1,0 +1,1 @@
+"""``horovod.common`` under ``terrapipe run --horovod``: its exceptions and process sets."""

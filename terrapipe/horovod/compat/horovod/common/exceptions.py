@@ -1,0 +1,5 @@
+"""``horovod.common.exceptions`` under ``terrapipe run --horovod``."""
+
+from terrapipe.horovod.errors import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt"]
