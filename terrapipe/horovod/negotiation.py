@@ -196,6 +196,14 @@ class Coordinator:
         if entry is not None:
             self._retire(entry, result)
 
+    def _follow_unnamed(self, name: str) -> None:
+        """A joined rank taking part in the others' unnamed collective counts it as issued, so
+        its next unnamed collective gets the same name as theirs (3d)."""
+        k = _noname_index(name)
+        if k is not None:
+            with self._cv:
+                self.unnamed = max(self.unnamed, k)
+
     _runners: dict[str, Callable] = {}
 
     @classmethod
@@ -284,9 +292,16 @@ class Coordinator:
                         f"{first[3]}: root rank {self.ranks[root]} has joined; it cannot broadcast"))
                 progressed = True
                 continue
+            if entry is None:
+                self._follow_unnamed(name)
             self._execute(entry, meta, first[3])  # 3a, 3d
             progressed = True
         return progressed
+
+
+def _noname_index(name: str) -> int | None:
+    head, _, tail = name.rpartition(".noname.")
+    return int(tail) if head and tail.isdigit() else None
 
 
 def _root_of(meta: list) -> int | None:

@@ -1,0 +1,157 @@
+"""Horovod's agreement semantics (NOTE [name negotiation] in terrapipe/horovod/negotiation.py):
+names matched across ranks in any order, mismatches that fail on every rank and leave the
+library usable, duplicate names, timeouts naming the rank that never came, join, process sets;
+under load at 2 and 4 ranks."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import terrapipe.horovod as hvd
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_names_match_in_any_order_under_load(mpi_comm):
+    hvd.init()
+    try:
+        r, n = hvd.rank(), hvd.size()
+        rng = np.random.default_rng(7)  # the same sizes on every rank
+        sizes = [int(s) for s in rng.choice([1, 1000, 300_000, 1 << 20, 3 << 20], size=40)]
+        for it in range(5):
+            order = list(range(len(sizes)))
+            np.random.default_rng(100 * it + r).shuffle(order)  # each rank its own order
+            handles = {}
+            for i in order:
+                kind = i % 3
+                name = f"it{it}.t{i}"
+                if kind == 0:
+                    handles[i] = hvd.allreduce_async(torch.full((sizes[i],), float(r + i)), name=name, op=hvd.Sum)
+                elif kind == 1:
+                    handles[i] = hvd.allgather_async(torch.full((r + 1, 2), float(i)), name=name)
+                else:
+                    handles[i] = hvd.broadcast_async(torch.full((sizes[i] // 8 + 1,), float(r)), i % n, name=name)
+            for i in sorted(handles, key=lambda k: -k):
+                out = hvd.synchronize(handles[i])
+                if i % 3 == 0:
+                    assert out.shape == (sizes[i],) and out[0] == sum(range(n)) + n * i and out[-1] == out[0]
+                elif i % 3 == 1:
+                    assert out.shape == (n * (n + 1) // 2, 2) and bool((out == i).all())
+                else:
+                    assert bool((out == i % n).all())
+        # hundreds of small in-order collectives (the fast path), sync and async mixed
+        x = torch.zeros(16)
+        for i in range(300):
+            if i % 2:
+                x.fill_(1)
+                hvd.allreduce_(x, op=hvd.Sum)
+                assert x[0] == n
+            else:
+                assert hvd.synchronize(hvd.allreduce_async(torch.ones(3), op=hvd.Sum))[2] == n
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_mismatches_fail_on_every_rank_and_leave_it_usable(mpi_comm):
+    os.environ["TERRAPIPE_HOROVOD_TIMEOUT"] = "3"
+    hvd.init()
+    try:
+        r, n = hvd.rank(), hvd.size()
+        cases = [
+            lambda: hvd.allreduce(torch.ones([17 + r] * 3)),                       # shape
+            lambda: hvd.allreduce(torch.ones(17, 23 * 57) if r == 0 else torch.ones(17, 23, 57)),  # rank
+            lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32 if r % 2 else torch.float32)),   # dtype
+            lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum if r == 0 else hvd.Max),  # op
+            lambda: hvd.broadcast(torch.ones(3), r),                               # root
+            lambda: hvd.allgather(torch.ones(2, 3 + r)),                           # non-first dimension
+            lambda: hvd.alltoall(torch.ones(n, 1 + r)),
+            lambda: hvd.reducescatter(torch.ones(n + r)),
+        ]
+        for case in cases:
+            with pytest.raises(hvd.HorovodInternalError, match="different arguments") as info:
+                case()
+            assert all(f"rank {q}:" in str(info.value) for q in range(n))  # names every rank's call
+            assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+        # a name in flight twice on one rank
+        h = hvd.allreduce_async(torch.ones(3), name="duplicate_name")
+        with pytest.raises(ValueError, match="duplicate_name"):
+            hvd.allreduce_async(torch.ones(3), name="duplicate_name")
+        hvd.synchronize(h)
+        # a name one rank never issues: it times out on the ranks that issued it, naming the others
+        if r == 0:
+            with pytest.raises(hvd.HorovodInternalError, match="did not issue it within 3s") as info:
+                hvd.allreduce(torch.ones(3), name="lonely")
+            assert f"rank {n - 1}" in str(info.value)
+        else:
+            with pytest.raises(hvd.HorovodInternalError, match="did not issue it"):
+                hvd.allreduce(torch.ones(3), name=f"other{r}")
+        hvd.barrier()
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    finally:
+        hvd.shutdown()
+        del os.environ["TERRAPIPE_HOROVOD_TIMEOUT"]
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_join(mpi_comm):
+    hvd.init()
+    try:
+        r, n = hvd.rank(), hvd.size()
+        for first in range(n):
+            for dtype in (torch.float32, torch.int64):
+                a = (torch.arange(25) - 12).to(dtype).reshape(5, 5)
+                if r == first:
+                    last = hvd.join()
+                else:
+                    avg = hvd.synchronize(hvd.allreduce_async(a, name="tensor_a"))
+                    b = hvd.allgather(torch.full((r + 1,), r), name="gathered")
+                    want = a * (n - 1)
+                    want = want / n if dtype.is_floating_point else want.div(n, rounding_mode="floor")
+                    assert torch.equal(avg, want)  # the joined rank contributes zeros, / size
+                    assert b.tolist() == [q for q in range(n) if q != first for _ in range(q + 1)]
+                    assert torch.equal(hvd.broadcast(torch.full((2,), r), (first + 1) % n),
+                                       torch.full((2,), (first + 1) % n))
+                    last = hvd.join()
+                assert last != first or n == 1  # the rank that joined last, never the first here
+                assert 0 <= last < n
+            assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_process_sets(mpi_comm):
+    n = mpi_comm.size
+    evens, odds = hvd.ProcessSet(range(0, n, 2)), hvd.ProcessSet(range(1, n, 2))
+    hvd.init(process_sets=[evens, odds])
+    try:
+        r = hvd.rank()
+        mine, other = (evens, odds) if r % 2 == 0 else (odds, evens)
+        assert mine.included() and not other.included() and mine.rank() == mine.ranks.index(r)
+        assert evens.process_set_id == 1 and odds.process_set_id == 2
+        got = hvd.allreduce(torch.full((3,), float(r)), op=hvd.Sum, process_set=mine)
+        assert torch.equal(got, torch.full((3,), float(sum(mine.ranks))))
+        root = mine.ranks[-1]  # a global rank
+        assert torch.equal(hvd.broadcast(torch.full((2,), r), root, process_set=mine), torch.full((2,), root))
+        assert hvd.allgather(torch.tensor([r]), process_set=mine).tolist() == mine.ranks
+        with pytest.raises(ValueError, match="not in this process set"):
+            hvd.allreduce(torch.ones(1), process_set=other)
+        # the global set meanwhile, and a set added and removed later
+        assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n)))
+        with pytest.raises(ValueError, match="already"):  # the global set's ranks
+            hvd.add_process_set(list(range(n)))
+        if n == 2:  # every subset is registered already: remove one and add it again
+            assert hvd.remove_process_set(odds) and odds.process_set_id is None
+        first_two = hvd.add_process_set([0, n - 1] if n > 2 else [1])
+        if first_two.included():
+            assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=first_two),
+                               torch.full((1,), float(first_two.size())))
+        with pytest.raises(ValueError, match="already"):
+            hvd.add_process_set(hvd.ProcessSet(first_two.ranks))
+        assert hvd.remove_process_set(first_two) and not hvd.remove_process_set(first_two)
+        with pytest.raises(ValueError, match="not registered"):
+            hvd.allreduce(torch.ones(1), process_set=first_two)
+    finally:
+        hvd.shutdown()
