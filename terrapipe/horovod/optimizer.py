@@ -178,7 +178,8 @@ class _DistributedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hvd_grads is not None:
-            if self._hvd_grads.in_flight():
+            # Horovod's rule: any gradient produced since the last synchronize (reduced or not)
+            if self._hvd_grads.in_flight() or any(self._hvd_grads._counts.values()):
                 raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
             self._hvd_grads.zero_grad(set_to_none)
         return super(self.__class__, self).zero_grad(set_to_none)
