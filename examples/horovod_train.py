@@ -7,10 +7,9 @@
 
 import argparse
 
+import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
-
-import horovod.torch as hvd
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)

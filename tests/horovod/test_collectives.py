@@ -49,7 +49,8 @@ def test_collectives_match_numpy(mpi_comm):
             assert np.array_equal(hvd.allgather(rows).numpy(), want)
             # broadcast from every root (a global rank)
             for root in range(n):
-                assert np.array_equal(hvd.broadcast(x, root).numpy(), _input(root, shape, dtype, salt).numpy())
+                want = _input(root, shape, dtype, salt).numpy()
+                assert np.array_equal(hvd.broadcast(x, root).numpy(), want)
             z = x.clone()
             hvd.broadcast_(z, n - 1)
             assert torch.equal(z, _input(n - 1, shape, dtype, salt))
@@ -57,7 +58,8 @@ def test_collectives_match_numpy(mpi_comm):
         hs = [hvd.allreduce_async(torch.full((1000 * (i + 1),), float(r + i)), op=hvd.Sum) for i in range(8)]
         assert all(isinstance(hvd.poll(h), bool) for h in hs)
         for i, h in reversed(list(enumerate(hs))):
-            assert torch.equal(hvd.synchronize(h), torch.full((1000 * (i + 1),), float(sum(range(n)) + n * i)))
+            want = torch.full((1000 * (i + 1),), float(sum(range(n)) + n * i))
+            assert torch.equal(hvd.synchronize(h), want)
         h = hvd.allreduce_async_(torch.ones(3), op=hvd.Sum)
         assert torch.equal(hvd.synchronize(h), torch.full((3,), float(n)))
         # grouped forms
@@ -137,17 +139,20 @@ def test_gradients_as_horovod_defines_them(mpi_comm):
             x = torch.arange(2.0 * n, dtype=dtype).requires_grad_()
             out = hvd.alltoall(x)
             (out * (r + 1)).sum().backward()
-            assert torch.equal(x.grad, torch.tensor([float(d + 1) for d in range(n) for _ in range(2)], dtype=dtype))
+            want = torch.tensor([float(d + 1) for d in range(n) for _ in range(2)], dtype=dtype)
+            assert torch.equal(x.grad, want)
             # reducescatter (Sum): every rank's input gets the gathered output gradients
             x = torch.ones(2 * n, dtype=dtype, requires_grad=True)
             (hvd.reducescatter(x, op=hvd.Sum) * (r + 1)).sum().backward()
-            assert torch.equal(x.grad, torch.tensor([float(q + 1) for q in range(n) for _ in range(2)], dtype=dtype))
+            want = torch.tensor([float(q + 1) for q in range(n) for _ in range(2)], dtype=dtype)
+            assert torch.equal(x.grad, want)
             # Max: the summed gradient flows to the rank holding the maximum
             x = torch.tensor([float(r), -float(r)], dtype=dtype, requires_grad=True)
             hvd.allreduce(x, op=hvd.Max).sum().backward()
             assert x.grad.tolist() == [float(n) if r == n - 1 else 0.0, float(n) if r == 0 else 0.0]
             # grouped allreduce
-            a, b = torch.ones(3, dtype=dtype, requires_grad=True), torch.ones(2, dtype=dtype, requires_grad=True)
+            a = torch.ones(3, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, dtype=dtype, requires_grad=True)
             sa, sb = hvd.grouped_allreduce([a, b], op=hvd.Sum)
             (sa.sum() + 2 * sb.sum()).backward()
             assert torch.equal(a.grad, torch.full((3,), float(n), dtype=dtype))

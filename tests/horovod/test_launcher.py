@@ -23,7 +23,8 @@ def _losses(out: str) -> list[float]:
 
 def test_unmodified_script_trains_over_mpi_and_gloo(tmp_path):
     trace = tmp_path / "timeline.json"
-    for flags in (["-np", "2"], ["--gloo", "-np", "2", "-H", "localhost:2", "--timeline-filename", str(trace)]):
+    gloo = ["--gloo", "-np", "2", "-H", "localhost:2", "--timeline-filename", str(trace)]
+    for flags in (["-np", "2"], gloo):
         r = _run("--horovod", *flags, sys.executable, EXAMPLE, "--epochs", "3")
         assert r.returncode == 0, r.stderr[-3000:]
         losses = _losses(r.stdout)

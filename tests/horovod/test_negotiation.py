@@ -27,11 +27,13 @@ def test_names_match_in_any_order_under_load(mpi_comm):
                 kind = i % 3
                 name = f"it{it}.t{i}"
                 if kind == 0:
-                    handles[i] = hvd.allreduce_async(torch.full((sizes[i],), float(r + i)), name=name, op=hvd.Sum)
+                    x = torch.full((sizes[i],), float(r + i))
+                    handles[i] = hvd.allreduce_async(x, name=name, op=hvd.Sum)
                 elif kind == 1:
                     handles[i] = hvd.allgather_async(torch.full((r + 1, 2), float(i)), name=name)
                 else:
-                    handles[i] = hvd.broadcast_async(torch.full((sizes[i] // 8 + 1,), float(r)), i % n, name=name)
+                    x = torch.full((sizes[i] // 8 + 1,), float(r))
+                    handles[i] = hvd.broadcast_async(x, i % n, name=name)
             for i in sorted(handles, key=lambda k: -k):
                 out = hvd.synchronize(handles[i])
                 if i % 3 == 0:

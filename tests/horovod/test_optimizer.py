@@ -35,11 +35,13 @@ def test_distributed_optimizer_equals_one_process(mpi_comm):
     try:
         r, n = hvd.rank(), hvd.size()
         for opts in ({}, {"num_groups": 2}, {"backward_passes_per_step": 2},
-                     {"compression": hvd.Compression.fp16}, {"op": hvd.Sum}, {"gradient_predivide_factor": 2.0}):
+                     {"compression": hvd.Compression.fp16}, {"op": hvd.Sum},
+                     {"gradient_predivide_factor": 2.0}):
             passes = opts.get("backward_passes_per_step", 1)
             model, ref = _model(r), _model(0)  # different start on every rank: broadcast fixes it
             hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+            pairs = zip(model.state_dict().values(), ref.state_dict().values(), strict=True)
+            assert all(torch.equal(a, b) for a, b in pairs)
             base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **opts)
             assert isinstance(opt, torch.optim.SGD) and opt.param_groups is base.param_groups
@@ -101,9 +103,10 @@ def test_broadcast_optimizer_state(mpi_comm):
             before = [p.detach().clone() for p in model.parameters()]
             opt = make(model.parameters())
             hvd.broadcast_optimizer_state(opt, root_rank=0)
-            assert opt.param_groups[0]["lr"] == make([torch.zeros(1, requires_grad=True)]).param_groups[0]["lr"] / (r + 1)
+            root_lr = make([torch.zeros(1, requires_grad=True)]).param_groups[0]["lr"] / (r + 1)
+            assert opt.param_groups[0]["lr"] == root_lr
             # state created where the optimizer has one, without moving the parameters
-            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
             if not isinstance(opt, torch.optim.LBFGS):
                 assert len(opt.state_dict()["state"]) == len(before)
             assert all(p.grad is None for p in model.parameters())
@@ -116,7 +119,8 @@ def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(mpi_comm):
     hvd.init()
     try:
         r, n = hvd.rank(), hvd.size()
-        xs = [torch.randn(3 + q, 4, 5, generator=torch.Generator().manual_seed(q)) * (q + 1) for q in range(n)]
+        xs = [torch.randn(3 + q, 4, 5, generator=torch.Generator().manual_seed(q)) * (q + 1)
+              for q in range(n)]
         sync, ref = hvd.SyncBatchNorm(4), torch.nn.BatchNorm1d(4)
         with torch.no_grad():
             sync.weight.copy_(torch.arange(4.0) + 1)
