@@ -88,21 +88,8 @@ class DistributedGradients:
         if backend == "auto":
             backend = "nccl" if on_cuda and nccl.wanted(self.group) else "jit"
         self.backend = backend
-        self.buckets: list[list[torch.nn.Parameter]] = []
-        if buckets is not None:
-            self.buckets = _explicit_buckets(buckets, params)
-        limit, current, size = first_bucket_mb * 2**20, [], 0
-        for p in reversed(params) if buckets is None else ():
-            nbytes = p.numel() * p.element_size()
-            # A flat bucket holds one dtype on one device.
-            if current and (size + nbytes > limit or p.dtype != current[0].dtype
-                            or p.device != current[0].device):
-                self.buckets.append(current)
-                current, size, limit = [], 0, bucket_mb * 2**20
-            current.append(p)
-            size += nbytes
-        if current:
-            self.buckets.append(current)
+        self.buckets = (_size_buckets(params, first_bucket_mb, bucket_mb) if buckets is None
+                        else _explicit_buckets(buckets, params))
         # NOTE [gradients as bucket views]
         self.as_views = not (backend == "nccl" and compression)
         self._views: dict[int, torch.Tensor] = {}
@@ -256,6 +243,25 @@ class DistributedGradients:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _size_buckets(params: list[torch.nn.Parameter], first_mb: float,
+                  mb: float) -> list[list[torch.nn.Parameter]]:
+    """Parameters in reverse registration order (NOTE [bucket launch order]), cut into buckets of
+    at most ``mb`` MiB (the first: ``first_mb``); a flat bucket holds one dtype on one device."""
+    out: list[list[torch.nn.Parameter]] = []
+    limit, current, size = first_mb * 2**20, [], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > limit or p.dtype != current[0].dtype
+                        or p.device != current[0].device):
+            out.append(current)
+            current, size, limit = [], 0, mb * 2**20
+        current.append(p)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out
 
 
 def _explicit_buckets(buckets, params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

@@ -40,11 +40,15 @@ def mpiexec_path() -> str:
     return found
 
 
-def build_command(n: int, hosts: str | None, command: list[str]) -> list[str]:
+def _check(n: int, command: list[str]) -> None:
     if n <= 0:
         raise SystemExit(f"terrapipe run: -n must be positive, got {n}")
     if not command:
         raise SystemExit("terrapipe run: no command given")
+
+
+def build_command(n: int, hosts: str | None, command: list[str]) -> list[str]:
+    _check(n, command)
     cmd = [mpiexec_path(), "-n", str(n)]
     if hosts:
         cmd += ["-hosts", hosts]
@@ -126,10 +130,7 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
     import socket
     import time
 
-    if n <= 0:
-        raise SystemExit(f"terrapipe run: -n must be positive, got {n}")
-    if not command:
-        raise SystemExit("terrapipe run: no command given")
+    _check(n, command)
     if hosts:
         away = [h.split(":")[0] for h in hosts.split(",") if h.split(":")[0] not in _local_hosts()]
         if away:

@@ -133,7 +133,7 @@ def _run_broadcast(g: comm.Group, entry, meta: list):
         by_dtype.setdefault(t.dtype, []).append(i)
     with torch.no_grad():
         for idx in by_dtype.values():
-            flat = torch.cat([ins[i].detach().reshape(-1).cpu() for i in idx]) if idx else None
+            flat = torch.cat([ins[i].detach().reshape(-1).cpu() for i in idx])
             comm.broadcast(flat, root, group=g)
             o = 0
             for i in idx:

@@ -21,7 +21,7 @@ import torch
 from . import basics
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, wire_format
-from .errors import HorovodInternalError, TensorArgumentError
+from .errors import TensorArgumentError
 from .execute import ADASUM, AVERAGE, MAX, MIN, OP_NAMES, PRODUCT, SUM, dtype_name
 from .negotiation import JOIN, Entry
 
@@ -99,8 +99,7 @@ def _issue(kind: str, name: str | None, meta: list, args, tensors, process_set, 
     if name is None:
         co.unnamed += 1
         name = f"{kind}.noname.{co.unnamed}"
-    entry = Entry(str(name), meta, None, _describe(kind, str(name), tensors, extra), args)
-    entry.run = co._runners[meta[0]]
+    entry = Entry(str(name), meta, _describe(kind, str(name), tensors, extra), args)
     co.submit(entry)
     return _new_handle(entry, post)
 
@@ -519,7 +518,7 @@ def join(device: int = -1) -> int:
     receiver (broadcast). Returns the rank that joined last. ``device`` is accepted for
     Horovod's signature (collectives of joined ranks run through host memory)."""
     co = basics.coordinator(global_process_set)
-    entry = Entry(JOIN, ["join"], None, "join", None)
+    entry = Entry(JOIN, ["join"], "join")
     co.submit(entry)
     return entry.wait()
 
@@ -558,5 +557,3 @@ def _pickle(obj) -> torch.Tensor:
     pickle.dump(obj, b)
     return torch.frombuffer(bytearray(b.getvalue()), dtype=torch.uint8)
 
-
-_ = HorovodInternalError  # re-exported by the package

@@ -58,18 +58,17 @@ def _h(text: str) -> int:
 class Entry:
     """One collective issued on this rank.
 
-    ``meta``: a JSON-able list that must be equal on every rank issuing ``name`` (kind, op,
-    dtypes, shapes with the dimensions that may differ replaced by -1, device type, ...);
-    ``run(group, entry_or_None, meta)``: moves the data on the coordinator's thread and returns
-    the result; it is called with None on a rank that joined and lacks the entry, and must then
-    take part with empty inputs built from ``meta``. ``describe``: one line for error messages.
+    ``meta``: a JSON-able list that must be equal on every rank issuing ``name``: its kind first
+    (which runner moves the data: :meth:`Coordinator.register`), then op, dtypes, shapes with
+    the dimensions that may differ replaced by -1, device type, ...; ``args``: what the runner
+    reads (tensors, outputs); ``describe``: one line for error messages.
     """
 
-    __slots__ = ("name", "meta", "run", "describe", "args", "t0", "done", "result", "error",
+    __slots__ = ("name", "meta", "describe", "args", "t0", "done", "result", "error",
                  "_meta_json", "callbacks")
 
-    def __init__(self, name: str, meta: list, run: Callable, describe: str, args=None) -> None:
-        self.name, self.meta, self.run, self.describe, self.args = name, meta, run, describe, args
+    def __init__(self, name: str, meta: list, describe: str, args=None) -> None:
+        self.name, self.meta, self.describe, self.args = name, meta, describe, args
         self._meta_json = json.dumps(meta)
         self.t0 = time.monotonic()
         self.done = threading.Event()
@@ -185,7 +184,7 @@ class Coordinator:
                 "comm", meta[0].upper(), start, time.time(), e.name,
                 {"error": str(e.error)} if e.error is not None else None))
         try:
-            result = (entry.run if entry is not None else self._runner_for(meta))(self.group, entry, meta)
+            result = self._runners[meta[0]](self.group, entry, meta)
         except comm.CommError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the caller through its handle
@@ -208,11 +207,10 @@ class Coordinator:
 
     @classmethod
     def register(cls, kind: str, run: Callable) -> None:
-        """The executor of entries whose ``meta[0]`` is ``kind`` (used by joined ranks)."""
+        """``run(group, entry, meta) -> result`` moves the data of entries whose ``meta[0]`` is
+        ``kind``, on the coordinator's thread; ``entry`` is None on a rank that joined and lacks
+        it, which takes part with empty inputs built from ``meta`` (NOTE [name negotiation] 3d)."""
         cls._runners[kind] = run
-
-    def _runner_for(self, meta: list) -> Callable:
-        return self._runners[meta[0]]
 
     # -- rounds ----------------------------------------------------------------------------------
     def _round(self, pending: list[Entry]) -> bool:

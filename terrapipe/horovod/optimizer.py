@@ -18,7 +18,7 @@ from . import basics
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, wire_format
 from .execute import ADASUM, AVERAGE, SUM
-from .mpi_ops import _allreduce_issue, broadcast_object, synchronize
+from .mpi_ops import _allreduce_issue, _broadcast_issue, broadcast_object, synchronize
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -214,7 +214,7 @@ def broadcast_parameters(params, root_rank: int, process_set: ProcessSet = globa
     ``named_parameters()`` or a list of (name, tensor) / tensors. One fused broadcast per dtype."""
     if isinstance(params, dict):
         items = sorted(params.items())
-    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+    elif hasattr(params, "__iter__"):  # named_parameters(), a list of (name, tensor) or tensors
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
@@ -225,8 +225,6 @@ def broadcast_parameters(params, root_rank: int, process_set: ProcessSet = globa
     for t in tensors:
         by_device.setdefault(t.device.type, []).append(t.data if isinstance(t, torch.nn.Parameter) else t)
     for device, ts in sorted(by_device.items()):
-        from .mpi_ops import _broadcast_issue
-
         synchronize(_broadcast_issue(ts, ts, root_rank, f"broadcast_parameters.{device}", process_set,
                                      single=False))
 
