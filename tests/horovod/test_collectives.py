@@ -15,147 +15,148 @@ def _input(r, shape, dtype, salt=0):
     return torch.randint(-100, 100, shape, generator=g).to(dtype)
 
 
-@pytest.mark.mpi(ranks=(1, 2, 4), timeout=240)
-def test_collectives_match_numpy(mpi_comm):
+def _check_collectives_match_numpy(mpi_comm):
+    r, n = hvd.rank(), hvd.size()
+    assert (r, n) == (mpi_comm.rank, mpi_comm.size) and hvd.local_size() == n and hvd.cross_size() == 1
+    assert hvd.is_initialized() and hvd.mpi_built() and (hvd.mpi_enabled() or n == 1)
+    for salt, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in [(17,), (5, 7), (3, 4, 5)]):
+        xs = [_input(q, shape, dtype, salt).double().numpy() for q in range(n)]
+        x = _input(r, shape, dtype, salt)
+        total = np.sum(xs, axis=0)
+        assert np.array_equal(hvd.allreduce(x, op=hvd.Sum).double().numpy(), total)
+        mean = hvd.allreduce(x).double().numpy()
+        if dtype.is_floating_point:
+            np.testing.assert_allclose(mean, total / n, rtol=1e-3 if dtype == torch.float16 else 1e-6)
+        else:
+            assert np.array_equal(mean, np.floor_divide(total, n))  # Horovod: floor for integers
+        for op, ref in ((hvd.Min, np.min), (hvd.Max, np.max)):
+            assert np.array_equal(hvd.allreduce(x, op=op).double().numpy(), ref(xs, axis=0))
+        # prescale / postscale: integers scaled in float64 and truncated, as Horovod scales
+        got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0).double().numpy()
+        if dtype.is_floating_point:
+            np.testing.assert_allclose(got, total * 1.5, rtol=1e-3 if dtype == torch.float16 else 1e-6)
+        else:
+            pre = np.sum([np.trunc(v * 0.5) for v in xs], axis=0)
+            assert np.array_equal(got, np.trunc(pre * 3.0))
+        y = x.clone()
+        assert hvd.allreduce_(y, op=hvd.Sum) is y and np.array_equal(y.double().numpy(), total)
+        # allgather with a first dimension that differs across ranks
+        rows = _input(r, (r + 1, *shape[1:]), dtype, salt)
+        want = np.concatenate([_input(q, (q + 1, *shape[1:]), dtype, salt).numpy() for q in range(n)])
+        assert np.array_equal(hvd.allgather(rows).numpy(), want)
+        # broadcast from every root (a global rank)
+        for root in range(n):
+            want = _input(root, shape, dtype, salt).numpy()
+            assert np.array_equal(hvd.broadcast(x, root).numpy(), want)
+        z = x.clone()
+        hvd.broadcast_(z, n - 1)
+        assert torch.equal(z, _input(n - 1, shape, dtype, salt))
+    # async: several outstanding, polled, then synchronized in another order
+    hs = [hvd.allreduce_async(torch.full((1000 * (i + 1),), float(r + i)), op=hvd.Sum) for i in range(8)]
+    assert all(isinstance(hvd.poll(h), bool) for h in hs)
+    for i, h in reversed(list(enumerate(hs))):
+        want = torch.full((1000 * (i + 1),), float(sum(range(n)) + n * i))
+        assert torch.equal(hvd.synchronize(h), want)
+    h = hvd.allreduce_async_(torch.ones(3), op=hvd.Sum)
+    assert torch.equal(hvd.synchronize(h), torch.full((3,), float(n)))
+    # grouped forms
+    ts = [torch.full((i + 2, 3), float(r + 1)) for i in range(5)]
+    for out, t in zip(hvd.grouped_allreduce(ts, op=hvd.Sum), ts, strict=True):
+        assert torch.equal(out, torch.full_like(t, n * (n + 1) / 2))
+    hvd.grouped_allreduce_(ts, op=hvd.Average)
+    assert all(torch.equal(t, torch.full_like(t, (n + 1) / 2)) for t in ts)
+    outs = hvd.synchronize(hvd.grouped_allreduce_async([torch.ones(2), torch.ones(3, dtype=torch.int64)],
+                                                       op=hvd.Sum))
+    assert torch.equal(outs[1], torch.full((3,), n)) and outs[1].dtype == torch.int64
+    got = hvd.grouped_allgather([torch.full((r + 1,), r), torch.full((1, 2), float(r))])
+    assert got[0].tolist() == [q for q in range(n) for _ in range(q + 1)] and got[1].shape == (n, 2)
+    # alltoall: equal parts, and rank r sends (d + 1) rows to rank d
+    out = hvd.alltoall(torch.arange(2 * n) + 100 * r)
+    assert out.tolist() == [100 * q + 2 * r + k for q in range(n) for k in range(2)]
+    splits = torch.tensor([d + 1 for d in range(n)], dtype=torch.int32)
+    rows = torch.arange(int(splits.sum()))[:, None].repeat(1, 2) + 1000 * r
+    out, received = hvd.alltoall(rows, splits=splits)
+    assert received.tolist() == [r + 1] * n and out.shape == (n * (r + 1), 2)
+    start = sum(range(1, r + 1))
+    assert out[:, 0].tolist() == [1000 * q + start + k for q in range(n) for k in range(r + 1)]
+    # reducescatter: uneven rows, the first (rows % n) ranks one more
+    for nrows in (n, 2 * n + 1, 3):
+        x = torch.arange(nrows * 2, dtype=torch.float32).reshape(nrows, 2) * (r + 1)
+        counts = [nrows // n + (1 if q < nrows % n else 0) for q in range(n)]
+        start = sum(counts[:r])
+        want = torch.arange(nrows * 2, dtype=torch.float32).reshape(nrows, 2)[start:start + counts[r]]
+        assert torch.equal(hvd.reducescatter(x, op=hvd.Sum), want * (n * (n + 1) / 2))
+        assert torch.allclose(hvd.reducescatter(x), want * (n + 1) / 2)
+    a, b = hvd.grouped_reducescatter([torch.ones(n, 3), torch.ones(2 * n)], op=hvd.Sum)
+    assert torch.equal(a, torch.full((1, 3), float(n))) and torch.equal(b, torch.full((2,), float(n)))
+    hvd.barrier()
+    assert hvd.broadcast_object({"r": r, "t": [1, 2]}, root_rank=n - 1) == {"r": n - 1, "t": [1, 2]}
+    assert hvd.allgather_object(("x", r)) == [("x", q) for q in range(n)]
+    # the deprecated average= and Horovod's errors on bad arguments
+    with pytest.warns(DeprecationWarning):
+        assert torch.equal(hvd.allreduce(torch.ones(2), average=False), torch.full((2,), float(n)))
+    with pytest.raises(ValueError, match="supersedes average"):
+        hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(RuntimeError, match="splits sum"):
+        hvd.alltoall(torch.ones(n + 1), splits=[1] * n)
+    with pytest.raises(RuntimeError, match="int32 or int64"):
+        hvd.alltoall(torch.ones(n), splits=torch.ones(n))
+    with pytest.raises(ValueError, match="root_rank=99"):
+        hvd.broadcast(torch.ones(2), 99)
+
+
+def _check_gradients_as_horovod_defines_them():
+    r, n = hvd.rank(), hvd.size()
+    for dtype in (torch.float32, torch.float64):
+        x = torch.arange(6, dtype=dtype).reshape(2, 3).requires_grad_()
+        hvd.allreduce(x, op=hvd.Sum).backward(torch.ones(2, 3, dtype=dtype))
+        assert torch.equal(x.grad, torch.full((2, 3), float(n), dtype=dtype))  # Sum of ones
+        x.grad = None
+        hvd.allreduce(x).backward(torch.ones(2, 3, dtype=dtype))
+        assert torch.equal(x.grad, torch.ones(2, 3, dtype=dtype))
+        # allgather: this rank's rows of the ranks' averaged gradient
+        x = torch.ones(r + 1, 2, dtype=dtype, requires_grad=True)
+        grad = torch.cat([torch.full((q + 1, 2), float(q), dtype=dtype) for q in range(n)])
+        hvd.allgather(x).backward(grad)
+        assert torch.equal(x.grad, torch.full((r + 1, 2), float(r), dtype=dtype))
+        # broadcast: the root gets the average, the others zero
+        x = torch.ones(4, dtype=dtype, requires_grad=True)
+        hvd.broadcast(x, 0).backward(torch.full((4,), 2.0, dtype=dtype))
+        assert torch.equal(x.grad, torch.full((4,), 2.0 if r == 0 else 0.0, dtype=dtype))
+        # alltoall: the gradient goes back to where the rows came from
+        x = torch.arange(2.0 * n, dtype=dtype).requires_grad_()
+        out = hvd.alltoall(x)
+        (out * (r + 1)).sum().backward()
+        want = torch.tensor([float(d + 1) for d in range(n) for _ in range(2)], dtype=dtype)
+        assert torch.equal(x.grad, want)
+        # reducescatter (Sum): every rank's input gets the gathered output gradients
+        x = torch.ones(2 * n, dtype=dtype, requires_grad=True)
+        (hvd.reducescatter(x, op=hvd.Sum) * (r + 1)).sum().backward()
+        want = torch.tensor([float(q + 1) for q in range(n) for _ in range(2)], dtype=dtype)
+        assert torch.equal(x.grad, want)
+        # Max: the summed gradient flows to the rank holding the maximum
+        x = torch.tensor([float(r), -float(r)], dtype=dtype, requires_grad=True)
+        hvd.allreduce(x, op=hvd.Max).sum().backward()
+        assert x.grad.tolist() == [float(n) if r == n - 1 else 0.0, float(n) if r == 0 else 0.0]
+        # grouped allreduce
+        a = torch.ones(3, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, dtype=dtype, requires_grad=True)
+        sa, sb = hvd.grouped_allreduce([a, b], op=hvd.Sum)
+        (sa.sum() + 2 * sb.sum()).backward()
+        assert torch.equal(a.grad, torch.full((3,), float(n), dtype=dtype))
+        assert torch.equal(b.grad, torch.full((2,), 2.0 * n, dtype=dtype))
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=300)
+def test_collectives_and_their_gradients(mpi_comm):
+    """One launch per rank count for both bodies (CI time)."""
     hvd.init()
     try:
-        r, n = hvd.rank(), hvd.size()
-        assert (r, n) == (mpi_comm.rank, mpi_comm.size) and hvd.local_size() == n and hvd.cross_size() == 1
-        assert hvd.is_initialized() and hvd.mpi_built() and hvd.mpi_enabled() == (n > 1 or hvd.mpi_enabled())
-        for salt, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in [(17,), (5, 7), (3, 4, 5)]):
-            xs = [_input(q, shape, dtype, salt).double().numpy() for q in range(n)]
-            x = _input(r, shape, dtype, salt)
-            total = np.sum(xs, axis=0)
-            assert np.array_equal(hvd.allreduce(x, op=hvd.Sum).double().numpy(), total)
-            mean = hvd.allreduce(x).double().numpy()
-            if dtype.is_floating_point:
-                np.testing.assert_allclose(mean, total / n, rtol=1e-3 if dtype == torch.float16 else 1e-6)
-            else:
-                assert np.array_equal(mean, np.floor_divide(total, n))  # Horovod: floor for integers
-            for op, ref in ((hvd.Min, np.min), (hvd.Max, np.max)):
-                assert np.array_equal(hvd.allreduce(x, op=op).double().numpy(), ref(xs, axis=0))
-            # prescale / postscale: integers scaled in float64 and truncated, as Horovod scales
-            got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0).double().numpy()
-            if dtype.is_floating_point:
-                np.testing.assert_allclose(got, total * 1.5, rtol=1e-3 if dtype == torch.float16 else 1e-6)
-            else:
-                pre = np.sum([np.trunc(v * 0.5) for v in xs], axis=0)
-                assert np.array_equal(got, np.trunc(pre * 3.0))
-            y = x.clone()
-            assert hvd.allreduce_(y, op=hvd.Sum) is y and np.array_equal(y.double().numpy(), total)
-            # allgather with a first dimension that differs across ranks
-            rows = _input(r, (r + 1, *shape[1:]), dtype, salt)
-            want = np.concatenate([_input(q, (q + 1, *shape[1:]), dtype, salt).numpy() for q in range(n)])
-            assert np.array_equal(hvd.allgather(rows).numpy(), want)
-            # broadcast from every root (a global rank)
-            for root in range(n):
-                want = _input(root, shape, dtype, salt).numpy()
-                assert np.array_equal(hvd.broadcast(x, root).numpy(), want)
-            z = x.clone()
-            hvd.broadcast_(z, n - 1)
-            assert torch.equal(z, _input(n - 1, shape, dtype, salt))
-        # async: several outstanding, polled, then synchronized in another order
-        hs = [hvd.allreduce_async(torch.full((1000 * (i + 1),), float(r + i)), op=hvd.Sum) for i in range(8)]
-        assert all(isinstance(hvd.poll(h), bool) for h in hs)
-        for i, h in reversed(list(enumerate(hs))):
-            want = torch.full((1000 * (i + 1),), float(sum(range(n)) + n * i))
-            assert torch.equal(hvd.synchronize(h), want)
-        h = hvd.allreduce_async_(torch.ones(3), op=hvd.Sum)
-        assert torch.equal(hvd.synchronize(h), torch.full((3,), float(n)))
-        # grouped forms
-        ts = [torch.full((i + 2, 3), float(r + 1)) for i in range(5)]
-        for out, t in zip(hvd.grouped_allreduce(ts, op=hvd.Sum), ts, strict=True):
-            assert torch.equal(out, torch.full_like(t, n * (n + 1) / 2))
-        hvd.grouped_allreduce_(ts, op=hvd.Average)
-        assert all(torch.equal(t, torch.full_like(t, (n + 1) / 2)) for t in ts)
-        outs = hvd.synchronize(hvd.grouped_allreduce_async([torch.ones(2), torch.ones(3, dtype=torch.int64)],
-                                                           op=hvd.Sum))
-        assert torch.equal(outs[1], torch.full((3,), n)) and outs[1].dtype == torch.int64
-        got = hvd.grouped_allgather([torch.full((r + 1,), r), torch.full((1, 2), float(r))])
-        assert got[0].tolist() == [q for q in range(n) for _ in range(q + 1)] and got[1].shape == (n, 2)
-        # alltoall: equal parts, and rank r sends (d + 1) rows to rank d
-        out = hvd.alltoall(torch.arange(2 * n) + 100 * r)
-        assert out.tolist() == [100 * q + 2 * r + k for q in range(n) for k in range(2)]
-        splits = torch.tensor([d + 1 for d in range(n)], dtype=torch.int32)
-        rows = torch.arange(int(splits.sum()))[:, None].repeat(1, 2) + 1000 * r
-        out, received = hvd.alltoall(rows, splits=splits)
-        assert received.tolist() == [r + 1] * n and out.shape == (n * (r + 1), 2)
-        start = sum(range(1, r + 1))
-        assert out[:, 0].tolist() == [1000 * q + start + k for q in range(n) for k in range(r + 1)]
-        # reducescatter: uneven rows, the first (rows % n) ranks one more
-        for nrows in (n, 2 * n + 1, 3):
-            x = torch.arange(nrows * 2, dtype=torch.float32).reshape(nrows, 2) * (r + 1)
-            counts = [nrows // n + (1 if q < nrows % n else 0) for q in range(n)]
-            start = sum(counts[:r])
-            want = torch.arange(nrows * 2, dtype=torch.float32).reshape(nrows, 2)[start:start + counts[r]]
-            assert torch.equal(hvd.reducescatter(x, op=hvd.Sum), want * (n * (n + 1) / 2))
-            assert torch.allclose(hvd.reducescatter(x), want * (n + 1) / 2)
-        a, b = hvd.grouped_reducescatter([torch.ones(n, 3), torch.ones(2 * n)], op=hvd.Sum)
-        assert torch.equal(a, torch.full((1, 3), float(n))) and torch.equal(b, torch.full((2,), float(n)))
-        hvd.barrier()
-        assert hvd.broadcast_object({"r": r, "t": [1, 2]}, root_rank=n - 1) == {"r": n - 1, "t": [1, 2]}
-        assert hvd.allgather_object(("x", r)) == [("x", q) for q in range(n)]
-        # the deprecated average= and Horovod's errors on bad arguments
-        with pytest.warns(DeprecationWarning):
-            assert torch.equal(hvd.allreduce(torch.ones(2), average=False), torch.full((2,), float(n)))
-        with pytest.raises(ValueError, match="supersedes average"):
-            hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum)
-        with pytest.raises(NotImplementedError, match="Adasum"):
-            hvd.allreduce(torch.ones(2), op=hvd.Adasum)
-        with pytest.raises(RuntimeError, match="splits sum"):
-            hvd.alltoall(torch.ones(n + 1), splits=[1] * n)
-        with pytest.raises(RuntimeError, match="int32 or int64"):
-            hvd.alltoall(torch.ones(n), splits=torch.ones(n))
-        with pytest.raises(ValueError, match="root_rank=99"):
-            hvd.broadcast(torch.ones(2), 99)
+        _check_collectives_match_numpy(mpi_comm)
+        _check_gradients_as_horovod_defines_them()
     finally:
         hvd.shutdown()
     with pytest.raises(ValueError, match="not been initialized"):
         hvd.rank()
-
-
-@pytest.mark.mpi(ranks=(1, 2, 4), timeout=240)
-def test_gradients_as_horovod_defines_them(mpi_comm):
-    hvd.init()
-    try:
-        r, n = hvd.rank(), hvd.size()
-        for dtype in (torch.float32, torch.float64):
-            x = torch.arange(6, dtype=dtype).reshape(2, 3).requires_grad_()
-            hvd.allreduce(x, op=hvd.Sum).backward(torch.ones(2, 3, dtype=dtype))
-            assert torch.equal(x.grad, torch.full((2, 3), float(n), dtype=dtype))  # Sum of ones
-            x.grad = None
-            hvd.allreduce(x).backward(torch.ones(2, 3, dtype=dtype))
-            assert torch.equal(x.grad, torch.ones(2, 3, dtype=dtype))
-            # allgather: this rank's rows of the ranks' averaged gradient
-            x = torch.ones(r + 1, 2, dtype=dtype, requires_grad=True)
-            grad = torch.cat([torch.full((q + 1, 2), float(q), dtype=dtype) for q in range(n)])
-            hvd.allgather(x).backward(grad)
-            assert torch.equal(x.grad, torch.full((r + 1, 2), float(r), dtype=dtype))
-            # broadcast: the root gets the average, the others zero
-            x = torch.ones(4, dtype=dtype, requires_grad=True)
-            hvd.broadcast(x, 0).backward(torch.full((4,), 2.0, dtype=dtype))
-            assert torch.equal(x.grad, torch.full((4,), 2.0 if r == 0 else 0.0, dtype=dtype))
-            # alltoall: the gradient goes back to where the rows came from
-            x = torch.arange(2.0 * n, dtype=dtype).requires_grad_()
-            out = hvd.alltoall(x)
-            (out * (r + 1)).sum().backward()
-            want = torch.tensor([float(d + 1) for d in range(n) for _ in range(2)], dtype=dtype)
-            assert torch.equal(x.grad, want)
-            # reducescatter (Sum): every rank's input gets the gathered output gradients
-            x = torch.ones(2 * n, dtype=dtype, requires_grad=True)
-            (hvd.reducescatter(x, op=hvd.Sum) * (r + 1)).sum().backward()
-            want = torch.tensor([float(q + 1) for q in range(n) for _ in range(2)], dtype=dtype)
-            assert torch.equal(x.grad, want)
-            # Max: the summed gradient flows to the rank holding the maximum
-            x = torch.tensor([float(r), -float(r)], dtype=dtype, requires_grad=True)
-            hvd.allreduce(x, op=hvd.Max).sum().backward()
-            assert x.grad.tolist() == [float(n) if r == n - 1 else 0.0, float(n) if r == 0 else 0.0]
-            # grouped allreduce
-            a = torch.ones(3, dtype=dtype, requires_grad=True)
-            b = torch.ones(2, dtype=dtype, requires_grad=True)
-            sa, sb = hvd.grouped_allreduce([a, b], op=hvd.Sum)
-            (sa.sum() + 2 * sb.sum()).backward()
-            assert torch.equal(a.grad, torch.full((3,), float(n), dtype=dtype))
-            assert torch.equal(b.grad, torch.full((2,), 2.0 * n, dtype=dtype))
-    finally:
-        hvd.shutdown()

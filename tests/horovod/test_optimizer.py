@@ -29,65 +29,60 @@ def _batch(r, step):
     return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
 
 
-@pytest.mark.mpi(ranks=(1, 2, 4), timeout=240)
-def test_distributed_optimizer_equals_one_process(mpi_comm):
-    hvd.init()
-    try:
-        r, n = hvd.rank(), hvd.size()
-        for opts in ({}, {"num_groups": 2}, {"backward_passes_per_step": 2},
-                     {"compression": hvd.Compression.fp16}, {"op": hvd.Sum},
-                     {"gradient_predivide_factor": 2.0}):
-            passes = opts.get("backward_passes_per_step", 1)
-            model, ref = _model(r), _model(0)  # different start on every rank: broadcast fixes it
-            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-            pairs = zip(model.state_dict().values(), ref.state_dict().values(), strict=True)
-            assert all(torch.equal(a, b) for a, b in pairs)
-            base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **opts)
-            assert isinstance(opt, torch.optim.SGD) and opt.param_groups is base.param_groups
-            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-            for step in range(3):
-                opt.zero_grad()
-                ref_opt.zero_grad()
-                for k in range(passes):
-                    x, y = _batch(r, 10 * step + k)
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                    for q in range(n):
-                        x, y = _batch(q, 10 * step + k)
-                        loss = torch.nn.functional.mse_loss(ref(x), y)
-                        (loss if opts.get("op") == hvd.Sum else loss / n).backward()
-                opt.step()
-                ref_opt.step()
-            tol = 2e-3 if "compression" in opts else 1e-5
-            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-                torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=f"{opts}: {name}")
-        # Horovod's errors and warnings
-        model = _model(0)
-        named = list(model.named_parameters())
-        with pytest.raises(ValueError, match="must be unique. Found duplicates: w"):
-            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                     named_parameters=[("w", p) for _, p in named])
-        with pytest.raises(ValueError, match="were not named"):
-            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named[:1])
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named)
-        x, y = _batch(r, 0)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        if n > 1:
-            with pytest.raises(AssertionError, match="before optimizer.step"):
-                opt.zero_grad()
-            with pytest.raises(AssertionError, match="backward_passes_per_step times"):
+def _check_distributed_optimizer_equals_one_process():
+    r, n = hvd.rank(), hvd.size()
+    for opts in ({}, {"num_groups": 2}, {"backward_passes_per_step": 2},
+                 {"compression": hvd.Compression.fp16}, {"op": hvd.Sum},
+                 {"gradient_predivide_factor": 2.0}):
+        passes = opts.get("backward_passes_per_step", 1)
+        model, ref = _model(r), _model(0)  # different start on every rank: broadcast fixes it
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        pairs = zip(model.state_dict().values(), ref.state_dict().values(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), **opts)
+        assert isinstance(opt, torch.optim.SGD) and opt.param_groups is base.param_groups
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for k in range(passes):
+                x, y = _batch(r, 10 * step + k)
                 torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.synchronize()
-        with pytest.warns(UserWarning, match="skip_synchronize"):
+                for q in range(n):
+                    x, y = _batch(q, 10 * step + k)
+                    loss = torch.nn.functional.mse_loss(ref(x), y)
+                    (loss if opts.get("op") == hvd.Sum else loss / n).backward()
             opt.step()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.synchronize()
-        with opt.skip_synchronize(), warnings.catch_warnings():
-            warnings.simplefilter("error")
-            opt.step()
-    finally:
-        hvd.shutdown()
+            ref_opt.step()
+        tol = 2e-3 if "compression" in opts else 1e-5
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=f"{opts}: {name}")
+    # Horovod's errors and warnings
+    model = _model(0)
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="must be unique. Found duplicates: w"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[("w", p) for _, p in named])
+    with pytest.raises(ValueError, match="were not named"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named[:1])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named)
+    x, y = _batch(r, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    if n > 1:
+        with pytest.raises(AssertionError, match="before optimizer.step"):
+            opt.zero_grad()
+        with pytest.raises(AssertionError, match="backward_passes_per_step times"):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match="skip_synchronize"):
+        opt.step()
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    with opt.skip_synchronize(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
 
 
 @pytest.mark.mpi(ranks=(1, 2), timeout=240)
@@ -114,32 +109,38 @@ def test_broadcast_optimizer_state(mpi_comm):
         hvd.shutdown()
 
 
-@pytest.mark.mpi(ranks=(1, 2, 4), timeout=240)
-def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(mpi_comm):
+def _check_sync_batch_norm_equals_batch_norm_on_the_whole_batch():
+    r, n = hvd.rank(), hvd.size()
+    xs = [torch.randn(3 + q, 4, 5, generator=torch.Generator().manual_seed(q)) * (q + 1)
+          for q in range(n)]
+    sync, ref = hvd.SyncBatchNorm(4), torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        sync.weight.copy_(torch.arange(4.0) + 1)
+        ref.weight.copy_(torch.arange(4.0) + 1)
+    x = xs[r].clone().requires_grad_()
+    full = torch.cat(xs).requires_grad_()
+    y, want = sync(x), ref(full)
+    start = sum(len(v) for v in xs[:r])
+    torch.testing.assert_close(y, want[start:start + len(xs[r])], rtol=1e-5, atol=1e-5)
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(99))
+    (y * w[start:start + len(xs[r])]).sum().backward()
+    (want * w).sum().backward()
+    torch.testing.assert_close(x.grad, full.grad[start:start + len(xs[r])], rtol=1e-4, atol=1e-5)
+    grads = hvd.allreduce(torch.cat([sync.weight.grad, sync.bias.grad]), op=hvd.Sum)
+    torch.testing.assert_close(grads, torch.cat([ref.weight.grad, ref.bias.grad]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sync.running_mean, ref.running_mean)
+    torch.testing.assert_close(sync.running_var, ref.running_var)
+    sync.eval()
+    ref.eval()
+    torch.testing.assert_close(sync(xs[r]), ref(xs[r]))
+
+
+@pytest.mark.mpi(ranks=(1, 2, 4), timeout=300)
+def test_distributed_optimizer_and_sync_batch_norm(mpi_comm):
+    """One launch per rank count for both bodies (CI time)."""
     hvd.init()
     try:
-        r, n = hvd.rank(), hvd.size()
-        xs = [torch.randn(3 + q, 4, 5, generator=torch.Generator().manual_seed(q)) * (q + 1)
-              for q in range(n)]
-        sync, ref = hvd.SyncBatchNorm(4), torch.nn.BatchNorm1d(4)
-        with torch.no_grad():
-            sync.weight.copy_(torch.arange(4.0) + 1)
-            ref.weight.copy_(torch.arange(4.0) + 1)
-        x = xs[r].clone().requires_grad_()
-        full = torch.cat(xs).requires_grad_()
-        y, want = sync(x), ref(full)
-        start = sum(len(v) for v in xs[:r])
-        torch.testing.assert_close(y, want[start:start + len(xs[r])], rtol=1e-5, atol=1e-5)
-        w = torch.randn(want.shape, generator=torch.Generator().manual_seed(99))
-        (y * w[start:start + len(xs[r])]).sum().backward()
-        (want * w).sum().backward()
-        torch.testing.assert_close(x.grad, full.grad[start:start + len(xs[r])], rtol=1e-4, atol=1e-5)
-        grads = hvd.allreduce(torch.cat([sync.weight.grad, sync.bias.grad]), op=hvd.Sum)
-        torch.testing.assert_close(grads, torch.cat([ref.weight.grad, ref.bias.grad]), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(sync.running_mean, ref.running_mean)
-        torch.testing.assert_close(sync.running_var, ref.running_var)
-        sync.eval()
-        ref.eval()
-        torch.testing.assert_close(sync(xs[r]), ref(xs[r]))
+        _check_distributed_optimizer_equals_one_process()
+        _check_sync_batch_norm_equals_batch_norm_on_the_whole_batch()
     finally:
         hvd.shutdown()
