@@ -9,7 +9,7 @@ STAMP       := $(VENV)/.terrapipe-installed
 TORCH_SPEC  ?= torch==2.13.0
 PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 
-.PHONY: setup demo test soak bench lint clean torch-suite
+.PHONY: setup demo test test-full soak bench lint clean torch-suite
 
 setup: $(STAMP)
 
@@ -30,7 +30,13 @@ demo: setup
 	$(PY) -m benchmarks.kernels --quick
 	$(PY) -m benchmarks.loader --data benchmarks/data_cache/demo --images 1024 --batches 2 --rounds 1
 
+# CI's suite (.ci/run): every test, with rank counts above 2 only where the test asks for them in
+# CI (the comm core's load and topology tests); see tests/mpi_plugin.py.
 test: setup
+	$(PY) -m pytest -m "not full"
+
+# Every test at every rank count it names (about twice as long as `make test` on two cores).
+test-full: setup
 	$(PY) -m pytest
 
 # Not in CI: the collectives' stress schedule (tests/comm/stress.py) for SOAK_MINUTES at 2 and 4

@@ -11,6 +11,12 @@ body, writes its own report, and the parent fails with the traceback of each fai
 timeout passes, after killing the whole job. No orphaned ranks survive a parent that times out.
 
 The ``mpi_comm`` fixture is ``MPI.COMM_WORLD`` of the rank running the body.
+
+Rank counts above 2 are marked ``full`` (``make test-full``; ``make test`` deselects them to
+keep CI within its budget on two cores) unless the test names them in ``ci_ranks``: the load
+and topology tests do, so every ``make test`` still runs the comm core under load at 4 ranks.
+
+    @pytest.mark.mpi(ranks=(2, 4), ci_ranks=(2, 4))
 """
 
 from __future__ import annotations
@@ -36,8 +42,11 @@ _DEFAULT_TIMEOUT = 120.0
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "mpi(ranks=(1, 2), timeout=120): run the test body under mpiexec at each rank count",
+        "mpi(ranks=(1, 2), timeout=120, ci_ranks=None): run the test body under mpiexec at each "
+        "rank count",
     )
+    config.addinivalue_line(
+        "markers", "full: runs in `make test-full` only (a rank count above 2 not in ci_ranks)")
 
 
 def _marker_ranks(marker: pytest.Mark) -> tuple[int, ...]:
@@ -52,8 +61,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if marker is None:
         return
     ranks = _marker_ranks(marker)
+    ci = marker.kwargs.get("ci_ranks")
+    ci = tuple(r for r in ranks if r <= 2) if ci is None else tuple(int(r) for r in ci)
     metafunc.fixturenames.append("_mpi_ranks")
-    metafunc.parametrize("_mpi_ranks", ranks, ids=[f"np{n}" for n in ranks])
+    metafunc.parametrize("_mpi_ranks", [
+        pytest.param(n, id=f"np{n}", marks=() if n in ci else (pytest.mark.full,)) for n in ranks])
 
 
 def mpiexec() -> str:

@@ -8,7 +8,7 @@ import pytest
 pytest_plugins = ["pytester"]
 
 
-@pytest.mark.mpi(ranks=(1, 2, 4))
+@pytest.mark.mpi(ranks=(1, 2, 4), ci_ranks=(1, 2, 4))
 def test_every_rank_runs_the_body(mpi_comm):
     # Each rank contributes its rank; a sum over ranks proves they all ran in one job.
     total = np.zeros(1, np.int64)

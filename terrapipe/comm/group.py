@@ -196,15 +196,19 @@ class Group:
         return self.control
 
     # -- structure --------------------------------------------------------------------------
-    def split(self, color: int, key: int | None = None) -> Group:
-        """Ranks with the same ``color`` form a new group, ordered by ``key`` (default: rank).
+    def split(self, color: int, key: int | None = None, timeout: float | None = None) -> Group:
+        """Ranks with the same ``color`` form a new group, ordered by ``key`` (default: rank),
+        whose collectives wait ``timeout`` seconds for late ranks (default: this group's).
         Collective over this group."""
         key = self.rank if key is None else int(key)
+        timeout = self.timeout if timeout is None else float(timeout)
+        if timeout <= 0:
+            raise ValueError(f"split: timeout must be positive, got {timeout}")
         if self.gloo is not None:
-            return Group._over_gloo(self.gloo.split(int(color), key), self.timeout, None)
+            return Group._over_gloo(self.gloo.split(int(color), key), timeout, None)
         if self.comm is None:
-            return Group(None, self.timeout)
-        return Group(self.comm.Split(int(color), key), self.timeout)
+            return Group(None, timeout)
+        return Group(self.comm.Split(int(color), key), timeout)
 
     def exchange_objects(self, obj) -> list:
         """Every rank's ``obj`` (picklable, small), in rank order; outside the collective order,

@@ -33,14 +33,22 @@ _NOT_INIT = "Horovod has not been initialized; use hvd.init()."
 _lock = threading.RLock()
 
 
-def _timeout() -> float:
-    """Seconds a collective waits for ranks that have not issued it (TERRAPIPE_HOROVOD_TIMEOUT,
-    else HOROVOD_STALL_SHUTDOWN_TIME_SECONDS when set, else 300)."""
+def _stall_timeout() -> float:
+    """Seconds a named collective waits for ranks that have not issued it (TERRAPIPE_HOROVOD_TIMEOUT,
+    else HOROVOD_STALL_SHUTDOWN_TIME_SECONDS when set, else 300). It bounds the wait for a *name*
+    (NOTE [name negotiation] 3c), never a transport wait: a 3 s stall limit must not turn a rank
+    descheduled for 3 s into a dead process set (the transport waits ``_transport_timeout``)."""
     for var in ("TERRAPIPE_HOROVOD_TIMEOUT", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
         value = os.environ.get(var, "")
         if value.strip() and float(value) > 0:
             return float(value)
     return 300.0
+
+
+def _transport_timeout(stall: float) -> float:
+    """Seconds one coordinator round waits for the other ranks' coordinators: comm's default,
+    or the stall limit when that is longer (a rank may legitimately issue nothing for that long)."""
+    return max(300.0, stall)
 
 
 class ProcessSet:
@@ -136,18 +144,19 @@ def init(comm=None, process_sets=None) -> None:
     with _lock:
         if _state.initialized:
             return
-        timeout = _timeout()
-        world = _comm.init(timeout=timeout)
+        timeout = _stall_timeout()
+        transport = _transport_timeout(timeout)
+        world = _comm.init()
         if comm is None:
-            base = world.split(0)
+            base = world.split(0, timeout=transport)
         elif isinstance(comm, (list, tuple)):
             members = sorted({int(r) for r in comm})
-            base = world.split(0 if world.rank in members else 1)
+            base = world.split(0 if world.rank in members else 1, timeout=transport)
             if world.rank not in members:
                 base.close()
                 raise ValueError(f"init: comm={members} does not include this rank ({world.rank})")
         else:
-            base = _comm.Group(comm.Dup(), timeout)
+            base = _comm.Group(comm.Dup(), transport)
         _state.base, _state.timeout = base, timeout
         local = _comm.allgather(np.array([base.local_rank], np.int64), group=base)[:, 0]
         same = [r for r in range(base.size) if local[r] == base.local_rank]

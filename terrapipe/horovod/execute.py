@@ -2,9 +2,9 @@
 
 Every runner is ``run(group, entry, meta) -> result``: ``entry.args`` holds the tensors of the
 rank that issued it; ``entry`` is None on a rank that joined (NOTE [name negotiation] 3d), which
-takes part with empty inputs built from ``meta``. CUDA tensors are copied to host memory and
-back (Horovod's CPU operations; NCCL comes with the GPU issue). Reductions of int8/uint8/int16/
-bool run widened to int64 and are cast back.
+takes part in allreduce (zeros built from ``meta``) and barrier only. CUDA tensors are copied to
+host memory and back (Horovod's CPU operations; NCCL comes with the GPU issue). Reductions of
+int8/uint8/int16/bool run widened to int64 and are cast back.
 """
 
 from __future__ import annotations
@@ -102,11 +102,7 @@ def _run_allreduce(g: comm.Group, entry, meta: list):
 
 
 def _run_allgather(g: comm.Group, entry, meta: list):
-    _, _device, specs = meta
-    if entry is None:
-        ins = [torch.empty((0, *shape[1:]), dtype=_dtype(d)) for d, shape in specs]
-    else:
-        ins = entry.args
+    ins = entry.args
     hosts = [t.detach().cpu().contiguous() for t in ins]
     dims = np.array([h.shape[0] for h in hosts], np.int64)
     all_dims = comm.allgather(dims, group=g)  # (ranks, tensors)
@@ -122,12 +118,8 @@ def _run_allgather(g: comm.Group, entry, meta: list):
 
 
 def _run_broadcast(g: comm.Group, entry, meta: list):
-    _, root, _device, specs = meta
-    if entry is None:
-        ins = [torch.zeros(shape, dtype=_dtype(d)) for d, shape in specs]
-        outs = ins
-    else:
-        ins, outs = entry.args
+    root = meta[1]
+    ins, outs = entry.args
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(ins):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -144,13 +136,9 @@ def _run_broadcast(g: comm.Group, entry, meta: list):
 
 
 def _run_alltoall(g: comm.Group, entry, meta: list):
-    _, _device, dname, shape = meta
-    rest = shape[1:]
+    rest = meta[3][1:]
     n, me = g.size, g.rank
-    if entry is None:
-        t, splits = torch.empty((0, *rest), dtype=_dtype(dname)), np.zeros(n, np.int64)
-    else:
-        t, splits = entry.args
+    t, splits = entry.args
     host = t.detach().cpu().contiguous()
     table = comm.allgather(np.asarray(splits, np.int64), group=g)  # table[src, dst]: rows sent
     recv = table[:, me]
@@ -186,8 +174,8 @@ def _run_alltoall(g: comm.Group, entry, meta: list):
 
 
 def _run_reducescatter(g: comm.Group, entry, meta: list):
-    _, op, pre, post, _device, specs = meta
-    ins = entry.args if entry is not None else [torch.zeros(s, dtype=_dtype(d)) for d, s in specs]
+    _, op, pre, post, _device, _specs = meta
+    ins = entry.args
     outs = []
     with torch.no_grad():
         for t in ins:

@@ -212,7 +212,10 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, pre, post, process_set = ctx.args
-        saved = ctx.saved_tensors
+        # Sum/Average save nothing, so each output of a grouped allreduce may be backpropagated
+        # on its own (Horovod's tests call backward once per output); saved_tensors would raise
+        # on the second call.
+        saved = ctx.saved_tensors if op in (MIN, MAX, PRODUCT) else ()
         k = len(grads)
         grads = [g.contiguous() for g in grads]
         out = _reduce_grads(grads, op, pre, post, process_set, saved[:k], saved[k:])

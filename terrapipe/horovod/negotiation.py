@@ -3,7 +3,7 @@
 NOTE [name negotiation]
     Horovod matches collectives across ranks by name, not by issue order: ranks may issue named
     collectives in different orders, a shape or dtype mismatch fails on every rank and leaves
-    the library usable, and a rank that joined takes part in the others' collectives. terrapipe's
+    the library usable, and a rank that joined takes part in the others' allreduces. terrapipe's
     comm matches by order (NOTE [collective ordering] in comm/group.py); this module builds
     Horovod's semantics on top of it.
     1. Every hvd collective is an :class:`Entry` (name, metadata, tensors, executor) queued on
@@ -21,14 +21,22 @@ NOTE [name negotiation]
           naming each rank's call; no data moves and the set stays usable;
        c. a name some rank lacks waits; once it has waited ``timeout`` seconds on some rank it
           fails, naming the ranks that never issued it;
-       d. a rank that joined takes part in every ready name it lacks with zeros (allreduce,
-          reducescatter), no rows (allgather, alltoall) or a scratch buffer (broadcast);
+       d. a rank that joined takes part in every ready allreduce (with zeros) and barrier it
+          lacks; any other kind fails on the ranks that issued it while some rank has joined
+          ("... is not supported with Join at this time", Horovod's controller: an allgather,
+          broadcast, alltoall or reducescatter has no meaning with a rank that left);
        e. when every rank has joined, join completes, returning the last rank to join.
        A round that runs nothing sleeps before the next (1 ms, doubling to 20 ms).
     4. Only a rank with something queued enters a round; one with nothing waits on its queue
        without using a core. A rank whose peers have not issued anything yet waits inside the
-       fast check like in any collective, until the group's timeout (then every pending entry
-       fails with HorovodInternalError naming the ranks that never came, and the set is closed).
+       fast check like in any collective, until the Group's own timeout (then every pending
+       entry fails with HorovodInternalError naming the ranks that never came, and the set is
+       closed).
+    5. The two limits differ on purpose: ``timeout`` (3c) bounds how long a *name* waits and
+       is measured from issue on each rank; the Group's timeout bounds one transport wait and
+       is never shorter than comm's default (basics._transport_timeout). With one limit, a
+       short stall limit (tests set 3 s) made a rank descheduled for that long on a loaded
+       machine look dead and closed the set (tests/horovod/test_negotiation.py regression).
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ __all__ = ["Entry", "Coordinator", "JOIN"]
 JOIN = "join"
 _MASK = (1 << 62) - 1
 _SLEEP_FIRST, _SLEEP_MAX = 0.001, 0.02
+# The kinds a joined rank takes part in (NOTE [name negotiation] 3d); as in Horovod, the others
+# fail while any rank of the set has joined.
+_WITH_JOIN = ("allreduce", "barrier")
 
 
 def _h(text: str) -> int:
@@ -283,11 +294,12 @@ class Coordinator:
                 progressed = True
                 continue
             meta = first[1]
-            root = _root_of(meta)
-            if root is not None and joined[root] and root not in have:
+            if any(joined) and meta[0] not in _WITH_JOIN:  # 3d
                 if entry is not None:
                     self._retire(entry, error=HorovodInternalError(
-                        f"{first[3]}: root rank {self.ranks[root]} has joined; it cannot broadcast"))
+                        f"{first[3]}: {meta[0].capitalize()} is not supported with Join at this time"
+                        + (" (sparse gradients: DistributedOptimizer(sparse_as_dense=True))"
+                           if meta[0] == "allgather" else "")))
                 progressed = True
                 continue
             if entry is None:
@@ -300,10 +312,6 @@ class Coordinator:
 def _noname_index(name: str) -> int | None:
     head, _, tail = name.rpartition(".noname.")
     return int(tail) if head and tail.isdigit() else None
-
-
-def _root_of(meta: list) -> int | None:
-    return meta[1] if meta and meta[0] == "broadcast" else None
 
 
 def _allgather_bytes(g: comm.Group, payload: bytes) -> list[bytes]:

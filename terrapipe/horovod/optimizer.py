@@ -233,7 +233,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
                               process_set: ProcessSet = global_process_set) -> None:
     """Make every rank's optimizer state and hyper-parameters equal to ``root_rank``'s. State
     that does not exist yet (a fresh optimizer) is created first, by a step on zero gradients
-    that leaves the parameters as they were; any torch.optim optimizer works (LBFGS included:
+    that leaves the parameters as they were; as in Horovod, a parameter that requires grad and
+    had none is left with a zero ``.grad``. Any torch.optim optimizer works (LBFGS included:
     its state is broadcast as it is)."""
     if not optimizer.state_dict()["state"] and not isinstance(optimizer, torch.optim.LBFGS):
         _create_state(optimizer)
@@ -255,4 +256,5 @@ def _create_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
     for p, value, grad in saved:
         p.copy_(value)
-        p.grad = grad
+        if grad is not None:
+            p.grad = grad

@@ -186,7 +186,7 @@ def test_latency_path_and_general_path_mix_across_ranks(world):
     assert np.all(y == p)
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=180)
+@pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,))
 def test_emulated_two_nodes_of_two(mpi_comm):
     os.environ["TERRAPIPE_NODE_SIZE"] = "2"
     g = comm.init(timeout=60)
@@ -249,7 +249,7 @@ def test_forced_shm_backend_keeps_large_messages_in_shared_memory(mpi_comm):
     _check_allreduce_paths(comm.rank(), comm.size(), [300_001, 2_000_003])
 
 
-@pytest.mark.mpi(ranks=(3,), timeout=240)
+@pytest.mark.mpi(ranks=(3,), timeout=240, ci_ranks=(3,))
 def test_nodes_with_different_rank_counts_reduce_flat_over_mpi(mpi_comm):
     # Ranks 0, 1 on one emulated node and rank 2 alone: no hierarchical split fits, so
     # reductions run flat over MPI (the ring for large ones) instead of refusing.

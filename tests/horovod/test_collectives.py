@@ -147,6 +147,14 @@ def _check_gradients_as_horovod_defines_them():
         (sa.sum() + 2 * sb.sum()).backward()
         assert torch.equal(a.grad, torch.full((3,), float(n), dtype=dtype))
         assert torch.equal(b.grad, torch.full((2,), 2.0 * n, dtype=dtype))
+        # Regression: each output backpropagated on its own, as Horovod's test_torch does (the
+        # second backward read freed saved tensors and raised)
+        a.grad = b.grad = None
+        sa, sb = hvd.grouped_allreduce([a, b], op=hvd.Sum)
+        sa.backward(torch.ones(3, dtype=dtype))
+        sb.backward(torch.ones(2, dtype=dtype))
+        assert torch.equal(a.grad, torch.full((3,), float(n), dtype=dtype))
+        assert torch.equal(b.grad, torch.full((2,), float(n), dtype=dtype))
 
 
 @pytest.mark.mpi(ranks=(1, 2, 4), timeout=300)

@@ -4,6 +4,7 @@ library usable, duplicate names, timeouts naming the rank that never came, join,
 under load at 2 and 4 ranks."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -86,6 +87,13 @@ def test_mismatches_fail_on_every_rank_and_leave_it_usable(mpi_comm):
                 hvd.allreduce(torch.ones(3), name=f"other{r}")
         hvd.barrier()
         assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+        # Regression (NOTE [name negotiation] 5): a rank late by more than the name limit, with
+        # nothing pending anywhere else, is waited for; the limit was the transport's too, and a
+        # rank descheduled that long on a loaded machine closed the set (CI failure at 3 s).
+        if r == n - 1:
+            time.sleep(4)
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
     finally:
         hvd.shutdown()
         del os.environ["TERRAPIPE_HOROVOD_TIMEOUT"]
@@ -100,13 +108,19 @@ def _check_join():
                 last = hvd.join()
             else:
                 avg = hvd.synchronize(hvd.allreduce_async(a, name="tensor_a"))
-                b = hvd.allgather(torch.full((r + 1,), r), name="gathered")
                 want = a * (n - 1)
                 want = want / n if dtype.is_floating_point else want.div(n, rounding_mode="floor")
                 assert torch.equal(avg, want)  # the joined rank contributes zeros, / size
-                assert b.tolist() == [q for q in range(n) if q != first for _ in range(q + 1)]
-                assert torch.equal(hvd.broadcast(torch.full((2,), r), (first + 1) % n),
-                                   torch.full((2,), (first + 1) % n))
+                # as in Horovod, the other kinds fail while a rank has joined, and nothing hangs
+                for kind, call in [
+                    ("Allgather", lambda: hvd.allgather(torch.full((r + 1,), r), name="gathered")),
+                    ("Broadcast", lambda root=(first + 1) % n: hvd.broadcast(torch.full((2,), r), root)),
+                    ("Alltoall", lambda: hvd.alltoall(torch.ones(n))),
+                    ("Reducescatter", lambda: hvd.reducescatter(torch.ones(n))),
+                ]:
+                    with pytest.raises(hvd.HorovodInternalError, match=f"{kind} is not supported with Join"):
+                        call()
+                assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n - 1)))
                 last = hvd.join()
             assert last != first or n == 1  # the rank that joined last, never the first here
             assert 0 <= last < n
@@ -149,7 +163,7 @@ def test_process_sets(mpi_comm):
         hvd.shutdown()
 
 
-@pytest.mark.mpi(ranks=(2, 4), timeout=300)
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2, 4))
 def test_names_in_any_order_under_load_and_join(mpi_comm):
     """One launch per rank count for both bodies (CI time)."""
     hvd.init()

@@ -281,11 +281,10 @@ def test_write_command_packs_an_image_folder(folder, tmp_path):
     out = tmp_path / "cli"
     r = subprocess.run([sys.executable, "-m", "terrapipe.pipeline.shards", "write", str(folder), str(out),
                         "--prefix", "val", "--samples-per-shard", "10"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    assert "27 samples of 3 classes in 3 shards" in r.stdout
+    assert r.returncode == 0 and "27 samples of 3 classes in 3 shards" in r.stdout, (r.stdout, r.stderr)
     assert json.loads((out / "val-classes.json").read_text()) == ["cat", "dog", "eel"]
     ts = TarShards(str(out / "val-{000000..000002}.tar"))
     assert ts.targets == ImageFolder(folder).targets
     r = subprocess.run([sys.executable, "-m", "terrapipe.pipeline.shards", "index", str(out / "val-*.tar")],
                        capture_output=True, text=True)
-    assert r.returncode == 0 and "27 samples in 3 shards" in r.stdout, r.stderr
+    assert r.returncode == 0 and "27 samples in 3 shards" in r.stdout, (r.stdout, r.stderr)
