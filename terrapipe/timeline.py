@@ -6,6 +6,9 @@ each process records complete events (``"ph": "X"``, ``pid`` = its rank, ``cat``
 then merges the parts into ``path.json`` (or ``python -m terrapipe.timeline merge path.json``),
 one trace for the job, readable in chrome://tracing or Perfetto. Times are wall-clock
 microseconds, so ranks on one machine line up. Without the variable nothing is recorded.
+:func:`start` / :func:`stop` turn recording on and off while a process runs (Horovod's
+``hvd.start_timeline`` / ``hvd.stop_timeline``); ``mark_cycles`` also records each round of a
+Horovod coordinator as a ``CYCLE_START`` instant.
 """
 
 from __future__ import annotations
@@ -17,16 +20,55 @@ import os
 import sys
 import threading
 
-__all__ = ["enabled", "record", "flush", "merge"]
+__all__ = ["enabled", "record", "instant", "snapshot", "flush", "merge", "start", "stop", "path",
+           "marks_cycles"]
 
 _PATH = os.environ.get("TERRAPIPE_TIMELINE") or None
 _events: list[dict] = []
 _tids: dict[str, int] = {}
 _lock = threading.Lock()
+_mark_cycles = False
 
 
 def enabled() -> bool:
     return _PATH is not None
+
+
+def path() -> str | None:
+    """The file being recorded to (None when not recording)."""
+    return _PATH
+
+
+def marks_cycles() -> bool:
+    return _PATH is not None and _mark_cycles
+
+
+def start(path: str, mark_cycles: bool = False) -> None:
+    """Record from now on into ``<path>.rank<r>`` (this process's part; :func:`merge` joins
+    the parts). Events recorded before, for another path, are dropped."""
+    global _PATH, _mark_cycles
+    if not path:
+        raise ValueError("timeline.start: path must be a file name")
+    with _lock:
+        _PATH, _mark_cycles = os.path.abspath(path), bool(mark_cycles)
+        _events.clear()
+        _tids.clear()
+
+
+def stop(write: bool = True) -> list[dict]:
+    """Stop recording; returns this process's events (with their row names), which are also
+    written to its part file when ``write``. Nothing recorded: an empty list."""
+    global _PATH
+    if _PATH is None:
+        return []
+    events = snapshot()
+    if write:
+        flush()
+    with _lock:
+        _PATH = None
+        _events.clear()
+        _tids.clear()
+    return events
 
 
 def _rank() -> int:
@@ -49,10 +91,18 @@ def record(cat: str, name: str, start: float, end: float, lane: str = "", args: 
         _events.append(event)
 
 
-def flush() -> None:
-    """Write this process's events to ``<path>.rank<r>`` (also at exit)."""
+def instant(cat: str, name: str, when: float, lane: str = "") -> None:
+    """One instant event (``"ph": "i"``) at ``when`` (``time.time()`` seconds) in row ``lane``."""
     if _PATH is None:
         return
+    with _lock:
+        tid = _tids.setdefault(lane, len(_tids))
+        _events.append({"ph": "i", "s": "t", "cat": cat, "name": name, "pid": _rank(), "tid": tid,
+                        "ts": round(when * 1e6, 1)})
+
+
+def snapshot() -> list[dict]:
+    """This process's events so far, after the metadata naming its rank and rows."""
     with _lock:
         events = list(_events)
         lanes = dict(_tids)
@@ -60,9 +110,16 @@ def flush() -> None:
     meta = [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}]
     meta += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane or "main"}}
              for lane, tid in lanes.items()]
-    part = f"{_PATH}.rank{rank}"
+    return meta + events
+
+
+def flush() -> None:
+    """Write this process's events to ``<path>.rank<r>`` (also at exit)."""
+    if _PATH is None:
+        return
+    part = f"{_PATH}.rank{_rank()}"
     with open(part + ".tmp", "w") as f:
-        json.dump(meta + events, f)
+        json.dump(snapshot(), f)
     os.replace(part + ".tmp", part)
 
 

@@ -11,6 +11,7 @@ output) belongs to the collective.
 from __future__ import annotations
 
 import io
+import json
 import pickle
 import threading
 import warnings
@@ -18,6 +19,7 @@ import warnings
 import numpy as np
 import torch
 
+from .. import timeline
 from . import basics
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, wire_format
@@ -510,6 +512,26 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 
 
 # -- control -----------------------------------------------------------------------------------
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Record every rank's collectives (NEGOTIATE_<OP> and <OP> spans per tensor name, and with
+    ``mark_cycles`` each coordinator round as CYCLE_START) until :func:`stop_timeline`, which
+    writes them to ``file_path`` on rank 0 as one Chrome trace. Called on every rank."""
+    basics.rank()  # raises when not initialized
+    timeline.start(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop recording and write the trace begun by :func:`start_timeline` (collective: every
+    rank's events are gathered to rank 0, so it works across machines)."""
+    if not timeline.enabled():
+        return
+    path = timeline.path()
+    events = timeline.stop(write=False)
+    parts = allgather_object(events, name="stop_timeline")
+    if basics.rank() == 0:
+        with open(path, "w") as f:
+            json.dump([e for part in parts for e in part], f)
+
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` reached the barrier."""
     synchronize(_issue("barrier", None, ["barrier"], None, [], process_set, None))

@@ -190,7 +190,8 @@ class Coordinator:
         A comm error means the ranks are out of step: it propagates and ends the set."""
         if timeline.enabled() and entry is not None:
             start = time.time()
-            timeline.record("comm", "NEGOTIATE", start - (time.monotonic() - entry.t0), start, entry.name)
+            timeline.record("comm", f"NEGOTIATE_{meta[0].upper()}", start - (time.monotonic() - entry.t0),
+                            start, entry.name)
             entry.callbacks.append(lambda e: timeline.record(
                 "comm", meta[0].upper(), start, time.time(), e.name,
                 {"error": str(e.error)} if e.error is not None else None))
@@ -229,6 +230,8 @@ class Coordinator:
         something ran."""
         g = self.group
         head = pending[0]
+        if timeline.marks_cycles():
+            timeline.instant("comm", "CYCLE_START", time.time(), self.label)
         if g.size == 1:
             if head.name == JOIN:
                 self._retire(head, self.ranks[0])

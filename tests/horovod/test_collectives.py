@@ -1,5 +1,11 @@
 """terrapipe.horovod's collectives at 1, 2 and 4 ranks against NumPy references computed from
-every rank's (deterministic) inputs, and autograd through them as Horovod defines it."""
+every rank's (deterministic) inputs, autograd through them as Horovod defines it, and the
+start_timeline/stop_timeline API."""
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,13 +163,37 @@ def _check_gradients_as_horovod_defines_them():
         assert torch.equal(b.grad, torch.full((2,), float(n), dtype=dtype))
 
 
+def _check_timeline_api(mpi_comm):
+    """hvd.start_timeline / stop_timeline: every rank's spans in one file written by rank 0."""
+    folder = Path(mpi_comm.bcast(tempfile.mkdtemp() if mpi_comm.rank == 0 else None))
+    n = hvd.size()
+    for i, mark_cycles in enumerate((True, False)):
+        path = folder / f"timeline{i}.json"
+        hvd.start_timeline(str(path), mark_cycles=mark_cycles)
+        hvd.allreduce(torch.ones(3), name="test_allreduce")
+        hvd.stop_timeline()
+        hvd.allreduce(torch.ones(3), name="after_stop")  # not recorded
+        mpi_comm.barrier()
+        if hvd.rank() == 0:
+            events = json.loads(path.read_text())
+            spans = {(e["pid"], e["name"]) for e in events if e["ph"] == "X"}
+            assert spans == {(r, k) for r in range(n) for k in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE")}
+            assert any(e["name"] == "CYCLE_START" for e in events) == mark_cycles
+            rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+            assert "test_allreduce" in rows and "after_stop" not in rows
+    mpi_comm.barrier()
+    if mpi_comm.rank == 0:
+        shutil.rmtree(folder)
+
+
 @pytest.mark.mpi(ranks=(1, 2, 4), timeout=300)
 def test_collectives_and_their_gradients(mpi_comm):
-    """One launch per rank count for both bodies (CI time)."""
+    """One launch per rank count for the three bodies (CI time)."""
     hvd.init()
     try:
         _check_collectives_match_numpy(mpi_comm)
         _check_gradients_as_horovod_defines_them()
+        _check_timeline_api(mpi_comm)
     finally:
         hvd.shutdown()
     with pytest.raises(ValueError, match="not been initialized"):

@@ -32,7 +32,7 @@ def test_unmodified_script_trains_over_mpi_and_gloo(tmp_path):
     events = json.loads(trace.read_text())
     ops = [e for e in events if e.get("ph") == "X" and e["cat"] == "comm"]
     assert {e["pid"] for e in ops} == {0, 1}
-    assert {"NEGOTIATE", "ALLREDUCE", "BROADCAST"} <= {e["name"] for e in ops}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "BROADCAST"} <= {e["name"] for e in ops}
     assert not list(tmp_path.glob("timeline.json.rank*"))  # the parts were merged
 
 
