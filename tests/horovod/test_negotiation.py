@@ -72,11 +72,18 @@ def test_mismatches_fail_on_every_rank_and_leave_it_usable(mpi_comm):
                 case()
             assert all(f"rank {q}:" in str(info.value) for q in range(n))  # names every rank's call
             assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
-        # a name in flight twice on one rank
-        h = hvd.allreduce_async(torch.ones(3), name="duplicate_name")
-        with pytest.raises(ValueError, match="duplicate_name"):
-            hvd.allreduce_async(torch.ones(3), name="duplicate_name")
-        hvd.synchronize(h)
+        # a name in flight twice on one rank. Regression (test race): each rank's name is issued
+        # by the others only after an MPI barrier, so it is certainly still in flight when issued
+        # again; with one shared name the first could complete before the second issue when the
+        # peers had issued it already (seen 1 run in 5), and the rank that did not raise then
+        # waited in the next collective for a rank that had left.
+        h = hvd.allreduce_async(torch.ones(3), name=f"duplicate_name{r}")
+        with pytest.raises(ValueError, match=f"duplicate_name{r}"):
+            hvd.allreduce_async(torch.ones(3), name=f"duplicate_name{r}")
+        mpi_comm.barrier()
+        others = [hvd.allreduce_async(torch.ones(3), name=f"duplicate_name{q}") for q in range(n) if q != r]
+        for handle in [h, *others]:
+            assert torch.equal(hvd.synchronize(handle), torch.ones(3))  # Average of ones
         # a name one rank never issues: it times out on the ranks that issued it, naming the others
         if r == 0:
             with pytest.raises(hvd.HorovodInternalError, match="did not issue it within 3s") as info:
