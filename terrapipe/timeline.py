@@ -63,7 +63,7 @@ def stop(write: bool = True) -> list[dict]:
         return []
     events = snapshot()
     if write:
-        flush()
+        _write(events)
     with _lock:
         _PATH = None
         _events.clear()
@@ -117,9 +117,13 @@ def flush() -> None:
     """Write this process's events to ``<path>.rank<r>`` (also at exit)."""
     if _PATH is None:
         return
+    _write(snapshot())
+
+
+def _write(events: list[dict]) -> None:
     part = f"{_PATH}.rank{_rank()}"
     with open(part + ".tmp", "w") as f:
-        json.dump(snapshot(), f)
+        json.dump(events, f)
     os.replace(part + ".tmp", part)
 
 
