@@ -4,7 +4,8 @@ Subpackages (imports flow engine -> pipeline, comm -> kernels; launch_env is a l
   terrapipe.kernels   Numba-compiled image, reduction and RNG kernels
   terrapipe.pipeline  FastLoader: decode + augmentation on a thread pool, fed to the device
   terrapipe.comm      collectives over shared memory, MPI and torch.distributed
-  terrapipe.engine    data-parallel training on top of both
+  terrapipe.ps        parameter server: sharded tensors, async push/pull, Downpour/EASGD/averaging
+  terrapipe.engine    data-parallel training on top of them
 """
 
 from __future__ import annotations

@@ -173,6 +173,9 @@ class Engine:
                                           self._averaged(sums, time.perf_counter() - began).items()}}
             if bar is not None:
                 bar.close()
+            consolidate = getattr(self.optimizer, "consolidate", None)
+            if consolidate is not None:  # a terrapipe.ps mode: validate and save the consensus model
+                consolidate()
             if self.val_loader is not None:
                 metrics.update({f"val_{k}": v for k, v in self.test(self.val_loader).items()})
             self.history.append(metrics)

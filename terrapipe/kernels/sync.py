@@ -17,7 +17,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["load_acquire", "store_release", "spin_until", "release_step", "publish_step", "rows_equal"]
+__all__ = ["load_acquire", "store_release", "compare_exchange", "spin_until", "release_step",
+           "publish_step", "rows_equal"]
 
 
 def _element_pointer(context, builder, arrty, arr, idx, idxty):
@@ -55,6 +56,30 @@ def store_release(typingctx, arr, idx, value):
         val = context.cast(builder, args[2], signature.args[2], types.int64)
         builder.store_atomic(val, ptr, "release", 8)
         return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def compare_exchange(typingctx, arr, idx, expected, desired):
+    """Atomically ``if arr[idx] == expected: arr[idx] = desired``; True when it swapped.
+
+    ``arr``: 1-D int64 (shared memory). Sequentially consistent on success (a lock taken with
+    it orders the critical section's loads after it), acquire on failure; one ``lock cmpxchg``
+    on x86-64. The building block of the chunk locks in :mod:`terrapipe.kernels.shard`.
+    """
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+            and isinstance(idx, types.Integer) and isinstance(expected, types.Integer)
+            and isinstance(desired, types.Integer)):
+        return None
+    sig = types.boolean(arr, idx, expected, desired)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        cmp = context.cast(builder, args[2], signature.args[2], types.int64)
+        val = context.cast(builder, args[3], signature.args[3], types.int64)
+        pair = builder.cmpxchg(ptr, cmp, val, "seq_cst", "acquire")
+        return builder.extract_value(pair, 1)
 
     return sig, codegen
 

@@ -227,9 +227,9 @@ def load_index(shard: str, label: str = "cls", image_exts: Sequence[str] = IMAGE
     paths = _index_paths(shard, index_dir)
     for p in paths:
         try:
-            with np.load(p, allow_pickle=False) as z:
-                if np.array_equal(z["stamp"], stamp):
-                    return {k: z[k] for k in ("offsets", "sizes", "labels")}, p
+            z = _read_npz(p, ("stamp", "offsets", "sizes", "labels"))
+            if np.array_equal(z["stamp"], stamp):
+                return {k: z[k] for k in ("offsets", "sizes", "labels")}, p
         except (OSError, ValueError, KeyError, EOFError):
             continue  # missing, stale format, or torn by a crash: rebuild
     index = build_index(shard, label, image_exts)
@@ -250,10 +250,23 @@ def member_names(index_path: Path | None) -> np.ndarray | None:
     if index_path is None:
         return None
     try:
-        with np.load(index_path, allow_pickle=False) as z:
-            return z["names"]
+        return _read_npz(index_path, ("names",))["names"]
     except (OSError, ValueError, KeyError):
         return None
+
+
+# NumPy parses every .npy header with ast.literal_eval, and CPython 3.11 keeps the AST
+# builder's recursion-depth counter in state shared by all threads (python/cpython#106905):
+# two threads parsing at once can fail with "SystemError: AST constructor recursion depth
+# mismatch" (seen on CI while TarShards loaded its indexes on a thread pool). Index files are
+# small; reading them one at a time costs nothing next to the scans the pool runs in parallel.
+_NPZ_READ = threading.Lock()
+
+
+def _read_npz(path, keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """Arrays ``keys`` of the .npz at ``path`` (no pickles), read under :data:`_NPZ_READ`."""
+    with _NPZ_READ, np.load(path, allow_pickle=False) as z:
+        return {k: z[k] for k in keys}
 
 
 class TarShards:

@@ -1,0 +1,76 @@
+"""Messages between a client and the server of a shard on another node, and how both wait.
+
+NOTE [shard wire protocol]
+    1. Every sharded tensor has its own duplicate of the group's communicator, so its tags meet
+       nothing else. A request is a header (``HEADER``, int64[HEADER_WORDS]: rule, whether the
+       client wants the result back, first element, element count, scale as float64 bits, the
+       client's sequence number) followed, for ADD and COPY, by one DATA message per chunk.
+    2. The server answers a request with one REPLY message per chunk when the client wants the
+       result (a pull or push-pull), else with one ACK holding the sequence number. The client
+       posts its receives before it sends the header, and every rank's client issues one request
+       at a time per shard, so MPI's non-overtaking order pairs every message without matching
+       sequence numbers (they are checked anyway).
+    3. Neither side ever blocks in MPI: requests are polled (``wait_requests``), which keeps
+       MPI's progress engine turning for the peer (NOTE [MPI progress] in comm/ring.py), yields
+       the core between polls, and raises CollectiveTimeoutError naming the peer when it died
+       (same host: its pid is gone) or after the timeout.
+    4. ``close`` is collective: every rank finishes its own requests, an MPI barrier, then each
+       rank sends its own server a STOP header. No request is in flight after the barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ..comm import CollectiveTimeoutError
+from ..comm.shm import alive
+
+__all__ = ["HEADER", "DATA", "REPLY", "ACK", "STOP", "HEADER_WORDS", "header", "wait_requests",
+           "Peer"]
+
+HEADER, DATA, REPLY, ACK = 11, 12, 13, 14
+STOP = -1  # the rule field of the header that stops a server
+HEADER_WORDS = 6
+
+
+def header(rule: int, want: bool, lo: int, n: int, scale: float, seq: int) -> np.ndarray:
+    h = np.empty(HEADER_WORDS, np.int64)
+    h[:] = (rule, int(want), lo, n, 0, seq)
+    h[4:5].view(np.float64)[0] = float(scale)
+    return h
+
+
+class Peer:
+    """How to name a rank in errors and tell whether it still lives: its group rank, host, pid."""
+
+    def __init__(self, rank: int, host: str, pid: int) -> None:
+        self.rank, self.host, self.pid = rank, host, pid
+
+    def dead(self) -> bool:
+        return self.host == os.uname().nodename and not alive(self.pid)
+
+
+def wait_requests(MPI, reqs: list, timeout: float, what: str, peer: Peer) -> None:
+    """Poll ``reqs`` (mpi4py requests) until all complete (NOTE [shard wire protocol] 3)."""
+    if not reqs or MPI.Request.Testall(reqs):
+        return
+    start = time.monotonic()
+    pause, polls = 0.0, 0
+    while not MPI.Request.Testall(reqs):
+        polls += 1
+        if polls < 64:
+            os.sched_yield()
+            continue
+        time.sleep(pause)
+        pause = min(pause * 2 + 2e-5, 1e-3)
+        if polls % 64:
+            continue
+        if peer.dead():
+            raise CollectiveTimeoutError(f"{what}: rank {peer.rank} (pid {peer.pid}) died",
+                                         [peer.rank])
+        if time.monotonic() - start > timeout:
+            raise CollectiveTimeoutError(
+                f"{what}: timed out after {timeout:g}s waiting for rank {peer.rank}", [peer.rank])
