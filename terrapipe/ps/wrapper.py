@@ -15,10 +15,43 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..comm import broadcast, world
 
-__all__ = ["ModeOptimizer"]
+__all__ = ["WrappedOptimizer", "ModeOptimizer"]
 
 
-class ModeOptimizer:
+class WrappedOptimizer:
+    """Delegates what a training loop, a GradScaler or a checkpoint reads of an optimizer
+    (``param_groups``, ``state``, ``defaults``, ``zero_grad``, ``state_dict``) to the wrapped
+    ``self.optimizer``: the base of every optimizer wrapper (these modes, and
+    ``terrapipe.engine.DistributedOptimizer``)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+class ModeOptimizer(WrappedOptimizer):
     """Base of the training modes: ``optimizer`` (its parameters, every group, on one device
     and of one dtype), ``group`` (default: the world). Collective: broadcasts rank 0's
     parameters so every rank starts from the same model."""
@@ -41,28 +74,6 @@ class ModeOptimizer:
             flat = self.flat()
             broadcast(flat, 0, group=self.group)
             self.assign(flat)
-
-    # -- the wrapped optimizer ------------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self):
-        return self.optimizer.defaults
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
 
     def step(self, closure=None):
         """The wrapped optimizer's step, then the mode's exchange (:meth:`after_step`)."""
