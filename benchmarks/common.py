@@ -123,19 +123,25 @@ def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] |
 
 
 def interleave_ranks(step: Callable[[str], None], cases: tuple[str, ...], rounds: int, steps: int,
-                     mpi) -> dict[str, list[float]]:
+                     mpi, around: Callable[[str], object] | None = None) -> dict[str, list[float]]:
     """Seconds per ``step(case)`` across the ranks of ``mpi``: each round runs ``steps`` of every
-    case in turn, all ranks starting together; a sample is the slowest rank's mean."""
+    case in turn, all ranks starting together; a sample is the slowest rank's mean.
+    ``around(case)``: a context manager entered before each case's steps and left after them,
+    outside the timed region (set-up and tear-down of a case)."""
+    import contextlib
+
     from mpi4py import MPI
 
     samples: dict[str, list[float]] = {c: [] for c in cases}
     for _ in range(rounds):
         for c in cases:
-            mpi.Barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step(c)
-            samples[c].append(mpi.allreduce((time.perf_counter() - start) / steps, op=MPI.MAX))
+            with around(c) if around is not None else contextlib.nullcontext():
+                mpi.Barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step(c)
+                took = (time.perf_counter() - start) / steps
+            samples[c].append(mpi.allreduce(took, op=MPI.MAX))
     return samples
 
 

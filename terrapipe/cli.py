@@ -2,6 +2,8 @@
 
     terrapipe info                       versions, CPUs, CUDA and MPI as terrapipe sees them
     terrapipe run -n N [-H hosts] CMD... launch N ranks of CMD (see terrapipe.engine.launcher)
+    terrapipe timeline summary PATH      per rank: waiting for data, computing, exposed communication
+    terrapipe timeline merge PATH        join the ranks' parts PATH.rank<r> into PATH
 """
 
 from __future__ import annotations
@@ -56,11 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         from .engine.launcher import main as run_main
 
         return run_main(argv[1:])
+    if argv[:1] == ["timeline"]:
+        from .timeline_summary import main as timeline_main
+
+        return timeline_main(argv[1:])
     parser = argparse.ArgumentParser(prog="terrapipe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, CPUs, CUDA and MPI as terrapipe sees them")
     sub.add_parser("run", help="launch ranks: terrapipe run -n N [-H hosts] [--] COMMAND...")
+    sub.add_parser("timeline", help="terrapipe timeline summary|merge PATH")
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()

@@ -1,74 +1,268 @@
-"""Chrome-trace recording shared by every layer (standard library only; imports no terrapipe layer).
+"""One Chrome trace for the job: loader, collectives and engine on one clock (standard library only;
+imports no terrapipe layer, so every layer may record into it).
 
-With ``TERRAPIPE_TIMELINE=path.json`` (``terrapipe run --timeline-filename path.json`` sets it)
-each process records complete events (``"ph": "X"``, ``pid`` = its rank, ``cat`` the layer:
-"comm", "loader", "engine") and writes them at exit to ``path.json.rank<r>``; ``terrapipe run``
-then merges the parts into ``path.json`` (or ``python -m terrapipe.timeline merge path.json``),
-one trace for the job, readable in chrome://tracing or Perfetto. Times are wall-clock
-microseconds, so ranks on one machine line up. Without the variable nothing is recorded.
-:func:`start` / :func:`stop` turn recording on and off while a process runs (Horovod's
-``hvd.start_timeline`` / ``hvd.stop_timeline``); ``mark_cycles`` also records each round of a
-Horovod coordinator as a ``CYCLE_START`` instant.
+Turned on by ``TERRAPIPE_TIMELINE=path.json`` (``terrapipe run --timeline path.json`` sets it) or
+:func:`start`; off by default. Each rank writes its part ``path.json.rank<r>`` (one JSON event per
+line) while it runs; ``terrapipe run`` merges the parts into ``path.json`` when the job ends
+(``terrapipe timeline merge path.json`` does it by hand), one process track per rank, readable in
+Perfetto and chrome://tracing. ``terrapipe timeline summary path.json`` tells, per rank, how much
+of each step waited for data, computed, and waited on communication (terrapipe/timeline_summary.py).
+
+NOTE [timeline recording]
+    1. Off costs one global read: every recorder returns at once when nothing records, and
+       :func:`span` hands out one shared no-op context manager.
+    2. No lock on the recording path. Each thread appends tuples to its own ring (a deque, found
+       through ``threading.local``); only the background writer pops from it. A ring holds at most
+       ``capacity`` events: a full ring refuses new events and counts them (:func:`dropped`), so
+       memory is bounded by ``capacity`` per recording thread whatever the job does.
+    3. A daemon writer thread drains every ring each ``FLUSH_S`` seconds (and on :func:`flush` /
+       :func:`stop` / exit) into the part file, naming each recording thread's row on first sight.
+    4. Times are ``time.monotonic_ns()`` plus this process's offset, in microseconds in the file.
+       CLOCK_MONOTONIC is one clock for every process of a machine; between machines comm.init
+       measures each rank's offset to rank 0 (:func:`estimate_offset`, the round trip with the
+       least delay of several) and sets it here, so ranks share rank 0's clock to within half that
+       round trip.
+    5. Rows: one per recording thread (named after the thread: ``MainThread``,
+       ``terrapipe-loader_k``, ``terrapipe-comm_k``); ``lane=`` gives events a row of their own,
+       named ``lane`` (Horovod's timeline keeps a row per tensor name). Complete events
+       (``"ph": "X"``) of one row nest; work that overlaps other work on its thread (an async
+       collective from issue to completion) is an async event pair (``"b"`` / ``"e"``, matched
+       by ``id``).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import glob
 import json
 import os
-import sys
 import threading
+import time
+from collections.abc import Callable
 
-__all__ = ["enabled", "record", "instant", "snapshot", "flush", "merge", "start", "stop", "path",
-           "marks_cycles"]
+__all__ = ["enabled", "now", "span", "record", "phase", "instant", "async_begin", "async_end", "start",
+           "stop", "flush", "dropped", "path", "marks_cycles", "set_clock_offset", "clock_offset",
+           "estimate_offset", "merge", "load", "CAPACITY", "FLUSH_S"]
 
-_PATH = os.environ.get("TERRAPIPE_TIMELINE") or None
-_events: list[dict] = []
-_tids: dict[str, int] = {}
-_lock = threading.Lock()
+CAPACITY = 1 << 16  # events per recording thread between two drains (NOTE [timeline recording] 2)
+FLUSH_S = 0.5  # seconds between drains (NOTE [timeline recording] 3)
+
+_on = False
+_path: str | None = None
 _mark_cycles = False
+_offset_ns = 0
+_gen = 0  # bumped by start(): rings of an earlier recording are not reused
+_local = threading.local()
+_rings: list[_Ring] = []
+_rings_lock = threading.Lock()  # taken when a thread makes its ring, and by the writer
+_writer: _Writer | None = None
 
 
+class _Ring:
+    __slots__ = ("events", "dropped", "thread", "gen")
+
+    def __init__(self, thread: threading.Thread, gen: int) -> None:
+        self.events: collections.deque = collections.deque()
+        self.dropped = 0
+        self.thread = thread
+        self.gen = gen
+
+
+def _ring() -> _Ring:
+    ring = getattr(_local, "ring", None)
+    if ring is None or ring.gen != _gen:
+        ring = _local.ring = _Ring(threading.current_thread(), _gen)
+        with _rings_lock:
+            _rings.append(ring)
+    return ring
+
+
+def _push(event: tuple) -> None:
+    ring = _ring()
+    if len(ring.events) >= CAPACITY:  # only the writer shrinks it meanwhile: the count is exact
+        ring.dropped += 1
+        return
+    ring.events.append(event)
+
+
+# -- recording ---------------------------------------------------------------------------------
 def enabled() -> bool:
-    return _PATH is not None
+    """Whether events are being recorded."""
+    return _on
 
 
+def now() -> int:
+    """The timeline's clock: nanoseconds, monotonic, shared by the ranks (NOTE [timeline recording] 4)."""
+    return time.monotonic_ns() + _offset_ns
+
+
+def record(cat: str, name: str, start: int, end: int, lane: str | None = None,
+           args: dict | None = None) -> None:
+    """A complete event from ``start`` to ``end`` (:func:`now` nanoseconds) on this thread's row
+    (or its row ``lane``). ``cat``: the layer ("loader", "comm", "engine"); ``args``: small,
+    JSON-serializable details shown with the event."""
+    if _on:
+        _push(("X", cat, name, start, end - start, lane, args))
+
+
+def phase(cat: str, name: str, start: int, args: dict | None = None) -> int:
+    """Record ``[start, now]`` as a complete event and return now: consecutive phases of one
+    piece of work (``t = phase("comm", "copy in", t)``) at one clock read each. Call it only
+    when :func:`enabled` (the caller keeps ``t`` only then)."""
+    t = now()
+    _push(("X", cat, name, start, t - start, None, args))
+    return t
+
+
+def instant(cat: str, name: str, when: int | None = None, lane: str | None = None,
+            args: dict | None = None) -> None:
+    """A point in time (default: now) on this thread's row (an epoch's start, a bucket ready)."""
+    if _on:
+        _push(("i", cat, name, now() if when is None else when, 0, lane, args))
+
+
+def async_begin(cat: str, name: str, ident: int, args: dict | None = None) -> None:
+    """Start async event ``ident`` (unique among this process's open async events of ``cat``):
+    work that overlaps the thread that started it, ended by :func:`async_end` on any thread."""
+    if _on:
+        _push(("b", cat, name, now(), ident, None, args))
+
+
+def async_end(cat: str, name: str, ident: int, args: dict | None = None) -> None:
+    if _on:
+        _push(("e", cat, name, now(), ident, None, args))
+
+
+class _Span:
+    __slots__ = ("cat", "name", "lane", "args", "t0")
+
+    def __init__(self, cat: str, name: str, lane: str | None, args: dict | None) -> None:
+        self.cat, self.name, self.lane, self.args = cat, name, lane, args
+
+    def __enter__(self) -> _Span:
+        self.t0 = now()
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        args = self.args
+        if kind is not None:
+            args = dict(args or {}, error=f"{kind.__name__}: {value}")
+        record(self.cat, self.name, self.t0, now(), self.lane, args)
+
+
+class _NoSpan:
+    __slots__ = ()
+
+    def __enter__(self) -> _NoSpan:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
+def span(cat: str, name: str, lane: str | None = None, args: dict | None = None):
+    """``with span("loader", "decode"): ...`` records the block as a complete event (with the
+    error, if it raised). Off: a shared no-op (NOTE [timeline recording] 1)."""
+    if not _on:
+        return _NO_SPAN
+    return _Span(cat, name, lane, args)
+
+
+def dropped() -> int:
+    """Events refused so far by full rings (NOTE [timeline recording] 2)."""
+    with _rings_lock:
+        return sum(r.dropped for r in _rings)
+
+
+# -- clock -------------------------------------------------------------------------------------
+def set_clock_offset(offset_ns: int) -> None:
+    """Add ``offset_ns`` to this process's clock from now on (comm.init sets rank 0's offset)."""
+    global _offset_ns
+    _offset_ns = int(offset_ns)
+
+
+def clock_offset() -> int:
+    return _offset_ns
+
+
+def estimate_offset(exchange: Callable[[int], int], rounds: int = 8,
+                    clock: Callable[[], int] = time.monotonic_ns) -> tuple[int, int]:
+    """This process's offset to a reference clock: ``(offset_ns, bound_ns)``, such that
+    ``clock() + offset_ns`` reads the reference's clock to within ``bound_ns``.
+
+    ``exchange(t)`` sends ``t`` to the reference and returns the reference's clock reading taken
+    between receiving and answering. Of ``rounds`` round trips the one with the least delay wins
+    (Cristian's algorithm): the reference read its clock somewhere inside that round trip, so the
+    midpoint is wrong by at most half of it."""
+    best = None
+    for _ in range(max(1, rounds)):
+        t1 = clock()
+        ref = exchange(t1)
+        t2 = clock()
+        if best is None or t2 - t1 < best[0]:
+            best = (t2 - t1, ref - (t1 + t2) // 2)
+    rtt, offset = best
+    return int(offset), int(rtt // 2 + 1)
+
+
+# -- control -----------------------------------------------------------------------------------
 def path() -> str | None:
-    """The file being recorded to (None when not recording)."""
-    return _PATH
+    """The trace being recorded (None when not recording)."""
+    return _path
 
 
 def marks_cycles() -> bool:
-    return _PATH is not None and _mark_cycles
+    return _on and _mark_cycles
 
 
 def start(path: str, mark_cycles: bool = False) -> None:
-    """Record from now on into ``<path>.rank<r>`` (this process's part; :func:`merge` joins
-    the parts). Events recorded before, for another path, are dropped."""
-    global _PATH, _mark_cycles
+    """Record from now on into ``path`` (this process writes ``<path>.rank<r>``; :func:`merge`
+    joins the parts). A recording already running is stopped (and written) first.
+    ``mark_cycles``: Horovod's coordinator rounds as ``CYCLE_START`` instants."""
+    global _on, _path, _mark_cycles, _gen, _writer
     if not path:
         raise ValueError("timeline.start: path must be a file name")
-    with _lock:
-        _PATH, _mark_cycles = os.path.abspath(path), bool(mark_cycles)
-        _events.clear()
-        _tids.clear()
+    if _on:
+        stop()
+    part = f"{os.path.abspath(path)}.rank{_rank()}"
+    writer = _Writer(part)  # raises here, naming the file, when it cannot be written
+    _path, _mark_cycles = os.path.abspath(path), bool(mark_cycles)
+    with _rings_lock:
+        _rings.clear()
+        _gen += 1
+    _writer = writer
+    writer.start()
+    _on = True
 
 
 def stop(write: bool = True) -> list[dict]:
-    """Stop recording; returns this process's events (with their row names), which are also
-    written to its part file when ``write``. Nothing recorded: an empty list."""
-    global _PATH
-    if _PATH is None:
+    """Stop recording; returns this process's events (metadata rows first). With ``write`` they
+    stay in its part file; without, the part file is removed. Not recording: ``[]``."""
+    global _on, _path, _writer
+    if not _on:
         return []
-    events = snapshot()
-    if write:
-        _write(events)
-    with _lock:
-        _PATH = None
-        _events.clear()
-        _tids.clear()
+    _on = False
+    writer, _writer = _writer, None
+    writer.close()
+    if writer.file is None:  # nothing was recorded
+        _path = None
+        return []
+    events = _read_part(writer.part)
+    if not write:
+        os.unlink(writer.part)
+    _path = None
     return events
+
+
+def flush() -> None:
+    """Write every event recorded so far to the part file now."""
+    writer = _writer
+    if writer is not None:
+        writer.drain()
 
 
 def _rank() -> int:
@@ -77,77 +271,153 @@ def _rank() -> int:
     return launch_env.world()[0]
 
 
-def record(cat: str, name: str, start: float, end: float, lane: str = "", args: dict | None = None) -> None:
-    """One complete event from ``start`` to ``end`` (``time.time()`` seconds) in row ``lane``
-    of this rank (events of one lane must nest; Horovod's timeline gives each tensor name one)."""
-    if _PATH is None:
-        return
-    with _lock:
-        tid = _tids.setdefault(lane, len(_tids))
-        event = {"ph": "X", "cat": cat, "name": name, "pid": _rank(), "tid": tid,
-                 "ts": round(start * 1e6, 1), "dur": round(max(end - start, 0.0) * 1e6, 1)}
-        if args:
-            event["args"] = args
-        _events.append(event)
+class _Writer(threading.Thread):
+    """Drains the rings into the part file (NOTE [timeline recording] 3)."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__(name="terrapipe-timeline", daemon=True)
+        self.part = part
+        self.rank = _rank()
+        folder = os.path.dirname(part)
+        if not os.access(folder, os.W_OK):
+            raise OSError(f"timeline: cannot write {part}: no write access to {folder}")
+        # Opened at the first event: a process that records nothing (the launcher itself, which
+        # sees the same variable) writes no part and so never clobbers a rank's.
+        self.file = None
+        self.closed = False
+        self.lock = threading.Lock()  # one drain at a time (the thread, flush(), close())
+        self.halt = threading.Event()
+        self.rows: dict[tuple[int, str | None], int] = {}
+        self.reported_dropped = 0
+
+    def _open(self) -> None:
+        try:
+            self.file = open(self.part, "w")  # noqa: SIM115 - closed by close()
+        except OSError as e:
+            raise OSError(f"timeline: cannot write {self.part}: {e}") from e
+        pid = self.rank
+        self._line({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}"}})
+        self._line({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+
+    def _line(self, event: dict) -> None:
+        self.file.write(json.dumps(event, separators=(",", ":")))
+        self.file.write("\n")
+
+    def run(self) -> None:
+        while not self.halt.wait(FLUSH_S):
+            self.drain()
+
+    def _tid(self, ring: _Ring, lane: str | None) -> int:
+        key = (id(ring), lane)
+        tid = self.rows.get(key)
+        if tid is None:
+            tid = self.rows[key] = len(self.rows)
+            name = ring.thread.name if lane is None else lane
+            self._line({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid,
+                        "args": {"name": name}})
+        return tid
+
+    def drain(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            with _rings_lock:
+                rings = list(_rings)
+            if self.file is None:
+                if not any(r.events or r.dropped for r in rings):
+                    return
+                self._open()
+            pid = self.rank
+            for ring in rings:
+                events = ring.events
+                while events:
+                    ph, cat, name, ts, extra, lane, args = events.popleft()
+                    e = {"ph": ph, "cat": cat, "name": name, "pid": pid, "tid": self._tid(ring, lane),
+                         "ts": ts / 1000}
+                    if ph == "X":
+                        e["dur"] = extra / 1000
+                    elif ph == "i":
+                        e["s"] = "t"
+                    else:
+                        e["id"] = extra
+                    if args:
+                        e["args"] = args
+                    self._line(e)
+            lost = sum(r.dropped for r in rings)
+            if lost > self.reported_dropped:
+                self._line({"ph": "i", "s": "p", "cat": "timeline", "name": "events dropped", "pid": pid,
+                            "tid": 0, "ts": now() / 1000, "args": {"dropped": lost}})
+                self.reported_dropped = lost
+            self.file.flush()
+
+    def close(self) -> None:
+        self.halt.set()
+        if self.is_alive():
+            self.join()
+        self.drain()
+        with self.lock:
+            self.closed = True
+            if self.file is not None:
+                self.file.close()
 
 
-def instant(cat: str, name: str, when: float, lane: str = "") -> None:
-    """One instant event (``"ph": "i"``) at ``when`` (``time.time()`` seconds) in row ``lane``."""
-    if _PATH is None:
-        return
-    with _lock:
-        tid = _tids.setdefault(lane, len(_tids))
-        _events.append({"ph": "i", "s": "t", "cat": cat, "name": name, "pid": _rank(), "tid": tid,
-                        "ts": round(when * 1e6, 1)})
+def _at_exit() -> None:
+    if _on:
+        stop()
 
 
-def snapshot() -> list[dict]:
-    """This process's events so far, after the metadata naming its rank and rows."""
-    with _lock:
-        events = list(_events)
-        lanes = dict(_tids)
-    rank = _rank()
-    meta = [{"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}}]
-    meta += [{"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane or "main"}}
-             for lane, tid in lanes.items()]
-    return meta + events
+atexit.register(_at_exit)
 
 
-def flush() -> None:
-    """Write this process's events to ``<path>.rank<r>`` (also at exit)."""
-    if _PATH is None:
-        return
-    _write(snapshot())
-
-
-def _write(events: list[dict]) -> None:
-    part = f"{_PATH}.rank{_rank()}"
-    with open(part + ".tmp", "w") as f:
-        json.dump(events, f)
-    os.replace(part + ".tmp", part)
-
-
-atexit.register(flush)
+# -- files -------------------------------------------------------------------------------------
+def _read_part(part: str) -> list[dict]:
+    out = []
+    with open(part) as f:
+        for k, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                # A rank killed mid-write leaves one partial last line; anything else is damage.
+                if f.readline():
+                    raise ValueError(f"timeline: {part}: line {k + 1} is not a JSON event") from None
+    return out
 
 
 def merge(path: str) -> int:
-    """Join the ranks' parts ``<path>.rank*`` into ``path`` (one JSON array) and remove them;
-    returns the number of events."""
-    events: list = []
-    parts = sorted(glob.glob(glob.escape(path) + ".rank*"))
-    for part in parts:
-        if part.endswith(".tmp"):
-            continue
-        with open(part) as f:
-            events.extend(json.load(f))
-    with open(path, "w") as f:
-        json.dump(events, f)
+    """Join the ranks' parts ``<path>.rank*`` into ``path`` (one JSON array, ranks in order) and
+    remove them; returns the number of events. No parts: ValueError naming ``path``."""
+    parts = [p for p in glob.glob(glob.escape(path) + ".rank*") if p[len(path) + 5:].isdigit()]
+    if not parts:
+        raise ValueError(f"timeline.merge: no parts {path}.rank<r> to merge")
+    parts.sort(key=lambda p: int(p[len(path) + 5:]))
+    events = [e for part in parts for e in _read_part(part)]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("[\n")
+        f.write(",\n".join(json.dumps(e, separators=(",", ":")) for e in events))
+        f.write("\n]\n")
+    os.replace(tmp, path)
     for part in parts:
         os.unlink(part)
     return len(events)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["merge"] or len(sys.argv) != 3:
-        raise SystemExit("usage: python -m terrapipe.timeline merge PATH")
-    print(f"{merge(sys.argv[2])} events in {sys.argv[2]}")
+def load(path: str) -> list[dict]:
+    """The events of trace ``path``: a merged file (a JSON array, or an object with
+    ``traceEvents``), or, when only the parts exist, the parts."""
+    if not os.path.exists(path) and glob.glob(glob.escape(path) + ".rank*"):
+        parts = sorted(p for p in glob.glob(glob.escape(path) + ".rank*") if p[len(path) + 5:].isdigit())
+        return [e for part in parts for e in _read_part(part)]
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict):
+        data = data.get("traceEvents", [])
+    if not isinstance(data, list):
+        raise ValueError(f"timeline: {path} is not a Chrome trace (a JSON array of events)")
+    return data
+
+
+if os.environ.get("TERRAPIPE_TIMELINE"):
+    start(os.environ["TERRAPIPE_TIMELINE"])

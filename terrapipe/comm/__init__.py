@@ -13,6 +13,7 @@ from .collectives import (
     barrier,
     broadcast,
     broadcast_object,
+    clock_alignment,
     finalize,
     gather,
     init,
@@ -33,7 +34,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 
 __all__ = [
     "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "broadcast_object",
-    "finalize", "gather",
+    "clock_alignment", "finalize", "gather",
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError",

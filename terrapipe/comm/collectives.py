@@ -20,10 +20,10 @@ import traceback
 
 import numpy as np
 
-from .. import launch_env
+from .. import launch_env, timeline
 from ..kernels import reduce as kreduce
 from ..kernels.floats import BF16, F16
-from . import nccl
+from . import clock, nccl
 from .buffers import Buffer, plain_array
 from .group import NO_GATE, Group, Handle
 from .shm import remove_stale
@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 _world: Group | None = None
+_clock = (0, 0)
 
 
 def init(backend: str = "auto", timeout: float = 300.0) -> Group:
@@ -79,8 +80,16 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     os.environ["RANK"] = str(_world.rank)
     os.environ["WORLD_SIZE"] = str(_world.size)
     os.environ["LOCAL_RANK"] = str(_world.local_rank)
+    global _clock
+    _clock = clock.align(_world)  # the timeline's one clock across nodes
     atexit.register(finalize)
     return _world
+
+
+def clock_alignment() -> tuple[int, int]:
+    """``(offset_ns, bound_ns)``: what comm.init added to this rank's timeline clock to read rank
+    0's, and the most that can be off by (half the best round trip); (0, 0) on one node."""
+    return _clock
 
 
 def _abort_on_uncaught_exception(MPI) -> None:
@@ -145,8 +154,19 @@ def _g(group: Group | None) -> Group:
     return group if group is not None else world()
 
 
-def _run(group: Group, body, async_op: bool):
-    return group.run(body, async_op)
+def _run(group: Group, body, async_op: bool, coll: str | None = None, x=None):
+    """Run ``body`` on ``group`` in issue order; ``coll`` and ``x`` name it on the timeline."""
+    label = (coll, _nbytes(x)) if coll is not None and timeline.enabled() else None
+    return group.run(body, async_op, label)
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    nbytes = getattr(x, "nbytes", None)
+    if nbytes is None and hasattr(x, "element_size"):
+        return int(x.numel() * x.element_size())
+    return int(nbytes or 0)
 
 
 def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Group | None = None):
@@ -173,7 +193,7 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
 
         return _via_nccl(g, x, "allreduce", code, -1, on_nccl,
                          lambda: _allreduce_staged(g, x, out, code)(), async_op)
-    return _run(g, _allreduce_staged(g, x, out, code), async_op)
+    return _run(g, _allreduce_staged(g, x, out, code), async_op, "allreduce", x)
 
 
 def _allreduce_staged(g: Group, x, out, code: int):
@@ -206,9 +226,12 @@ def _via_nccl(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, asy
         with torch.cuda.stream(caller):
             g.agree(f"nccl_{coll}", code, sig, root)
             transport = nccl.process_group(g, x.device)
-            return staged() if transport is None else on_nccl(transport, x.detach())
+            if transport is None:
+                return staged()
+            with timeline.span("comm", "nccl enqueue"):
+                return on_nccl(transport, x.detach())
 
-    return _run(g, body, async_op)
+    return _run(g, body, async_op, coll, x)
 
 
 def _nccl_or_staged(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, async_op: bool):
@@ -218,7 +241,7 @@ def _nccl_or_staged(g: Group, x, coll: str, code: int, root: int, on_nccl, stage
     if _is_cuda(x) and nccl.wanted(g):
         return _via_nccl(g, x, coll, code, root, on_nccl, lambda: staged(Buffer(x, "x")), async_op)
     buf = Buffer(x, "x")
-    return _run(g, lambda: staged(buf), async_op)
+    return _run(g, lambda: staged(buf), async_op, coll, x)
 
 
 def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
@@ -264,7 +287,7 @@ def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = No
         g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size), root=root)
         return _like_input(out, x) if g.rank == root else None
 
-    return _run(g, body, async_op)
+    return _run(g, body, async_op, "gather", x)
 
 
 def scatter(x, root: int = 0, *, async_op: bool = False, group: Group | None = None):
@@ -281,7 +304,7 @@ def scatter(x, root: int = 0, *, async_op: bool = False, group: Group | None = N
         g.scatter_flat(buf, obuf.flat, root)
         return _like_input(out, x)
 
-    return _run(g, body, async_op)
+    return _run(g, body, async_op, "scatter", x)
 
 
 def reduce(x, op: str = "sum", root: int = 0, *, async_op: bool = False, group: Group | None = None):
@@ -297,7 +320,7 @@ def reduce(x, op: str = "sum", root: int = 0, *, async_op: bool = False, group: 
             buf.commit()
         return buf.orig
 
-    return _run(g, body, async_op)
+    return _run(g, body, async_op, "reduce", x)
 
 
 def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group | None = None):
@@ -314,12 +337,12 @@ def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group |
         g.reduce_scatter_flat(buf, obuf.flat, code)
         return _like_input(out, x)
 
-    return _run(g, body, async_op)
+    return _run(g, body, async_op, "reduce_scatter", x)
 
 
 def barrier(*, async_op: bool = False, group: Group | None = None):
     g = _g(group)
-    return _run(g, g.barrier, async_op)
+    return _run(g, g.barrier, async_op, "barrier", None)
 
 
 def send(x, dest: int, tag: int = 0, *, group: Group | None = None) -> None:
@@ -416,7 +439,8 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
         for name, members, staged in plans:
             use_c = ckind if name == "float32" else 0
             if staged is not None:
-                staged.start()
+                with timeline.span("comm", "staging: copies to host queued"):
+                    staged.start()
                 views, kind = staged.views, staged.kind
             else:
                 views, kind = [b.flat for b in members], members[0].kind
@@ -425,13 +449,14 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
             g.allreduce_views(views, views, code, kind, use_c, coll="jit_allreduce", sig_buf=sig,
                               gate=staged or NO_GATE)
             if staged is not None:
-                staged.finish()
+                with timeline.span("comm", "staging: copies to device queued"):
+                    staged.finish()
             else:
                 for b in members:
                     b.commit()
         return tensors
 
-    return _run(g, body, async_op)
+    return _run(g, body, async_op, "jit_allreduce", items)
 
 
 def _is_cuda(x) -> bool:

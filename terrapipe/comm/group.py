@@ -36,12 +36,14 @@ NOTE [transport selection]
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from .. import timeline
 from ..kernels import reduce as kreduce
 from ..kernels.floats import F16, compress, decompress
 from .buffers import DTYPE_CODES, Buffer
@@ -239,11 +241,44 @@ class Group:
             self.nccl.close()
         self.nccl = None
 
+    def tune(self, ring_bytes: int | None = None, ring_chunk_bytes: int | None = None) -> None:
+        """Set the MPI ring's threshold (allreduces of at least ``ring_bytes`` take our ring, smaller
+        ones MPI's own) and message size for every collective issued after this call, which
+        runs in issue order (NOTE [collective ordering]). Collective: every rank sets the same
+        values at the same point (the autotuner does, from scores all ranks share)."""
+        for name, v in (("ring_bytes", ring_bytes), ("ring_chunk_bytes", ring_chunk_bytes)):
+            if v is not None and int(v) <= 0:
+                raise ValueError(f"tune: {name} must be positive, got {v}")
+
+        def body():
+            for t in (self.mpi, self._cross):
+                if t is not None:
+                    t.tune(ring_bytes, ring_chunk_bytes)
+
+        self.run(body, False)
+
+    def uses_ring(self) -> bool:
+        """Whether this group has an MPI transport whose ring :meth:`tune` would change."""
+        return self.mpi is not None or self._cross is not None
+
+    def tuning(self) -> dict[str, int]:
+        """The ring's threshold and message size in use (the defaults where there is no MPI)."""
+        from .mpi import RING_BYTES
+        from .ring import CHUNK_BYTES
+
+        t = self.mpi or self._cross
+        return {"ring_bytes": t.ring_bytes if t else RING_BYTES,
+                "ring_chunk_bytes": t.chunk_bytes if t else CHUNK_BYTES}
+
     # -- execution -----------------------------------------------------------------------------
-    def run(self, fn, async_op: bool):
-        """Run a collective body in issue order (NOTE [collective ordering])."""
+    def run(self, fn, async_op: bool, label: tuple[str, int] | None = None):
+        """Run a collective body in issue order (NOTE [collective ordering]). ``label``: (name,
+        bytes) for the timeline, which records the body as a span and an async call from issue
+        to completion."""
         if self._failed:
             raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
+        if label is not None and timeline.enabled():
+            fn = _traced(fn, label)
         if async_op:
             with self._state:
                 if self._pool is None:
@@ -251,6 +286,8 @@ class Group:
                 self._pending += 1
                 fut = self._pool.submit(self._guarded, fn)
             fut.add_done_callback(self._one_done)
+            if label is not None and timeline.enabled():
+                _trace_handle(fut, label)
             return Handle(fut)
         with self._state:
             inline = self._pending == 0
@@ -302,7 +339,8 @@ class Group:
         if self.size == 1:
             return
         sig = self._signature(coll, op, buf, root)
-        self.control.agree(coll, sig, functools.partial(self._mismatch, coll))
+        with timeline.span("comm", "agreement"):
+            self.control.agree(coll, sig, functools.partial(self._mismatch, coll))
 
     @staticmethod
     def _mismatch(coll: str, sigs: np.ndarray, ranks: list[int]) -> None:
@@ -374,8 +412,9 @@ class Group:
                 fs.read(0, fs.n, src)
             if dst is None:
                 dst = np.empty(fd.n, fd.views[0].dtype)
-            self.shm.oneshot(src, dst, rows_dtype, op, rkind, coll, self._signature(coll, op, sig_buf),
-                             functools.partial(self._mismatch, coll))
+            with timeline.span("comm", "one-shot (agreement + reduce)"):
+                self.shm.oneshot(src, dst, rows_dtype, op, rkind, coll, self._signature(coll, op, sig_buf),
+                                 functools.partial(self._mismatch, coll))
             if dst is not fd.only():
                 fd.write(0, dst)
             gate.wrote(fs.n)
@@ -411,7 +450,11 @@ class Group:
         try:
             if self._failed:
                 raise CommError(f"this group is unusable after an earlier failure: {self._failed}")
-            call(flat, flat)
+            if timeline.enabled():
+                with timeline.span("comm", coll, args={"bytes": x.nbytes, "path": "one-shot"}):
+                    call(flat, flat)
+            else:
+                call(flat, flat)
         except CollectiveTimeoutError as e:
             self._failed = str(e)
             raise
@@ -489,3 +532,24 @@ class Group:
         if t is None:
             raise CommError(f"{what}: point-to-point needs MPI or Gloo; this group has shared memory only")
         return t
+
+
+_handle_ids = itertools.count(1)
+
+
+def _traced(fn, label: tuple[str, int]):
+    name, nbytes = label
+
+    def body():
+        with timeline.span("comm", name, args={"bytes": nbytes}):
+            return fn()
+
+    return body
+
+
+def _trace_handle(fut: Future, label: tuple[str, int]) -> None:
+    """An async collective on the timeline from issue to completion (NOTE [timeline recording] 5)."""
+    name, nbytes = label
+    ident = next(_handle_ids)
+    timeline.async_begin("comm", name, ident, {"bytes": nbytes})
+    fut.add_done_callback(lambda _f: timeline.async_end("comm", name, ident))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import timeline
 from ..kernels import reduce as kreduce
 from .errors import CollectiveTimeoutError
 from .ring import CHUNK_BYTES, ring_allreduce, segments
@@ -52,6 +53,8 @@ class MpiTransport(Transport):
         self.timeout = timeout
         self._late_hint = late_hint
         self._done_sends: list = []  # the ring's done messages not known complete (NOTE [MPI progress] 3)
+        self.ring_bytes = RING_BYTES  # allreduces this large or larger take the ring (tune())
+        self.chunk_bytes = CHUNK_BYTES  # the ring's message size (tune())
         self._ring_scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # the ring's receive buffers
         self._acc = np.empty(kreduce.TILE, np.float32)
 
@@ -131,11 +134,11 @@ class MpiTransport(Transport):
                         ring: bool | None = None) -> None:
         """In place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``); ``avg`` sums (the
         caller divides, by the size of the whole group when this is its cross-node part).
-        ``ring``: our ring (True) or MPI's own allreduce (False); default by RING_BYTES."""
-        if ring if ring is not None else buf.nbytes >= RING_BYTES:
+        ``ring``: our ring (True) or MPI's own allreduce (False); default by ``ring_bytes``."""
+        if ring if ring is not None else buf.nbytes >= self.ring_bytes:
             ring_allreduce(self.ring_comm, buf, op, kind,
                            lambda req, w, peer: self.wait(req, f"{what}: {w}", peer), self._done_sends,
-                           self._ring_scratch)
+                           self._ring_scratch, self.chunk_bytes)
         elif kind:
             gathered = np.empty((self.size, buf.shape[0]), buf.dtype)
             self.wait(self.comm.Iallgather(buf, gathered), what)
@@ -144,7 +147,18 @@ class MpiTransport(Transport):
             MPI = self._MPI
             mop = {kreduce.SUM: MPI.SUM, kreduce.AVG: MPI.SUM, kreduce.PROD: MPI.PROD,
                    kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
-            self.wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, mop), what)
+            with timeline.span("comm", "MPI allreduce"):
+                self.wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, mop), what)
+
+    def tune(self, ring_bytes: int | None, chunk_bytes: int | None) -> None:
+        """Set the ring's threshold and chunk (bytes) for the collectives that follow; every
+        rank must set the same values at the same point of its collective sequence."""
+        if ring_bytes is not None:
+            self.ring_bytes = int(ring_bytes)
+        if chunk_bytes is not None:
+            self.chunk_bytes = int(chunk_bytes)
+            if self._ring_scratch.shape[0] < 2 * self.chunk_bytes:
+                self._ring_scratch = np.empty(2 * self.chunk_bytes, np.uint8)
 
     def broadcast(self, flat, root) -> None:
         self.wait(self.comm.Ibcast(flat, root=self.members.index(root)), "broadcast")

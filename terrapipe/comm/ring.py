@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import timeline
 from ..kernels import reduce as kreduce
 
 __all__ = ["RING_TAG", "DONE_TAG", "CHUNK_BYTES", "ring_allreduce", "segments"]
@@ -104,6 +105,11 @@ def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int,
 
 
 def _step(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what) -> None:
+    with timeline.span("comm", f"ring {what} step"):
+        _step_body(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what)
+
+
+def _step_body(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what) -> None:
     sends = [comm.Isend(buf[a:min(a + chunk, send[1])], right, RING_TAG)
              for a in range(send[0], send[1], chunk)]
     starts = list(range(recv[0], recv[1], chunk))

@@ -45,6 +45,7 @@ import time
 import numba
 import numpy as np
 
+from .. import timeline
 from ..kernels import oneshot
 from ..kernels import reduce as kreduce
 from ..kernels.sync import publish_step, release_step, rows_equal, spin_until
@@ -364,25 +365,41 @@ class ShmTransport(Transport):
         p, me = self.local_size, self.local_rank
         rows = self._rows(dtype)
         item = np.dtype(dtype).itemsize
+        rec = timeline.enabled()  # the phases of each chunk, at one clock read each
         for c0, length, h in self._chunk_ranges(srcs.n, item):
+            t = timeline.now() if rec else 0
             gate.ready(c0 + length)
+            if rec and gate is not NO_GATE:
+                t = timeline.phase("comm", "wait for device", t)
             srcs.read(c0, length, rows[me, h:h + length], ckind)
+            if rec:
+                t = timeline.phase("comm", "copy in", t, {"bytes": length * item})
             self.board.barrier(self.timeout, "allreduce")
+            if rec:
+                t = timeline.phase("comm", "wait for peers", t)
             parts = segments(length, p)
             lo, hi = parts[me]
             if hi > lo:
                 self._reduce_rows(rows, op, h + lo, hi - lo, kind)
                 mine = rows[me, h + lo:h + hi]
+                if rec:
+                    t = timeline.phase("comm", "reduce", t)
                 if self.cross is not None:
                     self.cross.allreduce_array(mine, op, kind, "allreduce across nodes")
+                    if rec:
+                        t = timeline.phase("comm", "allreduce across nodes", t)
                 if op == kreduce.AVG:
                     divide(mine, self.size, kind)
             self.board.barrier(self.timeout, "allreduce")
+            if rec:
+                t = timeline.phase("comm", "wait for peers", t)
             if root < 0 or root == self.rank:
                 for q, (a, b) in enumerate(parts):
                     if b > a:
                         dsts.write(c0 + a, rows[q, h + a:h + b], ckind)
             gate.wrote(c0 + length)
+            if rec:
+                timeline.phase("comm", "copy out", t)
 
     # -- one node only (Group._route sends these over MPI across nodes) --------------------------
     def broadcast(self, flat, root) -> None:

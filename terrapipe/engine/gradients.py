@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .. import comm
+from .. import comm, timeline
 from ..comm import nccl
 
 __all__ = ["DistributedGradients", "bucket_buffer"]
@@ -88,14 +88,29 @@ class DistributedGradients:
         if backend == "auto":
             backend = "nccl" if on_cuda and nccl.wanted(self.group) else "jit"
         self.backend = backend
-        self.buckets = (_size_buckets(params, first_bucket_mb, bucket_mb) if buckets is None
-                        else _explicit_buckets(buckets, params))
+        self._params = params
+        self.sized = buckets is None  # buckets cut by size (rebucket() may cut them again)
+        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
         # NOTE [gradients as bucket views]
         self.as_views = not (backend == "nccl" and compression)
+        self._set_buckets(_size_buckets(params, first_bucket_mb, bucket_mb) if buckets is None
+                          else _explicit_buckets(buckets, params))
+        self._counts = {id(p): 0 for p in params}
+        self._next = 0  # first bucket not yet launched
+        self._handles: list = []  # comm.Handle, or _FlatBucket for "nccl"
+        self._passes = 0
+        self._skip = False
+        self.synchronized = False  # every bucket reduced, and no backward since
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _set_buckets(self, buckets: list[list[torch.nn.Parameter]]) -> None:
+        """Make ``buckets`` current: their flat buffers, with each ``.grad`` (if any) moved into
+        its view (NOTE [gradients as bucket views])."""
+        self.buckets = buckets
         self._views: dict[int, torch.Tensor] = {}
         self._bucket_flats: list[torch.Tensor] = []
         if self.as_views:
-            for bucket in self.buckets:
+            for bucket in buckets:
                 flat = bucket_buffer(sum(p.numel() for p in bucket), bucket[0].dtype, bucket[0].device)
                 self._bucket_flats.append(flat)
                 o = 0
@@ -106,16 +121,24 @@ class DistributedGradients:
                         p.grad = view
                     self._views[id(p)] = view
                     o += p.numel()
-        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
-        self._counts = {id(p): 0 for p in params}
-        self._ready = [0] * len(self.buckets)
-        self._next = 0  # first bucket not yet launched
-        self._handles: list = []  # comm.Handle, or _FlatBucket for "nccl"
+        self._bucket_of = {id(p): b for b, bucket in enumerate(buckets) for p in bucket}
+        self._ready = [0] * len(buckets)
         self._wire_flats: dict[int, torch.Tensor] = {}  # NCCL + compression: 16-bit buffers, made once
-        self._passes = 0
-        self._skip = False
-        self.synchronized = False  # every bucket reduced, and no backward since
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def rebucket(self, bucket_mb: float, first_bucket_mb: float) -> None:
+        """Cut the buckets again by size (the autotuner does, between steps). Gradients present
+        move into the new buffers. Raises while reductions are in flight, or for buckets given
+        explicitly. Collective in effect: every rank must rebucket alike before its next backward."""
+        if bucket_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError("bucket_mb and first_bucket_mb must be positive, got "
+                             f"{bucket_mb}, {first_bucket_mb}")
+        if not self.sized:
+            raise ValueError("rebucket: the buckets were given explicitly (buckets=...)")
+        if self.in_flight() or any(self._counts.values()):
+            raise RuntimeError("rebucket() while gradient reductions are in flight or a step is half "
+                               "done: call it after optimizer.step()")
+        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        self._set_buckets(_size_buckets(self._params, first_bucket_mb, bucket_mb))
 
     # -- hooks -------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -144,6 +167,8 @@ class DistributedGradients:
             self._next += 1
 
     def _launch(self, b: int) -> None:
+        if timeline.enabled():
+            timeline.instant("engine", f"bucket {b} ready", args={"parameters": len(self.buckets[b])})
         if not self.as_views:
             for p in self.buckets[b]:
                 if p.grad is None:  # no gradient on this rank: it contributes zeros
@@ -199,8 +224,9 @@ class DistributedGradients:
             self._launch(self._next)
             self._next += 1
         handles, self._handles = self._handles, []
-        for h in handles:
-            h.wait()
+        with timeline.span("comm", "wait gradients", args={"buckets": len(handles)}):
+            for h in handles:
+                h.wait()
         self.synchronized = True
         self._next = 0
         self._ready = [0] * len(self.buckets)

@@ -1,14 +1,15 @@
 """``terrapipe run``: launch N ranks of a command with the mpiexec that ships with the MPI wheel.
 
     terrapipe run -n 4 [-H host1:2,host2:2] [--] python train.py --epochs 3
-    terrapipe run --horovod -np 4 [-H ...] [--gloo] [--timeline-filename t.json] python train.py
+    terrapipe run --horovod -np 4 [-H ...] [--gloo] [--timeline t.json] [--autotune] python train.py
 
 ``--horovod`` puts a ``horovod`` package first on the ranks' PYTHONPATH whose ``horovod.torch``
 is terrapipe.horovod, so an unmodified ``import horovod.torch as hvd`` script runs on terrapipe
 (horovodrun's flags are accepted; any other option is an error). ``--gloo`` starts the ranks on
 this machine without MPI, as torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, ...): their world is
-Gloo's. ``--timeline-filename`` records a Chrome trace of every rank's collectives into one file
-(terrapipe.timeline).
+Gloo's. ``--timeline`` (``--timeline-filename``) records one Chrome trace of every rank's loader,
+collectives and engine (terrapipe.timeline); ``--autotune`` searches the communication knobs
+during the first steps (terrapipe.engine.autotune), ``--autotune-log-file`` logs its trials.
 
 Prints the mpiexec command it runs, forwards SIGINT/SIGTERM to the job, and exits with the exit
 code of the first rank that failed, naming it. Each rank runs under a small wrapper
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mpi", action="store_true", help="launch with mpiexec (the default)")
     p.add_argument("--timeline-filename", "--timeline", dest="timeline", default=None,
                    help="write a Chrome trace of the job's collectives to this file")
+    p.add_argument("--autotune", action="store_true",
+                   help="search bucket sizes and the ring's knobs during the first steps "
+                        "(TERRAPIPE_AUTOTUNE)")
+    p.add_argument("--autotune-log-file", default=None, help="a CSV row per autotune trial (rank 0)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return p
 
@@ -82,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         env["PYTHONPATH"] = os.pathsep.join(x for x in (compat, env.get("PYTHONPATH", "")) if x)
     if args.timeline:
         env["TERRAPIPE_TIMELINE"] = os.path.abspath(args.timeline)
+    if args.autotune or args.autotune_log_file:
+        env["TERRAPIPE_AUTOTUNE"] = "1"
+    if args.autotune_log_file:
+        env["TERRAPIPE_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
     status_dir = tempfile.mkdtemp(prefix="terrapipe-run-")
     env["TERRAPIPE_RUN_STATUS"] = status_dir
     if args.gloo:
@@ -91,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeline:
         from .. import timeline
 
-        timeline.merge(env["TERRAPIPE_TIMELINE"])
+        try:
+            n = timeline.merge(env["TERRAPIPE_TIMELINE"])
+            print(f"terrapipe run: timeline of {n} events in {env['TERRAPIPE_TIMELINE']} "
+                  f"(terrapipe timeline summary {args.timeline})", file=sys.stderr)
+        except ValueError as e:  # no rank recorded anything
+            print(f"terrapipe run: {e}", file=sys.stderr)
     return _summarize(status_dir, code)
 
 

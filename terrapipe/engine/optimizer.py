@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
 
-from .. import comm
+from .. import comm, timeline
+from ..ps.wrapper import WrappedOptimizer
+from .autotune import AutoTuner
 from .gradients import DistributedGradients
 
 __all__ = ["DistributedOptimizer"]
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(WrappedOptimizer):
     """Wrap ``optimizer`` (Horovod's DistributedOptimizer, TorchMPI's AllReduceSGD).
 
     Gradients of ``model`` are averaged during backward by a :class:`DistributedGradients`
     (``bucket_mb``, ``compression``, ``backward_passes_per_step``, ``backend``: "jit", "nccl" or
     "auto", see that class); ``step()`` waits for them,
-    then steps the wrapped optimizer. With ``backward_passes_per_step=k``, call ``step()`` after
+    then steps the wrapped optimizer. ``autotune=True`` (default: ``TERRAPIPE_AUTOTUNE`` set, as
+    ``terrapipe run --autotune`` does) searches the bucket sizes and the ring's knobs during the
+    first steps and caches the best (NOTE [autotune] in engine/autotune.py).
+    With ``backward_passes_per_step=k``, call ``step()`` after
     every k-th backward. ``zero_grad()`` while reductions are in flight raises.
 
     With a GradScaler (or anything else that reads gradients before the step), follow Horovod's
@@ -36,26 +42,31 @@ class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, bucket_mb: float = 25,
                  compression: str | None = None, backward_passes_per_step: int = 1,
                  first_bucket_mb: float = 1, op: str = "avg", group: comm.Group | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", autotune: bool | None = None) -> None:
         self.optimizer = optimizer
         self._skip_sync = False
         self.gradients = DistributedGradients(model, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                                               compression=compression, op=op,
                                               backward_passes_per_step=backward_passes_per_step,
                                               group=group, backend=backend)
+        if autotune is None:
+            autotune = os.environ.get("TERRAPIPE_AUTOTUNE", "") not in ("", "0")
+        tunable = autotune and self.gradients.group.size > 1
+        self.autotuner = AutoTuner(self.gradients) if tunable else None
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
+    records_step = True  # Engine leaves the "optimizer step" span to it (timeline_summary)
 
     def step(self, closure=None):
-        if not self._skip_sync and not self.gradients.synchronized:
-            self.gradients.synchronize()
-        return self.optimizer.step(closure)
+        if self._skip_sync:  # the caller's step (an AMP step) is the span: terrapipe/timeline_summary.py
+            out = self.optimizer.step(closure)
+        else:
+            with timeline.span("engine", "optimizer step"):
+                if not self.gradients.synchronized:
+                    self.gradients.synchronize()
+                out = self.optimizer.step(closure)
+        if self.autotuner is not None:
+            self.autotuner.after_step()
+        return out
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged across ranks (launching what backward did not)."""
@@ -76,12 +87,3 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.gradients.zero_grad(set_to_none)
         self.optimizer.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-    def __repr__(self) -> str:
-        return f"DistributedOptimizer({self.optimizer!r})"

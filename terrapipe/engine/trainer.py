@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import comm
+from .. import comm, timeline
 
 __all__ = ["Engine", "HOOKS", "CheckpointError"]
 
@@ -146,23 +146,32 @@ class Engine:
             self.model.train()
             sums = np.zeros(3)
             bar = self._bar(len(self.train_loader), f"epoch {epoch}")
+            timeline.instant("engine", f"epoch {epoch}")
             began = time.perf_counter()
-            for inputs, targets in self.train_loader:
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
+            batches = iter(self.train_loader)
+            while True:
+                with timeline.span("loader", "next batch"):
+                    batch = next(batches, None)
+                    if batch is None:
+                        break
+                    inputs, targets = batch[0].to(self.device), batch[1].to(self.device)
                 state.update(sample=(inputs, targets))
                 self._hook("on_batch", state)
                 self.optimizer.zero_grad()
-                output, loss = self._forward(inputs, targets)
+                with timeline.span("engine", "forward"):
+                    output, loss = self._forward(inputs, targets)
                 state.update(output=output, loss=loss)
                 self._hook("on_forward", state)
                 if self._scaler is not None:
-                    self._scaler.scale(loss).backward()
+                    with timeline.span("engine", "backward"):
+                        self._scaler.scale(loss).backward()
                     self._hook("on_backward", state)
-                    self._scaled_step()
+                    self._step(self._scaled_step)
                 else:
-                    loss.backward()
+                    with timeline.span("engine", "backward"):
+                        loss.backward()
                     self._hook("on_backward", state)
-                    self.optimizer.step()
+                    self._step(self.optimizer.step)
                 state["step"] += 1
                 self._hook("on_update", state)
                 self._accumulate(sums, loss, output, targets)
@@ -177,13 +186,24 @@ class Engine:
             if consolidate is not None:  # a terrapipe.ps mode: validate and save the consensus model
                 consolidate()
             if self.val_loader is not None:
-                metrics.update({f"val_{k}": v for k, v in self.test(self.val_loader).items()})
+                with timeline.span("engine", "validation"):
+                    metrics.update({f"val_{k}": v for k, v in self.test(self.val_loader).items()})
             self.history.append(metrics)
             state["metrics"] = metrics
             self._hook("on_epoch_end", state)
-            self.save_checkpoint(epoch)
+            with timeline.span("engine", "checkpoint"):
+                self.save_checkpoint(epoch)
         self._hook("on_end", state)
         return self.history
+
+    def _step(self, step: Callable[[], object]) -> None:
+        """One optimizer step, an "optimizer step" span on the timeline (where steps end for
+        ``terrapipe timeline summary``) unless the optimizer records its own."""
+        if getattr(self.optimizer, "records_step", False) and self._scaler is None:
+            step()
+            return
+        with timeline.span("engine", "optimizer step"):
+            step()
 
     def _scaled_step(self) -> None:
         """Average, then unscale, then step (Horovod's order): the scaler reads gradients no

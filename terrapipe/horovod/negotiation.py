@@ -189,11 +189,11 @@ class Coordinator:
         """Run one ready collective; a local error (bad input found late) fails only the entry.
         A comm error means the ranks are out of step: it propagates and ends the set."""
         if timeline.enabled() and entry is not None:
-            start = time.time()
-            timeline.record("comm", f"NEGOTIATE_{meta[0].upper()}", start - (time.monotonic() - entry.t0),
-                            start, entry.name)
+            start = timeline.now()
+            timeline.record("comm", f"NEGOTIATE_{meta[0].upper()}",
+                            start - int((time.monotonic() - entry.t0) * 1e9), start, entry.name)
             entry.callbacks.append(lambda e: timeline.record(
-                "comm", meta[0].upper(), start, time.time(), e.name,
+                "comm", meta[0].upper(), start, timeline.now(), e.name,
                 {"error": str(e.error)} if e.error is not None else None))
         try:
             result = self._runners[meta[0]](self.group, entry, meta)
@@ -231,7 +231,7 @@ class Coordinator:
         g = self.group
         head = pending[0]
         if timeline.marks_cycles():
-            timeline.instant("comm", "CYCLE_START", time.time(), self.label)
+            timeline.instant("comm", "CYCLE_START", lane=self.label)
         if g.size == 1:
             if head.name == JOIN:
                 self._retire(head, self.ranks[0])

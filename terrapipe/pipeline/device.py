@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import launch_env
+from .. import launch_env, timeline
 from ..kernels import image as kimage
 from .feed import Feed
 from .transforms import Plan
@@ -239,19 +239,24 @@ class DeviceFeed(Feed):
                 self.stream.wait_event(self.mark)
             out = self.dev_images[d][:count]
             src = self.host_images[slot][:count]
-            self.dev_labels[d][:count].copy_(self.host_labels[slot][:count], non_blocking=True)
-            if self.staging is None:
-                out.copy_(src, non_blocking=True)
-                self.host_free[slot].record(self.stream)
-            else:
-                staged = self.staging[:count]
-                staged.copy_(src, non_blocking=True)
-                self.host_free[slot].record(self.stream)
-                if self.norm:
-                    normalize_into(out, staged, self.mean, self.std,
-                                   None if self.work is None else self.work[:count])
+            # On the timeline: the host's time to queue the copy and the normalize kernels (the
+            # device runs them later on the side stream).
+            with timeline.span("loader", "host-to-device copy queued", args={"batch": batch}):
+                self.dev_labels[d][:count].copy_(self.host_labels[slot][:count], non_blocking=True)
+                if self.staging is None:
+                    out.copy_(src, non_blocking=True)
+                    self.host_free[slot].record(self.stream)
                 else:
-                    out.copy_(staged)  # layout change only (channels_last)
+                    staged = self.staging[:count]
+                    staged.copy_(src, non_blocking=True)
+                    self.host_free[slot].record(self.stream)
+            if self.staging is not None:
+                with timeline.span("loader", "device normalize queued", args={"batch": batch}):
+                    if self.norm:
+                        normalize_into(out, staged, self.mean, self.std,
+                                       None if self.work is None else self.work[:count])
+                    else:
+                        out.copy_(staged)  # layout change only (channels_last)
             self.copied[d].record(self.stream)
 
     def hand_out(self, batch: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

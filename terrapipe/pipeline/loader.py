@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .. import launch_env
+from .. import launch_env, timeline
 from ..kernels import image as kimage
 from . import decode, roi_jpeg
 from .device import DeviceFeed, resolve_device
@@ -242,7 +242,11 @@ class FastLoader:
 
     # -- per-sample work (pool threads) -------------------------------------------------------
     def _decode_into(self, index: int, out: np.ndarray, seed: int, epoch: int) -> int:
+        rec = timeline.enabled()  # read, decode, kernel on the timeline at one clock read each
+        t = timeline.now() if rec else 0
         payload, label = self.dataset.read(index)
+        if rec:
+            t = timeline.phase("loader", "read", t, {"index": index})
         plan = self.plan
         oh, ow = plan.out_hw
         # Each path gives the pixels ``arr`` holding [ox, ox + W) x [oy, oy + H) of an
@@ -263,6 +267,8 @@ class FastLoader:
                     region = dec.decode(plan.box(*size, seed, epoch, index), plan.out_hw)
             if region is not None:
                 arr, ox, oy, img_w, img_h, box = region
+                if rec:
+                    t = timeline.phase("loader", "decode region", t)
             else:
                 im = decode.open_image(payload)
                 w, h = im.size
@@ -270,6 +276,8 @@ class FastLoader:
                 arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
                 ox = oy = 0
                 img_h, img_w = arr.shape[:2]
+                if rec:
+                    t = timeline.phase("loader", "decode", t)
         if arr.shape[2] < plan.channels:
             raise ValueError(f"expected {plan.channels} channels, got image of shape {arr.shape}")
         if not arr.flags.c_contiguous:
@@ -278,6 +286,8 @@ class FastLoader:
         flip = plan.flip(seed, epoch, index)
         kimage.resize_crop_bilinear_region(arr, ox, oy, img_w, img_h, box[0], box[1], box[2], box[3], out,
                                            self._feed.lut, flip, *scratch)
+        if rec:
+            timeline.phase("loader", "kernel", t)
         return label
 
     def _fill(self, slot: int, row0: int, indices: np.ndarray, seed: int, epoch: int) -> None:
@@ -394,7 +404,8 @@ class _EpochIterator:
                 for f in futures:
                     f.result()  # re-raises a SampleError from a worker
 
-            images, labels = loader._feed.deliver(b, b % self._ring, self._rows(b), filled)
+            with timeline.span("loader", "wait batch", args={"batch": b}):
+                images, labels = loader._feed.deliver(b, b % self._ring, self._rows(b), filled)
             nxt = self._pending.get(b + 1)
             if nxt and all(f.done() and f.exception() is None for f in nxt):
                 loader._feed.copy_ahead(b + 1, (b + 1) % self._ring, self._rows(b + 1))
