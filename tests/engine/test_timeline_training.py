@@ -96,8 +96,8 @@ def test_training_trace_has_loader_comm_and_engine_rows_on_every_rank(mpi_comm):
 def test_ranks_share_one_clock_across_nodes(mpi_comm):
     """Two emulated nodes: comm.init measures each rank's offset to rank 0. Both run on this
     machine's one monotonic clock, so the measured offset must be within its own bound of 0;
-    and an instant each rank records as it leaves a barrier lands within the bounds plus the
-    barrier's exit spread (stated: 20 ms on a loaded two-core machine)."""
+    and instants each rank records as it leaves a barrier land within the bounds plus the
+    barrier's exit spread (stated: 20 ms on a loaded two-core machine) at least once in five."""
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"
     folder = Path(mpi_comm.bcast(tempfile.mkdtemp() if mpi_comm.rank == 0 else None))
     path = folder / "clock.json"
@@ -118,10 +118,14 @@ def test_ranks_share_one_clock_across_nodes(mpi_comm):
     if mpi_comm.rank == 0:
         timeline.merge(str(path))
         events = timeline.load(str(path))
+        gaps = []
         for k in range(5):
             ts = [e["ts"] for e in events if e.get("name") == f"mark {k}"]
             assert len(ts) == 2
-            assert abs(ts[0] - ts[1]) * 1000 <= sum(bounds) + 20_000_000
+            gaps.append(abs(ts[0] - ts[1]) * 1000)
+        # A clock offset would shift every mark; a rank descheduled after one barrier shifts
+        # only that one: the closest of the five must be within the bounds plus 20 ms.
+        assert min(gaps) <= sum(bounds) + 20_000_000, gaps
         import shutil
 
         shutil.rmtree(folder)
