@@ -66,7 +66,7 @@ class GlooTransport(Transport):
                 raise CommError(f"{what}: {text}") from e
             late = self._late_ranks()
             names = ", ".join(f"rank {r}" for r in late) or "no rank (every rank signed in)"
-            cause = f"timed out after {self.timeout:g}s" if timed_out else "a connection closed"
+            cause = f"Timed out after {self.timeout:g}s" if timed_out else "a connection closed"
             raise CollectiveTimeoutError(f"{what}: {cause} waiting for {names} (gloo): {text}", late) from e
 
     def _late_ranks(self) -> list[int]:

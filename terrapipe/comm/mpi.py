@@ -86,7 +86,7 @@ class MpiTransport(Transport):
                         pass  # a collective's request cannot be cancelled; it is abandoned
                 late, why = hint if died else self._late_ranks(peer)
                 names = ", ".join(f"rank {r}" for r in late)
-                cause = "a peer died" if died else f"timed out after {self.timeout:g}s"
+                cause = "a peer died" if died else f"Timed out after {self.timeout:g}s"
                 raise CollectiveTimeoutError(f"{what}: {cause} in MPI waiting for {names} ({why})", late)
 
     def _late_ranks(self, peer: int | None) -> tuple[list[int], str]:

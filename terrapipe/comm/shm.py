@@ -215,7 +215,7 @@ class Board:
             if time.monotonic() - start > timeout:
                 names = ", ".join(f"rank {self.ranks[q]}" for q in late)
                 raise CollectiveTimeoutError(
-                    f"{what}: timed out after {timeout:g}s waiting for {names}",
+                    f"{what}: Timed out after {timeout:g}s waiting for {names}",
                     [self.ranks[q] for q in late])
 
     def sigs(self, step: int) -> np.ndarray:

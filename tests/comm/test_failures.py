@@ -87,5 +87,5 @@ def test_board_names_a_dead_peer_without_waiting_for_the_timeout():
         peers[0].barrier(timeout=60, what="allreduce")
     assert e.value.ranks == [11] and time.monotonic() - start < 10
     peers[1].pids[1] = os.getpid()  # alive but absent: a timeout naming it
-    with pytest.raises(CollectiveTimeoutError, match="timed out after 0.2s waiting for rank 11"):
+    with pytest.raises(CollectiveTimeoutError, match="Timed out after 0.2s waiting for rank 11"):
         peers[0].wait(peers[0].step, timeout=0.2, what="allreduce")
