@@ -385,13 +385,19 @@ def _read_part(part: str) -> list[dict]:
     return out
 
 
+def _parts(path: str) -> list[str]:
+    """The ranks' part files ``<path>.rank<r>``, in rank order (not ``.tmp`` leftovers)."""
+    prefix = len(path) + len(".rank")
+    parts = [p for p in glob.glob(glob.escape(path) + ".rank*") if p[prefix:].isdigit()]
+    return sorted(parts, key=lambda p: int(p[prefix:]))
+
+
 def merge(path: str) -> int:
     """Join the ranks' parts ``<path>.rank*`` into ``path`` (one JSON array, ranks in order) and
     remove them; returns the number of events. No parts: ValueError naming ``path``."""
-    parts = [p for p in glob.glob(glob.escape(path) + ".rank*") if p[len(path) + 5:].isdigit()]
+    parts = _parts(path)
     if not parts:
         raise ValueError(f"timeline.merge: no parts {path}.rank<r> to merge")
-    parts.sort(key=lambda p: int(p[len(path) + 5:]))
     events = [e for part in parts for e in _read_part(part)]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -407,8 +413,8 @@ def merge(path: str) -> int:
 def load(path: str) -> list[dict]:
     """The events of trace ``path``: a merged file (a JSON array, or an object with
     ``traceEvents``), or, when only the parts exist, the parts."""
-    if not os.path.exists(path) and glob.glob(glob.escape(path) + ".rank*"):
-        parts = sorted(p for p in glob.glob(glob.escape(path) + ".rank*") if p[len(path) + 5:].isdigit())
+    parts = _parts(path)
+    if not os.path.exists(path) and parts:
         return [e for part in parts for e in _read_part(part)]
     with open(path) as f:
         data = json.load(f)

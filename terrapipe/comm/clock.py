@@ -9,6 +9,8 @@ never meets a collective's messages.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .. import timeline
@@ -45,8 +47,6 @@ def align(group) -> tuple[int, int]:
                 send(buf, 0)
                 recv(buf, 0)
                 return int(buf[0])
-
-            import time
 
             offset, bound = timeline.estimate_offset(exchange, ROUNDS, time.monotonic_ns)
     finally:

@@ -128,8 +128,8 @@ def cache_path() -> str:
 
 class AutoTuner:
     """Tunes a :class:`DistributedGradients` and its group while training runs; call
-    :meth:`after_step` after every ``optimizer.step()`` (DistributedOptimizer does). ``trials``:
-    (configuration, score in seconds) in the order measured; ``config``: the one in use."""
+    :meth:`after_step` after every ``optimizer.step()`` (DistributedOptimizer does). ``config``:
+    the configuration in use."""
 
     def __init__(self, gradients, space: Mapping[str, Sequence[float]] | None = None, warmup: int = 1,
                  steps: int = 4, passes: int = 1, cache: str | None = None) -> None:
@@ -148,7 +148,7 @@ class AutoTuner:
                 space.pop(k, None)
         self.space = space
         self.key = self._cache_key()
-        self.trials: list[tuple[dict[str, float], float]] = []
+        self.search: CoordinateSearch | None = None
         self.done = False
         self._samples: list[float] = []
         self._last: float | None = None
@@ -162,6 +162,11 @@ class AutoTuner:
         self.search = CoordinateSearch(space, self.current(), passes)
         self.config = self.search.next()
         self._apply(self.config)
+
+    @property
+    def trials(self) -> list[tuple[dict[str, float], float]]:
+        """(configuration, score in seconds) in the order measured; none when the cache answered."""
+        return self.search.trials if self.search is not None else []
 
     # -- the knobs ---------------------------------------------------------------------------
     def current(self) -> dict[str, float]:
@@ -194,7 +199,6 @@ class AutoTuner:
         local = statistics.median(self._samples[self.warmup:])
         score = float(comm.allreduce(np.array([local]), "max", group=self.group)[0])
         self.search.report(self.config, score)
-        self.trials.append((dict(self.config), score))
         self._log_trial(self.config, score)
         nxt = self.search.next()
         if nxt is None:
