@@ -5,20 +5,23 @@
 Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
 ``--max-mib``), interleaved, each round starting with the next case, each operand refilled
 (through NumPy) right before its sample: ``comm.jit_allreduce`` of a gradient bucket (a torch
-tensor over the memory DistributedGradients allocates for its buckets: NumPy's, 2 MiB
-pages) and of a plain ``torch.ones`` tensor (PyTorch's allocator, 4 KiB pages unless
-THP_MEM_ALLOC_ENABLE=1), ``comm.allreduce`` (NumPy array), our chunked ring over MPI point-to-point (the path
-``comm.allreduce`` takes between nodes and under ``backend="mpi"`` from 1 MiB),
-``MPI.COMM_WORLD.Allreduce`` in place, and ``torch.distributed.all_reduce`` over Gloo, all
-summing in place. A sample is the slowest rank's time for a batch of calls. Reported: median
-algbw (bytes / time) and busbw (algbw x 2(p-1)/p), next to this machine's single-thread
-memory-copy bandwidth (bytes copied per second, np.copyto of 64 MiB) measured in the same run.
+tensor in the node-shared array DistributedGradients allocates its buckets in, reduced in place:
+NOTE [shared arrays] in comm/shm.py), of a private bucket (NumPy's memory, 2 MiB pages: the
+buckets where there is no shared memory) and of a plain ``torch.ones`` tensor (PyTorch's
+allocator, 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1), ``comm.allreduce`` (NumPy array), our
+chunked ring over MPI point-to-point (the path ``comm.allreduce`` takes between nodes and under
+``backend="mpi"`` from 1 MiB), ``MPI.COMM_WORLD.Allreduce`` in place, and
+``torch.distributed.all_reduce`` over Gloo, all summing in place. A sample is the slowest rank's
+time for a batch of calls. Reported: median algbw (bytes / time) and busbw (algbw x 2(p-1)/p),
+next to this machine's single-thread memory-copy bandwidth (bytes copied per second, np.copyto of
+64 MiB) measured in the same run.
 
-``--algorithms`` times instead each path ``comm.allreduce`` can take on one node, forced, with
-the signature agreement every collective pays: the shared-memory one-shot (up to its limit), the
-chunked shared-memory allreduce, MPI's own allreduce and our ring (both through the MPI
-transport), against MPICH's ``Allreduce`` and ``comm.allreduce`` itself; it prints the fastest
-path per size, which is what NOTE [transport selection] in comm/group.py encodes.
+``--algorithms`` times instead each path ``comm.allreduce`` can take on one node, forced, with the
+signature agreement every collective pays: the shared-memory one-shot (up to its limit), the
+chunked shared-memory allreduce, the in-place one over a shared array (from beyond the one-shot),
+MPI's own allreduce and our ring (both through the MPI transport), against MPICH's ``Allreduce``
+and ``comm.allreduce`` itself; it prints the fastest path per size, which is what NOTE [transport
+selection] in comm/group.py encodes.
 """
 
 from __future__ import annotations
@@ -31,14 +34,15 @@ import numpy as np
 
 from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
-CASES = ("jit_allreduce", "jit (torch.ones)", "comm.allreduce", "ring over MPI", "mpi Allreduce",
-         "gloo all_reduce")
-ALGORITHMS = ("shm one-shot", "shm chunked", "mpi transport: MPI's own", "comm.allreduce",
+CASES = ("jit_allreduce", "jit (private bucket)", "jit (torch.ones)", "comm.allreduce", "ring over MPI",
+         "mpi Allreduce", "gloo all_reduce")
+ALGORITHMS = ("shm one-shot", "shm chunked", "shm shared array", "mpi transport: MPI's own", "comm.allreduce",
               "mpi transport: ring", "mpi Allreduce")
 
 
-def _algorithm_cases(a: np.ndarray, mpi, MPI) -> dict:
-    """Each path comm.allreduce can take for ``a`` (float32 sum in place), forced."""
+def _algorithm_cases(a: np.ndarray, shared: np.ndarray | None, mpi, MPI) -> dict:
+    """Each path comm.allreduce can take for ``a`` (float32 sum in place), forced; ``shared``:
+    an array as long as ``a`` in the node's shared array, or None."""
     import terrapipe.comm as comm
     from terrapipe.comm.buffers import Buffer
     from terrapipe.comm.transport import Fused
@@ -61,6 +65,8 @@ def _algorithm_cases(a: np.ndarray, mpi, MPI) -> dict:
         oneshot = g.shm.oneshot_plan(a.dtype, SUM, 0, "allreduce", sig, check)
         cases["shm one-shot"] = lambda: oneshot(a, a)
     cases["shm chunked"] = agreed(lambda: g.shm.allreduce(fused, fused, SUM, a.dtype, 0))
+    if shared is not None and a.nbytes > g.shm.small_bytes:  # smaller ones take the one-shot
+        cases["shm shared array"] = lambda: comm.allreduce(shared, "sum")
     cases["mpi transport: MPI's own"] = agreed(lambda: g.mpi.allreduce_array(a, SUM, 0, "x", ring=False))
     cases["comm.allreduce"] = lambda: comm.allreduce(a, "sum")
     cases["mpi transport: ring"] = agreed(lambda: g.mpi.allreduce_array(a, SUM, 0, "x", ring=True))
@@ -97,6 +103,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     while b <= max_mib << 20:
         sizes.append(b)
         b *= 2 if algorithms else 4  # crossovers need the finer sweep
+    region = comm.world().shared_array(sizes[-1])  # where DistributedGradients puts its buckets
     copy_src = np.ones(64 << 18, np.float32)  # 64 MiB
     copy_dst = np.empty_like(copy_src)
     copies = []
@@ -104,11 +111,13 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     for nbytes in sizes:
         n = nbytes // 4
         t = torch.ones(n)
-        bucket = bucket_buffer(n, torch.float32, torch.device("cpu")).fill_(1.0)
+        private = bucket_buffer(n, torch.float32, torch.device("cpu")).fill_(1.0)
+        bucket = private if region is None else torch.from_numpy(region[:nbytes]).view(torch.float32)
         a = np.ones(n, np.float32)
         reps = max(1, min(200, (8 << 20) // nbytes))
         fns = {
             "jit_allreduce": lambda b=bucket: comm.jit_allreduce(b, op="sum"),
+            "jit (private bucket)": lambda b=private: comm.jit_allreduce(b, op="sum"),
             "jit (torch.ones)": lambda t=t: comm.jit_allreduce(t, op="sum"),
             "comm.allreduce": lambda a=a: comm.allreduce(a, "sum"),
             "ring over MPI": lambda a=a: ring_allreduce(ring_comm, a, SUM, 0,
@@ -118,9 +127,12 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
         }
         # The buffer each case reduces: refilled right before its sample, so that no case starts
         # with its data hotter in cache than another's.
-        operand = {"jit_allreduce": bucket, "jit (torch.ones)": t, "gloo all_reduce": t}
+        operand = {"jit_allreduce": bucket, "jit (private bucket)": private, "jit (torch.ones)": t,
+                   "gloo all_reduce": t}
         if algorithms:
-            fns = _algorithm_cases(a, mpi, MPI)
+            shared = None if region is None else region[:nbytes].view(np.float32)
+            fns = _algorithm_cases(a, shared, mpi, MPI)
+            operand = {"shm shared array": shared}
         for fn in fns.values():
             fn()  # warm-up (compilation, connections, page faults)
         names = list(fns)

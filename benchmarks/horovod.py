@@ -10,7 +10,8 @@ thread per rank (2 cores here). Cases, each ``--steps`` steps per round, interle
 ``engine`` (terrapipe.engine.DistributedOptimizer), ``horovod`` (terrapipe.horovod's
 DistributedOptimizer: the same buckets, issued through Horovod's name negotiation), ``ddp``
 (DistributedDataParallel over Gloo). A sample is the slowest rank's mean step time. Reported:
-medians and the ratios horovod/engine and horovod/ddp (img/s; > 1 is faster).
+medians and the ratios horovod/engine and horovod/ddp (img/s; > 1 is faster), of the medians and
+as the median of each round's ratio (drift between rounds cancels out of those).
 """
 
 from __future__ import annotations
@@ -103,9 +104,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.steps} steps")
     print(format_table(["case", "img/s per rank", "img/s total", "ms/step"], rows))
     ratios = {"horovod/engine": med["horovod"] / med["engine"], "horovod/ddp": med["horovod"] / med["ddp"]}
-    print("  ".join(f"{k}: {v:.3f}" for k, v in ratios.items()))
+    t = data["samples"]  # per round: the same round's step times, so drift between rounds cancels
+    paired = {f"horovod/{c}": statistics.median(o / h for h, o in zip(t["horovod"], t[c], strict=True))
+              for c in ("engine", "ddp")}
+    print("of the medians:", "  ".join(f"{k}: {v:.3f}" for k, v in ratios.items()))
+    print("median of the rounds' ratios:", "  ".join(f"{k}: {v:.3f}" for k, v in paired.items()))
     result = {"ranks": data["p"], "params": data["params"], "img_per_s_per_rank_median": med,
-              "samples_s": data["samples"], "ratios": ratios}
+              "samples_s": data["samples"], "ratios": ratios, "ratios_per_round_median": paired}
 
     def plot():
         import matplotlib.pyplot as plt

@@ -8,7 +8,8 @@ torch thread per rank. Each round runs ``--steps`` SGD steps of each case, inter
 ``none`` (local steps, no communication: the floor), ``terrapipe`` (DistributedOptimizer, 25 MB
 buckets averaged during backward), ``ddp`` (DistributedDataParallel over Gloo, default 25 MB
 buckets). A sample is the slowest rank's mean step time. Reported: median step time, img/s, and
-the communication overhead fraction (t - t_none) / t.
+the communication overhead fraction (t - t_none) / t, of the medians and per round (each case
+against the same round's ``none``), and the median over rounds of terrapipe's overhead over DDP's.
 
     python -m benchmarks.train -n 2 --timeline
 
@@ -286,6 +287,12 @@ def _report_autotune(data: dict, args) -> None:
         print(f"wrote {f}")
 
 
+def _paired_overheads(samples: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each case's overhead (t - t_none) / t within each round, against that round's ``none``:
+    the machine's drift between rounds (other jobs, clock) cancels out of the ratio."""
+    return {c: [(t - b) / t for t, b in zip(v, samples["none"], strict=True)] for c, v in samples.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", type=int, default=2)
@@ -312,16 +319,24 @@ def main(argv: list[str] | None = None) -> None:
         _report_autotune(data, args)
         return
     med = {c: statistics.median(v) for c, v in data["samples"].items()}
+    paired = _paired_overheads(data["samples"])
     rows = []
     for c in CASES:
         s = data["samples"][c]
         overhead = (med[c] - med["none"]) / med[c]
         rows.append([c, f"{1e3 * med[c]:.1f}", f"{1e3 * min(s):.1f}", f"{1e3 * max(s):.1f}",
-                     f"{64 * data['p'] / med[c]:.0f}", f"{100 * overhead:.0f}%" if c != "none" else "-"])
+                     f"{64 * data['p'] / med[c]:.0f}", f"{100 * overhead:.0f}%" if c != "none" else "-",
+                     f"{100 * statistics.median(paired[c]):.0f}%" if c != "none" else "-"])
     print(f"\n{data['p']} ranks, MLP with {data['params'] / 1e6:.1f}M parameters, batch 64 per rank, "
           f"median of {args.rounds} interleaved rounds x {args.steps} steps")
-    print(format_table(["case", "ms/step", "min", "max", "img/s (all ranks)", "comm overhead"], rows))
-    result = {"ranks": data["p"], "params": data["params"], "median_s": med, "samples_s": data["samples"]}
+    print(format_table(["case", "ms/step", "min", "max", "img/s (all ranks)", "comm overhead",
+                        "per round"], rows))
+    ratios = [t / d for t, d in zip(paired["terrapipe"], paired["ddp"], strict=True) if d > 0]
+    ratio = statistics.median(ratios) if ratios else float("nan")
+    print(f"terrapipe's overhead / DDP's: {ratio:.2f} (median of the {len(ratios)} rounds' ratios; "
+          f"target <= 0.5)")
+    result = {"ranks": data["p"], "params": data["params"], "median_s": med, "samples_s": data["samples"],
+              "overhead_ratio_per_round_median": ratio}
 
     def plot():
         import matplotlib.pyplot as plt

@@ -55,7 +55,10 @@ __all__ = ["Group", "Handle", "NO_GATE"]
 
 _COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "reduce": 5,
          "gather": 6, "scatter": 7, "barrier": 8, "jit_allreduce": 9,
-         "nccl_allreduce": 10, "nccl_broadcast": 11, "nccl_allgather": 12}
+         "nccl_allreduce": 10, "nccl_broadcast": 11, "nccl_allgather": 12, "shared_array": 13}
+# Signature words: 0 collective, 1 op, 2 dtype, 3 root, 4 elements, 5 dims, then the dims up to
+# _SHARED_WORD, where a shared array's (segment, byte offset) go (NOTE [shared arrays] 2 in shm.py).
+_SHARED_WORD = SIG_WORDS - 2
 _CODE_DTYPE = {v: k for k, v in DTYPE_CODES.items()}
 _CODE_OP = {v: k for k, v in kreduce.OPS.items()}
 
@@ -120,7 +123,6 @@ class Group:
         self.shm = ShmTransport(node, self.rank, self.size, node.allgather(self.rank), self.timeout,
                                 cross_mpi)
         self.shm.board.progress = self.mpi.progress  # NOTE [MPI progress] 4 in ring.py
-        node.Free()
         if cross_mpi is None:
             cross.Free()
         self.control = self.shm
@@ -234,7 +236,7 @@ class Group:
             if t is not None and (healthy or t is self.gloo):
                 t.close()
         if self.shm is not None:
-            self.shm.close()
+            self.shm.close(healthy)  # frees its node communicator
         self.shm = self.mpi = self._cross = self.gloo = self.control = None
         self.staging_pool = None
         if self.nccl:
@@ -322,7 +324,7 @@ class Group:
         sig[0], sig[1], sig[3] = _COLL[coll], op, root
         if dtype_name is not None:
             sig[2], sig[4], sig[5] = DTYPE_CODES[dtype_name], size, len(shape)
-            dims = list(shape)[:SIG_WORDS - 6]
+            dims = list(shape)[:_SHARED_WORD - 6]
             sig[6:6 + len(dims)] = dims
         sig.flags.writeable = False
         return sig
@@ -355,6 +357,10 @@ class Group:
                 parts.append(f"op={_CODE_OP.get(int(s[1]), s[1])}")
             if s[3] >= 0:
                 parts.append(f"root={int(s[3])}")
+            if s[_SHARED_WORD]:
+                parts.append(f"in shared array {int(s[_SHARED_WORD])} at byte {int(s[_SHARED_WORD + 1])}")
+            elif coll in ("allreduce", "jit_allreduce") and (sigs[:, _SHARED_WORD] != 0).any():
+                parts.append("in private memory")
             return " ".join(parts)
 
         lines = "; ".join(f"rank {r}: {desc(s)}" for r, s in zip(ranks, sigs, strict=True))
@@ -419,8 +425,64 @@ class Group:
                 fd.write(0, dst)
             gate.wrote(fs.n)
             return
+        where = self._shared_location(fs, fd, ckind, gate)
+        if where is not None:  # NOTE [shared arrays] in shm.py
+            sig = self._signature(coll, op, sig_buf).copy()
+            sig[_SHARED_WORD:_SHARED_WORD + 2] = where
+            with timeline.span("comm", "agreement"):
+                self.control.agree(coll, sig, functools.partial(self._mismatch, coll))
+            self.shm.allreduce_shared(where[0], where[1], fs.n, op, rows_dtype, rkind)
+            return
         self.agree(coll, op, sig_buf)
         self._route("allreduce", gate).allreduce(fs, fd, op, rows_dtype, rkind, ckind, gate=gate)
+
+    def _shared_location(self, fs: Fused, fd: Fused, ckind: int, gate) -> tuple[int, int] | None:
+        """(segment, byte offset) when this allreduce takes the in-place path through a shared
+        array (NOTE [shared arrays] 2 in shm.py), else None."""
+        if self.shm is None or ckind or gate is not NO_GATE or self.gloo is not None:
+            return None
+        src = fs.only()
+        if src is None or fd.only() is None or fd.only().ctypes.data != src.ctypes.data:
+            return None
+        where = self.shm.locate(src)
+        return where if where is not None and where[1] % src.itemsize == 0 else None
+
+    def shared_array(self, nbytes: int) -> np.ndarray | None:
+        """A flat uint8 array of ``nbytes`` in this node's shared memory (NOTE [shared arrays]
+        in shm.py): an allreduce of a piece of it that every rank passes alike is reduced in place
+        with nothing copied in. Collective over the group, in issue order, with the same
+        ``nbytes`` on every rank (CollectiveMismatchError otherwise). None where the group cannot
+        use it (one rank, Gloo, TERRAPIPE_COMM_BACKEND=mpi, nodes of unequal size) or when the
+        node's /dev/shm cannot hold it. The caller owns the array; :meth:`release_shared`
+        returns it to private use."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"shared_array: nbytes must be >= 0, got {nbytes}")
+        if self.size == 1 or self.shm is None or self.force_mpi or not self.uniform:
+            return None
+
+        def body():
+            self.agree("shared_array", 0, _Bytes(nbytes))
+            try:
+                arr = self.shm.alloc_shared(nbytes)
+            except OSError:  # raised alike on every rank of the node
+                arr = None
+            if self.nnodes > 1 and self.comm is not None:  # every node must agree on the path
+                from mpi4py import MPI
+
+                if not self.comm.allreduce(arr is not None, op=MPI.LAND) and arr is not None:
+                    self.shm.release_shared(arr)
+                    arr = None
+            return arr
+
+        return self.run(body, False)
+
+    def release_shared(self, arr: np.ndarray) -> None:
+        """Return an array of :meth:`shared_array` to private use: allreduces of it take the
+        ordinary paths from now on (every rank must release alike). Its memory goes when the last
+        view of it does. Local; runs after the collectives issued before it."""
+        if self.shm is not None:
+            self.run(lambda: self.shm.release_shared(arr), False)
 
     def allreduce_small(self, x: np.ndarray, op: int, coll: str = "allreduce", ckind: int = 0,
                         sig_shape: tuple | None = None) -> bool:
@@ -535,6 +597,16 @@ class Group:
 
 
 _handle_ids = itertools.count(1)
+
+
+class _Bytes:
+    """A byte count as the signature agreement sees a buffer."""
+
+    dtype_name = "uint8"
+
+    def __init__(self, nbytes: int) -> None:
+        self.size = nbytes
+        self.shape = (nbytes,)
 
 
 def _traced(fn, label: tuple[str, int]):

@@ -46,6 +46,7 @@ from .. import launch_env
 from ..comm import allgather as _allgather
 from ..comm import allreduce as _allreduce
 from ..comm import broadcast as _broadcast
+from ..comm import jit_allreduce as _jit_allreduce
 from ..comm import reduce as _reduce
 from ..comm import reduce_scatter as _reduce_scatter
 from ..comm.group import Group, Handle
@@ -114,6 +115,17 @@ def _as_handle(value) -> Handle:
     f: Future = Future()
     f.set_result(value)
     return Handle(f)
+
+
+def _fusable(small: Sequence[torch.Tensor], large: Sequence[torch.Tensor], p: int) -> bool:
+    """Pairs that one collective can carry: every tensor of one dtype on the host, each of
+    ``large`` ``p`` times the elements of its partner in ``small``."""
+    if not small or len(small) != len(large):
+        return False
+    dtype = small[0].dtype
+    return all(s.dtype == dtype and b.dtype == dtype and not s.is_cuda and not b.is_cuda
+               and s.is_contiguous() and b.is_contiguous()
+               and b.numel() == p * s.numel() for s, b in zip(small, large, strict=True))
 
 
 def _async(opts) -> bool:
@@ -217,8 +229,19 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
         return self._chain(handles, lambda: list(tensors))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        """One fused collective per dtype for host tensors (``jit_allreduce``: one agreement,
+        the tensors reduced as one buffer, in place); what ``dist._coalescing_manager`` and
+        ``all_reduce_coalesced`` call."""
         opts = opts if opts is not None else c10d.AllreduceCoalescedOptions()
-        return self.allreduce(tensors, opts)
+        op, factor = _op_of(opts.reduceOp)
+        if (op is None or not self._ours(tensors, _REDUCIBLE) or not tensors
+                or any(t.is_cuda for t in tensors)):
+            return self.allreduce(tensors, opts)
+        if factor is not None:
+            for t in tensors:
+                t.mul_(factor)
+        h = _jit_allreduce(list(tensors), op, async_op=_async(opts), group=self._group)
+        return self._chain([h], lambda: list(tensors))
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else c10d.BroadcastOptions()
@@ -268,9 +291,25 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        """Inputs of one dtype: one allgather of their concatenation, cut back into each output
+        (``(size * n_i)`` each); otherwise one call per pair."""
         opts = opts if opts is not None else c10d.AllgatherOptions()
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._all_of(works, outputs)
+        p = self.size()
+        if not (_fusable(inputs, outputs, p) and self._ours([*inputs, *outputs])):
+            works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+            return self._all_of(works, outputs)
+        fused = torch.cat([i.reshape(-1) for i in inputs])
+        h = _as_handle(_allgather(fused, async_op=_async(opts), group=self._group))
+
+        def finish():
+            rows = h.wait().reshape(p, -1)
+            o = 0
+            for out, i in zip(outputs, inputs, strict=True):
+                out.view(p, -1).copy_(rows[:, o:o + i.numel()])
+                o += i.numel()
+            return outputs
+
+        return self._chain([h], finish)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -313,9 +352,29 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
+        """Pairs of one dtype: one reduce-scatter of the inputs side by side (rank r's parts of
+        every input in row r), cut back into each output; otherwise one call per pair."""
         opts = opts if opts is not None else c10d.ReduceScatterOptions()
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return self._all_of(works, outputs)
+        op, factor = _op_of(opts.reduceOp)
+        p = self.size()
+        if (op is None or not _fusable(outputs, inputs, p)
+                or not self._ours([*inputs, *outputs], _REDUCIBLE)):
+            works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+            return self._all_of(works, outputs)
+        fused = torch.cat([i.reshape(p, -1) for i in inputs], dim=1).reshape(-1)
+        if factor is not None:
+            fused.mul_(factor)
+        h = _as_handle(_reduce_scatter(fused, op, async_op=_async(opts), group=self._group))
+
+        def finish():
+            mine = h.wait().reshape(-1)
+            o = 0
+            for out in outputs:
+                out.view(-1).copy_(mine[o:o + out.numel()])
+                o += out.numel()
+            return outputs
+
+        return self._chain([h], finish)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

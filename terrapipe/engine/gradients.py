@@ -1,13 +1,19 @@
 """Bucketed gradient averaging overlapped with backward.
 
 NOTE [bucket launch order]
-    Parameters are bucketed in reverse registration order (roughly the order backward produces
-    their gradients). A bucket is reduced (an async ``jit_allreduce``, in place on the ``.grad``
-    tensors) as soon as it and every bucket before it are complete, so all ranks issue the same
-    collectives in the same order even when one rank's backward skips a parameter: such a bucket,
-    and all after it, are launched by ``synchronize()``, where missing gradients become zeros.
-    Until ``synchronize()`` returns, the ``.grad`` tensors of launched buckets belong to the
-    reduction; ``zero_grad()`` in that window raises.
+    1. Parameters are first bucketed in reverse registration order (roughly the order backward
+       produces their gradients). During the first backward the order the gradients actually
+       arrive in is recorded; at the end of the first ``synchronize()`` rank 0's order is
+       broadcast and, where it differs, the buckets are cut again along it (as DDP rebuilds its
+       buckets after the first iteration). Otherwise a bucket holding one late parameter (a
+       first layer's bias registered beside the second layer) waits for the end of backward,
+       and with it every bucket after it. Parameters without a gradient on rank 0 go last.
+    2. A bucket is reduced (an async ``jit_allreduce``, in place on the ``.grad`` tensors) as
+       soon as it and every bucket before it are complete, so all ranks issue the same
+       collectives in the same order even when one rank's backward skips a parameter: such a
+       bucket, and all after it, are launched by ``synchronize()``, where missing gradients
+       become zeros. Until ``synchronize()`` returns, the ``.grad`` tensors of launched buckets
+       belong to the reduction; ``zero_grad()`` in that window raises.
 
 NOTE [gradients as bucket views]
     1. Each bucket owns one flat buffer (host buffers come from NumPy's allocator, which asks the
@@ -21,6 +27,12 @@ NOTE [gradients as bucket views]
        back at the view (one copy while the gradient is hot in cache).
     3. Not for the NCCL backend with compression: its bucket travels in 16 bits, so gradients are
        copied into (and back out of) a separate 16-bit device buffer.
+    4. Host buckets of a group with shared memory live in one node-shared array
+       (``Group.shared_array``; NOTE [shared arrays] in comm/shm.py), so each bucket's
+       allreduce reads the peers' gradients where backward wrote them: about 2.5 bytes moved
+       per gradient byte instead of 5.5. Made collectively with the buckets (construction and
+       :meth:`rebucket`); where the group has no shared memory, or /dev/shm is full, the
+       buckets are private NumPy buffers as in 1.
 """
 
 from __future__ import annotations
@@ -89,11 +101,15 @@ class DistributedGradients:
             backend = "nccl" if on_cuda and nccl.wanted(self.group) else "jit"
         self.backend = backend
         self._params = params
+        self._shared = None  # the node-shared array holding the buckets, if any
         self.sized = buckets is None  # buckets cut by size (rebucket() may cut them again)
         self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        # NOTE [bucket launch order] 1: the launch order, and the first backward's arrivals
+        self._order = list(reversed(params))
+        self._arrived: list[int] | None = [] if self.sized else None
         # NOTE [gradients as bucket views]
         self.as_views = not (backend == "nccl" and compression)
-        self._set_buckets(_size_buckets(params, first_bucket_mb, bucket_mb) if buckets is None
+        self._set_buckets(_size_buckets(self._order, first_bucket_mb, bucket_mb) if buckets is None
                           else _explicit_buckets(buckets, params))
         self._counts = {id(p): 0 for p in params}
         self._next = 0  # first bucket not yet launched
@@ -110,9 +126,11 @@ class DistributedGradients:
         self._views: dict[int, torch.Tensor] = {}
         self._bucket_flats: list[torch.Tensor] = []
         if self.as_views:
-            for bucket in buckets:
-                flat = bucket_buffer(sum(p.numel() for p in bucket), bucket[0].dtype, bucket[0].device)
-                self._bucket_flats.append(flat)
+            self._release_shared()
+            self._bucket_flats = self._shared_flats(buckets) or [
+                bucket_buffer(sum(p.numel() for p in bucket), bucket[0].dtype, bucket[0].device)
+                for bucket in buckets]
+            for bucket, flat in zip(buckets, self._bucket_flats, strict=True):
                 o = 0
                 for p in bucket:
                     view = flat[o:o + p.numel()].view_as(p)
@@ -124,6 +142,32 @@ class DistributedGradients:
         self._bucket_of = {id(p): b for b, bucket in enumerate(buckets) for p in bucket}
         self._ready = [0] * len(buckets)
         self._wire_flats: dict[int, torch.Tensor] = {}  # NCCL + compression: 16-bit buffers, made once
+
+    def _shared_flats(self, buckets: list[list[torch.nn.Parameter]]) -> list[torch.Tensor] | None:
+        """Every bucket's flat buffer in one node-shared array (NOTE [gradients as bucket views]
+        4), or None where there is none. Collective over the group."""
+        if self.backend != "jit" or buckets[0][0].device.type != "cpu":
+            return None
+        sizes = [sum(p.numel() for p in b) * b[0].element_size() for b in buckets]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + -(-n // 64) * 64)  # each bucket on its own cache lines
+        region = self.group.shared_array(starts[-1])
+        if region is None:
+            return None
+        self._shared = region
+        return [torch.from_numpy(region[o:o + n]).view(b[0].dtype)
+                for o, n, b in zip(starts, sizes, buckets, strict=False)]
+
+    def _release_shared(self) -> None:
+        if self._shared is not None:
+            self.group.release_shared(self._shared)
+            self._shared = None
+
+    @property
+    def shared(self) -> bool:
+        """Whether the buckets live in node-shared memory (NOTE [gradients as bucket views] 4)."""
+        return self._shared is not None
 
     def rebucket(self, bucket_mb: float, first_bucket_mb: float) -> None:
         """Cut the buckets again by size (the autotuner does, between steps). Gradients present
@@ -138,7 +182,7 @@ class DistributedGradients:
             raise RuntimeError("rebucket() while gradient reductions are in flight or a step is half "
                                "done: call it after optimizer.step()")
         self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
-        self._set_buckets(_size_buckets(self._params, first_bucket_mb, bucket_mb))
+        self._set_buckets(_size_buckets(self._order, first_bucket_mb, bucket_mb))
 
     # -- hooks -------------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -155,6 +199,8 @@ class DistributedGradients:
                 view.copy_(p.grad)
                 p.grad = view
         self.synchronized = False
+        if self._arrived is not None and self._counts[key] == 0:
+            self._arrived.append(key)
         self._counts[key] += 1
         if self._counts[key] == self.passes_per_step:
             b = self._bucket_of[key]
@@ -192,6 +238,12 @@ class DistributedGradients:
             return comm.allreduce(flat, op=self.op, async_op=True, group=self.group)
         return comm.jit_allreduce(flat, op=self.op, compression=self.compression, async_op=True,
                                   group=self.group)
+
+    def _broadcast_order(self, order: np.ndarray) -> np.ndarray:
+        """Rank 0's ``order`` (int64, one index per parameter) on every rank (subclasses send it
+        elsewhere: terrapipe.horovod's negotiation)."""
+        comm.broadcast(order, root=0, group=self.group)
+        return order
 
     def _too_many_passes(self) -> None:
         raise RuntimeError("a parameter's gradient was computed more than backward_passes_per_step="
@@ -232,6 +284,22 @@ class DistributedGradients:
         self._ready = [0] * len(self.buckets)
         for k in self._counts:
             self._counts[k] = 0
+        if self._arrived:
+            self._follow_arrivals()
+
+    def _follow_arrivals(self) -> None:
+        """NOTE [bucket launch order] 1: cut the buckets along rank 0's first arrivals. Collective
+        (every rank's first synchronize); the gradients, already reduced, move along."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        seen = set(self._arrived)
+        mine = [index[k] for k in self._arrived] + [index[id(p)] for p in self._order if id(p) not in seen]
+        self._arrived = None
+        order = self._broadcast_order(np.asarray(mine, np.int64))
+        ordered = [self._params[i] for i in order]
+        if [id(p) for p in ordered] == [id(p) for p in self._order]:
+            return
+        self._order = ordered
+        self._set_buckets(_size_buckets(ordered, self.first_bucket_mb, self.bucket_mb))
 
     @contextmanager
     def no_sync(self):
@@ -269,15 +337,16 @@ class DistributedGradients:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._release_shared()
 
 
-def _size_buckets(params: list[torch.nn.Parameter], first_mb: float,
+def _size_buckets(order: list[torch.nn.Parameter], first_mb: float,
                   mb: float) -> list[list[torch.nn.Parameter]]:
-    """Parameters in reverse registration order (NOTE [bucket launch order]), cut into buckets of
-    at most ``mb`` MiB (the first: ``first_mb``); a flat bucket holds one dtype on one device."""
+    """Parameters in launch order (NOTE [bucket launch order]), cut into buckets of at most
+    ``mb`` MiB (the first: ``first_mb``); a flat bucket holds one dtype on one device."""
     out: list[list[torch.nn.Parameter]] = []
     limit, current, size = first_mb * 2**20, [], 0
-    for p in reversed(params):
+    for p in order:
         nbytes = p.numel() * p.element_size()
         if current and (size + nbytes > limit or p.dtype != current[0].dtype
                         or p.device != current[0].device):

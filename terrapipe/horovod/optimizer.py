@@ -48,12 +48,24 @@ class _NegotiatedGradients(DistributedGradients):
                  process_set: ProcessSet, passes: int, buckets) -> None:
         fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
         bucket_mb = int(fusion) / 2**20 if fusion and int(fusion) > 0 else 25
+        self.param_names = names
+        self.process_set = process_set
         super().__init__(params, bucket_mb=bucket_mb, backward_passes_per_step=passes,
                          group=process_set._group, backend="jit", buckets=buckets)
-        self.hvd_op, self.predivide, self.process_set = op, predivide, process_set
+        self.hvd_op, self.predivide = op, predivide
         self.hvd_compression = compression
-        self.bucket_names = [f"DistributedOptimizer.{names[id(b[0])]}"
+
+    def _set_buckets(self, buckets) -> None:
+        super()._set_buckets(buckets)
+        self.bucket_names = [f"DistributedOptimizer.{self.param_names[id(b[0])]}"
                              + (f"+{len(b) - 1}" if len(b) > 1 else "") for b in self.buckets]
+
+    def _broadcast_order(self, order):
+        # Through the coordinator, as every hvd collective of this process set goes.
+        t = torch.from_numpy(order)
+        root = self.process_set.ranks[0] if self.process_set.ranks else 0
+        synchronize(_broadcast_issue([t], [t], root, "DistributedOptimizer.bucket_order", self.process_set))
+        return order
 
     def _reduce_bucket(self, b: int, flat: torch.Tensor):
         if self.hvd_op == AVERAGE:  # Horovod splits the average around the sum

@@ -1,7 +1,8 @@
 """A reproducible storm of collectives with exact results, shared by the stress test and the soak.
 
 Every rank draws the same schedule from one seed: allreduce (sum, avg, max), broadcast,
-allgather, reduce_scatter and jit_allreduce, sync and async mixed with up to ``outstanding``
+allgather, reduce_scatter, jit_allreduce and in-place allreduces of pieces of a node-shared
+array (up to 4 MB, across its 4 MiB chunks), sync and async mixed with up to ``outstanding``
 async operations in flight, NumPy arrays and torch tensors, sizes across every path threshold
 of comm (the one-shot allreduce up to 2 MiB at 2 ranks and 1 MiB at 4, which are also the
 shared-memory row halves; the ring's 512 KiB chunks and its 1 MiB start under forced MPI; the
@@ -28,7 +29,11 @@ KIB, MIB = 1 << 10, 1 << 20
 # Bytes of float32 messages: each threshold of comm/group.py with its neighbours, odd lengths.
 SIZES = [0, 4, 28, 4 * KIB, 64 * KIB - 4, 64 * KIB, 64 * KIB + 4, 512 * KIB - 4, 512 * KIB + 4,
          MIB - 4, MIB, MIB + 4, 2 * MIB - 4, 2 * MIB + 4, 4 * 1_000_003, 16 * MIB + 12, 64 * MIB]
-OPS = ("allreduce", "allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter", "jit_allreduce")
+OPS = ("allreduce", "allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter", "jit_allreduce",
+       "shared allreduce")
+# In-place allreduces of pieces of a node-shared array (NOTE [shared arrays] in comm/shm.py): one
+# slot per operation that can be in flight at once, each piece at most this long.
+SHARED_SLOT_BYTES = 4 * 1_000_003 + 64
 _PATTERN_PERIOD = 13
 
 
@@ -77,11 +82,15 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
     rng = np.random.default_rng(seed)
     inflight: deque[_Expect] = deque()
     done = 0
+    slots = outstanding + 2
+    region = group.shared_array(slots * SHARED_SLOT_BYTES)
     for i in range(n_ops):
         kind = OPS[rng.integers(len(OPS))]
         nbytes = int(sizes[rng.integers(len(sizes))])
         if kind == "allgather":
             nbytes = min(nbytes, 4 * MIB)  # p copies come back
+        if kind == "shared allreduce":
+            nbytes = min(nbytes, SHARED_SLOT_BYTES - 64)
         n = nbytes // 4
         small = nbytes <= MIB
         dtype = ("float32", "int64", "bfloat16")[rng.integers(3)] if small else "float32"
@@ -113,6 +122,14 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
             want = np.array_split(everyone, p)[r]
             expect = _Expect(what, comm.reduce_scatter(x, "sum", async_op=async_op, group=group), None,
                              [want])
+        elif kind == "shared allreduce":  # a piece of the shared array, where every rank has it
+            at = int(i % slots * SHARED_SLOT_BYTES + 4 * rng.integers(16))
+            x = np.empty(n, np.float32) if region is None else region[at:at + 4 * n].view(np.float32)
+            x[:] = pattern[:n] + np.float32(shift + r)
+            if as_torch:
+                x = torch.from_numpy(x)
+            expect = _Expect(what + " (shared)", comm.allreduce(x, "sum", async_op=async_op, group=group),
+                             [x], [everyone])
         else:  # jit_allreduce of a bucket: three tensors of the drawn total size
             cuts = sorted(int(c) for c in rng.integers(0, n + 1, 2))
             parts = [(0, cuts[0]), (cuts[0], cuts[1]), (cuts[1], n)]
@@ -132,6 +149,8 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
         done += 1
     while inflight:
         inflight.popleft().finish()
+    if region is not None:
+        group.release_shared(region)
     return done
 
 

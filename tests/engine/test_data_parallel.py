@@ -237,6 +237,83 @@ def test_gradients_are_views_of_one_flat_buffer_per_bucket(mpi_comm, set_to_none
     _close(model, ref, 1e-5)
 
 
+class Swapped(nn.Module):
+    """Registered in the opposite order to its use: reverse registration puts the gradients
+    backward produces last into the first bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.late = nn.Linear(64, 10)
+        self.early = nn.Linear(16, 64)
+
+    def forward(self, x):
+        return self.late(torch.relu(self.early(x)))
+
+
+@pytest.mark.mpi(ranks=(1, 2), timeout=120)
+def test_buckets_follow_the_order_gradients_arrive_in(mpi_comm):
+    """NOTE [bucket launch order] 1: after the first step the buckets are cut along backward's
+    order, so the first ones are reduced while backward still runs."""
+    comm.init(timeout=60)
+    r, p, b = comm.rank(), comm.size(), 4
+    ref, model = Swapped(), Swapped()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    launched_before_last = []  # buckets in flight as early's first gradient arrives (before
+    model.early.bias.register_post_accumulate_grad_hook(  # the engine's hook, registered later)
+        lambda _p: launched_before_last.append(len(grads._handles)))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, bucket_mb=1e-6,
+                               first_bucket_mb=1e-6)  # a bucket per parameter
+    grads = opt.gradients
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(b * p, 16, generator=g), torch.randint(0, 10, (b * p,), generator=g)
+        for m, o, xs, ys in ((ref, ref_opt, x, y), (model, opt, x[r * b:(r + 1) * b], y[r * b:(r + 1) * b])):
+            o.zero_grad()
+            F.cross_entropy(m(xs), ys).backward()
+            o.step()
+    late = {id(model.late.weight), id(model.late.bias)}
+    assert {id(q) for q in grads.buckets[0]} <= late and {id(q) for q in grads.buckets[1]} <= late
+    # step 0 in registration order: nothing could start before early's gradients; then late's
+    # two buckets are in flight by the time early's last gradient arrives
+    assert launched_before_last[0] == 0 and launched_before_last[1:] == [2, 2], launched_before_last
+    _close(model, ref, 1e-5)
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))
+def test_buckets_in_shared_memory_match_single_process(mpi_comm):
+    """Buckets beyond the one-shot live in one node-shared array and are reduced in place
+    (NOTE [gradients as bucket views] 4); results equal one process, through a rebucket."""
+    comm.init(timeout=60)
+    r, p, b = comm.rank(), comm.size(), 4
+
+    def mlp():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(64, 1100), nn.ReLU(), nn.Linear(1100, 1100), nn.ReLU(),
+                             nn.Linear(1100, 10))  # 1.2M parameters: a 4.8 MB bucket
+
+    ref, model = mlp(), mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model)
+    grads = opt.gradients
+    assert grads.shared, "a one-node group's host buckets belong in shared memory"
+    for step in range(6):
+        if step == 3:
+            grads.rebucket(bucket_mb=2, first_bucket_mb=0.5)
+            assert grads.shared and len(grads.buckets) > 2
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(b * p, 64, generator=g), torch.randint(0, 10, (b * p,), generator=g)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        F.cross_entropy(model(x[r * b:(r + 1) * b]), y[r * b:(r + 1) * b]).backward()
+        opt.step()
+    _close(model, ref, 1e-5)
+    grads.remove()
+    assert not grads.shared
+
+
 @pytest.mark.mpi(ranks=(2,), timeout=120)
 def test_grad_scaler_in_horovods_order_skips_an_inf_on_one_rank_everywhere(mpi_comm):
     comm.init(timeout=60)

@@ -1,0 +1,132 @@
+"""Allreduce in place through node-shared arrays (NOTE [shared arrays] in comm/shm.py), against
+NumPy, over the world, a split and a duplicate of it, at 2 and 4 ranks."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import terrapipe.comm as comm
+from terrapipe.comm import CollectiveMismatchError
+from tests.comm import stress
+
+KIB, MIB = 1 << 10, 1 << 20
+# Elements of float32: the one-shot's limit at 2 and 4 ranks with neighbours, the 4 MiB chunk
+# with neighbours, odd lengths, several chunks.
+LENGTHS = [1, 1000, 256 * KIB - 1, 256 * KIB + 1, 512 * KIB + 3, MIB - 1, MIB, MIB + 1, 3 * MIB + 7]
+
+
+@pytest.fixture
+def world(mpi_comm):
+    return comm.init(timeout=60)
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2, 4))
+def test_in_place_allreduce_is_exact_over_world_split_and_duplicate(world):
+    for name, g in stress.groups_under_test(world).items():
+        r, p = g.rank, g.size
+        region = g.shared_array(4 * max(LENGTHS) + 64)
+        if p == 1:
+            assert region is None, "a one-rank group has no shared path"
+            continue
+        assert region is not None and region.nbytes == 4 * max(LENGTHS) + 64
+        for k, n in enumerate(LENGTHS):
+            at = 4 * (k % 16)  # element-aligned offsets, not only the row's start
+            for op in ("sum", "avg", "max"):
+                x = region[at:at + 4 * n].view(np.float32)
+                pattern = (np.arange(n) % 13).astype(np.float32)
+                x[:] = pattern + r
+                want = {"sum": pattern * p + p * (p - 1) / 2, "avg": (pattern * p + p * (p - 1) / 2) / p,
+                        "max": pattern + p - 1}[op]
+                comm.allreduce(x, op, group=g)
+                np.testing.assert_array_equal(x, want.astype(np.float32), err_msg=f"{name}: n={n} {op}")
+        # int64 and a torch view of the same memory (what DistributedGradients' buckets are)
+        n = 600_001
+        xi = region[8:8 + 8 * n].view(np.int64)
+        xi[:] = np.arange(n) * (r + 1)
+        comm.allreduce(xi, "sum", group=g)
+        np.testing.assert_array_equal(xi, np.arange(n) * (p * (p + 1) // 2))
+        t = torch.from_numpy(region[:4 * n]).view(torch.float32)
+        t.fill_(r + 1)
+        comm.jit_allreduce([t], "avg", group=g)
+        assert bool((t == (p + 1) / 2).all()), name
+        g.release_shared(region)
+        xi[:] = r  # ordinary paths from now on, same memory
+        comm.allreduce(xi, "sum", group=g)
+        assert xi[0] == xi[-1] == p * (p - 1) // 2
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2, 4))
+def test_many_async_pieces_outstanding_in_a_loop(world):
+    """Hundreds of async allreduces of disjoint pieces, eight in flight, mixed with sync ones."""
+    r, p = world.rank, world.size
+    n = 700_001  # 2.8 MB: beyond the one-shot at 2 and 4 ranks
+    slots = 12  # more than the i values that eight async ops in flight and the new one span
+    region = world.shared_array(slots * 4 * n)
+    views = [region[4 * n * s:4 * n * (s + 1)].view(np.float32) for s in range(slots)]
+    inflight = []
+    for i in range(300):
+        x = views[i % slots]
+        x[:] = i + r
+        if i % 5 == 4:
+            comm.allreduce(x, "sum")
+            assert x[0] == x[-1] == p * i + p * (p - 1) / 2, i
+            continue
+        inflight.append((i, x, comm.allreduce(x, "sum", async_op=True)))
+        if len(inflight) == 8:
+            j, y, h = inflight.pop(0)
+            h.wait()
+            assert y[0] == y[n // 2] == y[-1] == p * j + p * (p - 1) / 2, j
+    for j, y, h in inflight:
+        h.wait()
+        assert y[0] == y[-1] == p * j + p * (p - 1) / 2, j
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_shared_on_one_rank_private_on_another_raises_everywhere(world):
+    r = world.rank
+    n = MIB
+    region = world.shared_array(8 * n)
+    x = region[:4 * n].view(np.float32) if r == 0 else np.zeros(n, np.float32)
+    with pytest.raises(CollectiveMismatchError) as e:
+        comm.allreduce(x, "sum")
+    assert "shared array" in str(e.value) and "private memory" in str(e.value), str(e.value)
+    # Different pieces of the rows: a mismatch too, naming the offsets.
+    y = region[4 * r:4 * r + 4 * n].view(np.float32)
+    with pytest.raises(CollectiveMismatchError, match="at byte 0.*at byte 4"):
+        comm.allreduce(y, "sum")
+    z = region[:4 * n].view(np.float32)  # the group is still usable
+    z[:] = 1
+    comm.allreduce(z, "sum")
+    assert z[0] == z[-1] == 2
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_shared_array_sizes_must_agree(world):
+    with pytest.raises(CollectiveMismatchError, match="shared_array"):
+        world.shared_array(MIB + world.rank)
+    assert world.shared_array(MIB) is not None  # and the group goes on
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_full_dev_shm_gives_none_on_every_rank_and_leaves_no_file(world, monkeypatch):
+    """NOTE [shared arrays] 4: refused at creation, not SIGBUS at first touch."""
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    before = set(os.listdir("/dev/shm"))
+    if world.local_rank == 0:  # only the segment's creator reserves
+        monkeypatch.setattr(os, "posix_fallocate", full)
+    assert world.shared_array(64 * MIB) is None
+    monkeypatch.undo()
+    world.barrier()
+    assert set(os.listdir("/dev/shm")) - before == set()
+    x = np.full(MIB, world.rank, np.float32)  # the group goes on
+    comm.allreduce(x, "sum")
+    assert x[0] == 1
+
+
+def test_one_process_has_no_shared_array():
+    assert comm.Group(None).shared_array(MIB) is None
