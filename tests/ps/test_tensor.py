@@ -143,6 +143,9 @@ def test_a_completed_push_is_seen_by_every_later_pull_and_rules(mpi_comm):
                 t.push(torch.full((40, 50), float(writer)), "copy").wait()
             g.comm.Barrier()
             assert torch.all(t.pull().wait() == writer)
+            # every rank has pulled before the next writer writes (without this barrier a slow
+            # rank's pull could be served after the next push and see its values)
+            g.comm.Barrier()
         # Issue order on one rank: a pull right after a push (no wait) sees it.
         if r == 0:
             t.push(None, "zero")
