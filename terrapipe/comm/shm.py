@@ -33,8 +33,9 @@ NOTE [shared arrays]
        nothing copied in: every rank reduces its part of the message straight from its peers'
        rows into its own row, then copies the other parts, reduced, from theirs. Per rank that
        moves about 2.5 n bytes; the chunked path moves about 5.5 n (copy in, reduce, copy out)
-       and the MPI ring about as much. Measured (``python -m benchmarks.allreduce -n 2 --algorithms``):
-       4-64 MiB at 2 ranks 1.05-1.2x the ring, at 4 ranks on 2 cores 1.3-1.5x the segment.
+       and the MPI ring about as much. Measured (repeated calls, interleaved with the private
+       path): 4-64 MiB at 2 ranks 0.88-1.58x the ring (faster in four runs of five), at 4 ranks
+       on 2 cores 1.3-1.8x the segment; a training step 1.04x (2 ranks) and 1.08x (4) faster.
     2. An allreduce takes this path when its one source is its destination, lies within this
        rank's row of such a segment, and is not compressed on the wire. Its signature carries
        (segment, byte offset), so every rank must pass the same piece of its own row; a rank
