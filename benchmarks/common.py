@@ -125,7 +125,8 @@ def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] |
 def interleave_ranks(step: Callable[[str], None], cases: tuple[str, ...], rounds: int, steps: int,
                      mpi, around: Callable[[str], object] | None = None) -> dict[str, list[float]]:
     """Seconds per ``step(case)`` across the ranks of ``mpi``: each round runs ``steps`` of every
-    case in turn, all ranks starting together; a sample is the slowest rank's mean.
+    case in turn (round k starting with case k mod n), all ranks starting together; a sample is
+    the slowest rank's mean.
     ``around(case)``: a context manager entered before each case's steps and left after them,
     outside the timed region (set-up and tear-down of a case)."""
     import contextlib
@@ -133,8 +134,10 @@ def interleave_ranks(step: Callable[[str], None], cases: tuple[str, ...], rounds
     from mpi4py import MPI
 
     samples: dict[str, list[float]] = {c: [] for c in cases}
-    for _ in range(rounds):
-        for c in cases:
+    for k in range(rounds):
+        # Each round starts with the next case: none always follows the same neighbour (another
+        # case's threads winding down, DDP's Gloo among them) or always goes first.
+        for c in cases[k % len(cases):] + cases[:k % len(cases)]:
             with around(c) if around is not None else contextlib.nullcontext():
                 mpi.Barrier()
                 start = time.perf_counter()
