@@ -481,7 +481,7 @@ class Group:
         """Return an array of :meth:`shared_array` to private use: allreduces of it take the
         ordinary paths from now on (every rank must release alike). Its memory goes when the last
         view of it does. Local; runs after the collectives issued before it."""
-        if self.shm is not None:
+        if self.shm is not None and not self._failed:  # a failed group takes no more calls
             self.run(lambda: self.shm.release_shared(arr), False)
 
     def allreduce_small(self, x: np.ndarray, op: int, coll: str = "allreduce", ckind: int = 0,
