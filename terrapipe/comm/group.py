@@ -439,7 +439,7 @@ class Group:
     def _shared_location(self, fs: Fused, fd: Fused, ckind: int, gate) -> tuple[int, int] | None:
         """(segment, byte offset) when this allreduce takes the in-place path through a shared
         array (NOTE [shared arrays] 2 in shm.py), else None."""
-        if self.shm is None or ckind or gate is not NO_GATE or self.gloo is not None:
+        if self.shm is None or ckind or gate is not NO_GATE:  # Gloo groups have no shm
             return None
         src = fs.only()
         if src is None or fd.only() is None or fd.only().ctypes.data != src.ctypes.data:

@@ -333,6 +333,26 @@ class ShmTransport(Transport):
         else:
             kreduce.reduce_many_native(mine, rows, op, offset, length)
 
+    def _reduce_part(self, rows: np.ndarray, op: int, start: int, length: int, kind: int,
+                     label: str, rec: bool, t: int) -> int:
+        """This rank's part of a message, columns ``[start, start + length)``: reduced over the
+        node's rows into its own row, allreduced across nodes, divided for ``avg``. ``rec``:
+        record ``label`` (and the cross-node phase) on the timeline from ``t``; returns the
+        clock for the next phase."""
+        if length <= 0:
+            return t
+        self._reduce_rows(rows, op, start, length, kind)
+        mine = rows[self.local_rank, start:start + length]
+        if rec:
+            t = timeline.phase("comm", label, t, {"bytes": length * rows.itemsize})
+        if self.cross is not None:
+            self.cross.allreduce_array(mine, op, kind, "allreduce across nodes")
+            if rec:
+                t = timeline.phase("comm", "allreduce across nodes", t)
+        if op == kreduce.AVG:
+            divide(mine, self.size, kind)
+        return t
+
     def _chunk_ranges(self, n: int, itemsize: int):
         half = (self.row_bytes // itemsize) // 2
         for c0 in range(0, n, half):
@@ -380,7 +400,7 @@ class ShmTransport(Transport):
         rank's row of shared segment ``ident`` (NOTE [shared arrays]); the agreement's barrier
         has run. Across nodes each part is allreduced over the cross-node transport."""
         rows = self._shared[ident][2].view(dtype)
-        p, me, size = self.local_size, self.local_rank, self.size
+        p, me = self.local_size, self.local_rank
         item = np.dtype(dtype).itemsize
         base = offset // item
         rec = timeline.enabled()
@@ -391,15 +411,7 @@ class ShmTransport(Transport):
             parts = segments(length, p)
             lo, hi = parts[me]
             at = base + c0
-            if hi > lo:
-                self._reduce_rows(rows, op, at + lo, hi - lo, kind)
-                mine = rows[me, at + lo:at + hi]
-                if self.cross is not None:
-                    self.cross.allreduce_array(mine, op, kind, "allreduce across nodes")
-                if op == kreduce.AVG:
-                    divide(mine, size, kind)
-            if rec:
-                t = timeline.phase("comm", "reduce (shared)", t, {"bytes": (hi - lo) * item})
+            t = self._reduce_part(rows, op, at + lo, hi - lo, kind, "reduce (shared)", rec, t)
             self.board.barrier(self.timeout, "allreduce")
             if rec:
                 t = timeline.phase("comm", "wait for peers", t)
@@ -494,17 +506,7 @@ class ShmTransport(Transport):
                 t = timeline.phase("comm", "wait for peers", t)
             parts = segments(length, p)
             lo, hi = parts[me]
-            if hi > lo:
-                self._reduce_rows(rows, op, h + lo, hi - lo, kind)
-                mine = rows[me, h + lo:h + hi]
-                if rec:
-                    t = timeline.phase("comm", "reduce", t)
-                if self.cross is not None:
-                    self.cross.allreduce_array(mine, op, kind, "allreduce across nodes")
-                    if rec:
-                        t = timeline.phase("comm", "allreduce across nodes", t)
-                if op == kreduce.AVG:
-                    divide(mine, self.size, kind)
+            t = self._reduce_part(rows, op, h + lo, hi - lo, kind, "reduce", rec, t)
             self.board.barrier(self.timeout, "allreduce")
             if rec:
                 t = timeline.phase("comm", "wait for peers", t)

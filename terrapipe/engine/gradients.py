@@ -157,7 +157,7 @@ class DistributedGradients:
             return None
         self._shared = region
         return [torch.from_numpy(region[o:o + n]).view(b[0].dtype)
-                for o, n, b in zip(starts, sizes, buckets, strict=False)]
+                for o, n, b in zip(starts[:-1], sizes, buckets, strict=True)]
 
     def _release_shared(self) -> None:
         if self._shared is not None:
