@@ -18,10 +18,10 @@ next to this machine's single-thread memory-copy bandwidth (bytes copied per sec
 
 ``--algorithms`` times instead each path ``comm.allreduce`` can take on one node, forced, with the
 signature agreement every collective pays: the shared-memory one-shot (up to its limit), the
-chunked shared-memory allreduce, the in-place one over a shared array (from beyond the one-shot),
-MPI's own allreduce and our ring (both through the MPI transport), against MPICH's ``Allreduce``
-and ``comm.allreduce`` itself; it prints the fastest path per size, which is what NOTE [transport
-selection] in comm/group.py encodes.
+chunked shared-memory allreduce, the in-place one over a shared array (from 512 KiB, where it
+takes over from the one-shot), MPI's own allreduce and our ring (both through the MPI
+transport), against MPICH's ``Allreduce`` and ``comm.allreduce`` itself; it prints the fastest
+path per size, which is what NOTE [transport selection] in comm/group.py encodes.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def _algorithm_cases(a: np.ndarray, shared: np.ndarray | None, mpi, MPI) -> dict
     an array as long as ``a`` in the node's shared array, or None."""
     import terrapipe.comm as comm
     from terrapipe.comm.buffers import Buffer
+    from terrapipe.comm.shm import SHARED_MIN_BYTES
     from terrapipe.comm.transport import Fused
     from terrapipe.kernels.reduce import SUM
 
@@ -65,7 +66,7 @@ def _algorithm_cases(a: np.ndarray, shared: np.ndarray | None, mpi, MPI) -> dict
         oneshot = g.shm.oneshot_plan(a.dtype, SUM, 0, "allreduce", sig, check)
         cases["shm one-shot"] = lambda: oneshot(a, a)
     cases["shm chunked"] = agreed(lambda: g.shm.allreduce(fused, fused, SUM, a.dtype, 0))
-    if shared is not None and a.nbytes > g.shm.small_bytes:  # smaller ones take the one-shot
+    if shared is not None and a.nbytes >= SHARED_MIN_BYTES:  # smaller ones take the one-shot
         cases["shm shared array"] = lambda: comm.allreduce(shared, "sum")
     cases["mpi transport: MPI's own"] = agreed(lambda: g.mpi.allreduce_array(a, SUM, 0, "x", ring=False))
     cases["comm.allreduce"] = lambda: comm.allreduce(a, "sum")

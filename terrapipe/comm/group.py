@@ -24,7 +24,10 @@ NOTE [transport selection]
        barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
        (2 MiB messages at 2 ranks, 1 MiB at 4: ``shm.ONESHOT_READ_BYTES``), where it beats
        MPICH's Allreduce here (1.2-2x).
-    6. Larger ones go through our ring over MPI when every local rank has a core of its own:
+    6. An allreduce in place on a piece of a shared array (``Group.shared_array``; NOTE
+       [shared arrays] in shm.py) takes the shared path from ``shm.SHARED_MIN_BYTES`` (512
+       KiB), before the one-shot, sync (the latency path declines it) or async alike.
+    7. Larger ones go through our ring over MPI when every local rank has a core of its own:
        one copy fewer than the segment (at 2 ranks here 1.3-1.5x the chunked segment from
        1 MiB, 2.4x MPICH from 32 MiB). When ranks outnumber the node's cores, each ring step
        waits for a neighbour to be scheduled (at 4 ranks on 2 cores the ring took 3x the
@@ -48,7 +51,7 @@ from ..kernels import reduce as kreduce
 from ..kernels.floats import F16, compress, decompress
 from .buffers import DTYPE_CODES, Buffer
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
-from .shm import SIG_WORDS, ShmTransport
+from .shm import SHARED_MIN_BYTES, SIG_WORDS, ShmTransport
 from .transport import NO_GATE, Fused, Transport
 
 __all__ = ["Group", "Handle", "NO_GATE"]
@@ -384,6 +387,11 @@ class Group:
         return (self.shm is not None and self.nnodes == 1 and not self.force_mpi
                 and nbytes <= self.shm.small_bytes)
 
+    def _shared_fits(self, nbytes: int) -> bool:
+        """Whether an allreduce of ``nbytes`` in a shared array takes the shared path rather than
+        the one-shot (NOTE [transport selection] 6)."""
+        return nbytes >= SHARED_MIN_BYTES
+
     # -- allreduce -----------------------------------------------------------------------------
     def allreduce_views(self, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, kind: int,
                         ckind: int = 0, coll: str = "allreduce", sig_buf=None, gate=NO_GATE) -> None:
@@ -409,7 +417,8 @@ class Group:
         rows_dtype = np.dtype(np.uint16 if (kind or ckind) else srcs[0].dtype)
         rkind = ckind or kind
         nbytes = fs.n * rows_dtype.itemsize
-        if self._oneshot_fits(nbytes):
+        where = self._shared_location(fs, fd, ckind, gate) if self._shared_fits(nbytes) else None
+        if where is None and self._oneshot_fits(nbytes):
             gate.ready(fs.n)
             src = fs.only()
             dst = fd.only()
@@ -425,7 +434,6 @@ class Group:
                 fd.write(0, dst)
             gate.wrote(fs.n)
             return
-        where = self._shared_location(fs, fd, ckind, gate)
         if where is not None:  # NOTE [shared arrays] in shm.py
             sig = self._signature(coll, op, sig_buf).copy()
             sig[_SHARED_WORD:_SHARED_WORD + 2] = where
@@ -488,8 +496,9 @@ class Group:
                         sig_shape: tuple | None = None) -> bool:
         """The latency path of a sync, in-place allreduce of ``x``: True when done here, False
         when ``x`` does not qualify (the caller takes the general path). Qualifies: a
-        C-contiguous array of a reducible dtype, at most 64 KiB as exchanged, on a one-node
-        shared-memory group with no async collective pending. ``ckind``: float32 sent as 16-bit;
+        C-contiguous array of a reducible dtype that the one-shot takes (``_oneshot_fits``, and
+        not a piece of a shared array the shared path takes), on a one-node shared-memory group
+        with no async collective pending. ``ckind``: float32 sent as 16-bit;
         ``sig_shape``: the shape the signature names (default ``x.shape``). Same signature and
         step accounting as the general small path, so ranks may mix the two."""
         key = (x.dtype, x.shape, op, coll, ckind)
@@ -501,6 +510,8 @@ class Group:
                 x.dtype, x.size, op, coll, ckind, x.shape if sig_shape is None else sig_shape)
         if not plan or self._pending or not x.flags.c_contiguous:
             return False
+        if not ckind and self._shared_fits(x.nbytes) and self.shm.locate(x) is not None:
+            return False  # the shared path's, sync or async alike (NOTE [transport selection] 6)
         call, as16 = plan
         flat = x.reshape(-1)
         if as16:

@@ -30,24 +30,35 @@ NOTE [shared arrays]
     1. ``ShmTransport.alloc_shared`` (``Group.shared_array``, collective) maps one segment per
        node with a row of the requested size per local rank and gives each rank its own row.
        Memory allocated there (DistributedGradients' bucket buffers) is reduced in place with
-       nothing copied in: every rank reduces its part of the message straight from its peers'
-       rows into its own row, then copies the other parts, reduced, from theirs. Per rank that
-       moves about 2.5 n bytes; the chunked path moves about 5.5 n (copy in, reduce, copy out)
-       and the MPI ring about as much. Measured (repeated calls, interleaved with the private
-       path): 4-64 MiB at 2 ranks 0.88-1.58x the ring (faster in four runs of five), at 4 ranks
-       on 2 cores 1.3-1.8x the segment; a training step 1.04x (2 ranks) and 1.08x (4) faster.
+       nothing copied in or out: every rank takes one part of the message, reduces it over all
+       rows and stores the result into every row, its peers' included. Per rank that moves
+       about 2 n bytes (reads n, writes n); the chunked segment path moves about 5.5 n (copy in,
+       reduce, copy out) and the MPI ring about as much.
     2. An allreduce takes this path when its one source is its destination, lies within this
-       rank's row of such a segment, and is not compressed on the wire. Its signature carries
+       rank's row of such a segment, and is not compressed on the wire (from
+       ``SHARED_MIN_BYTES``: NOTE [transport selection] 6 in group.py). Its signature carries
        (segment, byte offset), so every rank must pass the same piece of its own row; a rank
        passing private memory where another passes shared memory gets CollectiveMismatchError
        rather than a hang.
-    3. The message goes in chunks (``_SHARED_CHUNK_BYTES``): reduce my part of chunk k,
+    3. On one node, for native dtypes, a rank's part goes in one pass
+       (``kernels.reduce.allreduce_rows``): tile by tile, reduced into its own row while the
+       tile sits in L1, divided there for avg, stored from there into the other rows. Two
+       barriers only: the agreement's first (every rank's data is final) and a last one (every
+       row is final, so the caller may read and write its row once the call returns). Nothing
+       in between: the parts' columns are disjoint, and during the call a rank reads and
+       writes only its own part's columns, in every row. Against the three passes this path
+       took before (reduce into its own row, divide, then per 4 MiB chunk a barrier and a copy
+       of the others' parts from their rows: about 2.5-3.5 n bytes), interleaved at 2 ranks:
+       16 MiB 2.2 vs 6.0 ms, 34 MiB 4.6 vs 12.4, 64 MiB 9.1 vs 22.3; in a training step
+       (benchmarks.train's model, 21 interleaved rounds) the communication overhead fell from
+       18.6 to 10.3 ms. ``benchmarks.allreduce -n 2``: 7.9-8.7 GB/s from 4 MiB, 1.7-2x the
+       ring over MPI, 4.7-5x MPICH's Allreduce from 64 MiB. Across nodes a part must be allreduced
+       between the nodes before it is stored into the other rows, and 16-bit floats are summed
+       in float32 scratch (``reduce_many_16``), so those take the three passes, in chunks
+       (``_SHARED_CHUNK_BYTES``): reduce my part of chunk k (and allreduce it across nodes),
        barrier, copy the others' parts of chunk k while their writes are still in the shared
-       cache (whole messages at once ran 0.9-1.0x the ring at 2 ranks). One barrier per chunk
-       suffices: after barrier k nobody writes chunk k's columns of any row again, and the
-       next chunk's columns are disjoint. The agreement's barrier comes first (every rank's
-       data is final); a last barrier ends the call (nobody reads this row any more, so the
-       caller may write it again once the call returns).
+       cache. One barrier per chunk suffices: after barrier k nobody writes chunk k's columns
+       of any row again, and the next chunk's columns are disjoint.
     4. The segment's memory is reserved when it is made (``posix_fallocate``), so a full
        ``/dev/shm`` refuses at once, with OSError on every rank of the node, instead of killing
        a process with SIGBUS at its first touch of a missing page.
@@ -113,10 +124,18 @@ def row_bytes(local_size: int) -> int:
 def oneshot_bytes(local_size: int, row: int) -> int:
     """The largest allreduce (bytes as exchanged) the one-shot takes on such a node."""
     return min(row // 2, ONESHOT_READ_BYTES // max(local_size, 1))
-# NOTE [shared arrays] 3: a message goes in chunks of this size (each rank reduces its part of
-# a chunk, then copies the others' parts of it, still in the shared cache). 1 and 4 MiB ran
-# alike here, 16 MiB and whole messages slower at 2 ranks.
+# NOTE [shared arrays] 3: across nodes a message goes in chunks of this size (each rank reduces
+# its part of a chunk, then copies the others' parts of it, still in the shared cache). 1 and 4
+# MiB ran alike here, 16 MiB and whole messages slower at 2 ranks.
 _SHARED_CHUNK_BYTES = 4 << 20
+# An allreduce over a shared array pays two barriers (the agreement's and the last) where the
+# one-shot pays one, but reads n bytes instead of p x n and copies nothing in or out. Measured
+# (interleaved, float32 avg, each operand written right before its call, as gradients are): at
+# 2 ranks the one-shot wins up to 448 KiB (256 KiB: 76 vs 96 us), ties at 512, loses beyond
+# (1 MiB 384 vs 180 us, 2 MiB 825 vs 289); at 4 ranks on 2 cores it wins at 256 KiB (305 vs
+# 341), loses from 512 (399 vs 359). On operands reduced again without a write between, the
+# shared path already wins from 128 KiB. NOTE [transport selection] 6 in group.py.
+SHARED_MIN_BYTES = 512 << 10
 # Polls before a one-shot allreduce leaves its compiled call to wait while yielding the core.
 _ONESHOT_SPINS = 2000
 
@@ -405,6 +424,16 @@ class ShmTransport(Transport):
         base = offset // item
         rec = timeline.enabled()
         t = timeline.now() if rec else 0
+        if self.cross is None and not kind:  # NOTE [shared arrays] 3
+            lo, hi = segments(n, p)[me]
+            divisor = self.size if op == kreduce.AVG else 1
+            kreduce.allreduce_rows(rows, me, op, base + lo, hi - lo, divisor)
+            if rec:
+                t = timeline.phase("comm", "reduce (shared)", t, {"bytes": (hi - lo) * item})
+            self.board.barrier(self.timeout, "allreduce")
+            if rec:
+                timeline.phase("comm", "wait for peers", t)
+            return
         step = max(_SHARED_CHUNK_BYTES // item, p)
         for c0 in range(0, n, step):
             length = min(step, n - c0)

@@ -2,13 +2,14 @@
 
 Every rank draws the same schedule from one seed: allreduce (sum, avg, max), broadcast,
 allgather, reduce_scatter, jit_allreduce and in-place allreduces of pieces of a node-shared
-array (up to 4 MB, across its 4 MiB chunks), sync and async mixed with up to ``outstanding``
-async operations in flight, NumPy arrays and torch tensors, sizes across every path threshold
-of comm (the one-shot allreduce up to 2 MiB at 2 ranks and 1 MiB at 4, which are also the
-shared-memory row halves; the ring's 512 KiB chunks and its 1 MiB start under forced MPI; the
-old one-shot limit at 64 KiB) with odd lengths on both sides, up to ``max_bytes``. Inputs are
-small integers in float32 (and int64, bfloat16), so every sum is exact and each result is
-compared bit for bit.
+array (up to 4 MB; across nodes in 4 MiB chunks), sync and async mixed (a quarter of the
+operations sync on some ranks and async on others) with up to ``outstanding`` async operations
+in flight, NumPy arrays and torch tensors, sizes across every path threshold of comm (the
+one-shot allreduce up to 2 MiB at 2 ranks and 1 MiB at 4, which are also the shared-memory row
+halves; the shared-array path from 512 KiB; the ring's 512 KiB chunks and its 1 MiB start under
+forced MPI; the old one-shot limit at 64 KiB) with odd lengths on both sides, up to
+``max_bytes``. Inputs are small integers in float32 (and int64, bfloat16), so every sum is
+exact and each result is compared bit for bit.
 
     python -m tests.comm.stress --minutes 5          # under mpiexec: the soak (make soak)
 """
@@ -96,6 +97,8 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
         dtype = ("float32", "int64", "bfloat16")[rng.integers(3)] if small else "float32"
         as_torch = bool(rng.integers(2))
         async_op = bool(rng.integers(2))
+        if rng.integers(4) == 0:  # sync here, async there: a local choice, the same collective
+            async_op = async_op != bool(r % 2)
         shift = float(rng.integers(5))
         what = f"op {i}: {kind} of {n} {dtype} ({'torch' if as_torch else 'numpy'}, " \
                f"{'async' if async_op else 'sync'}) at {p} ranks"

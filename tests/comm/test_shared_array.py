@@ -14,9 +14,11 @@ from terrapipe.comm import CollectiveMismatchError
 from tests.comm import stress
 
 KIB, MIB = 1 << 10, 1 << 20
-# Elements of float32: the one-shot's limit at 2 and 4 ranks with neighbours, the 4 MiB chunk
-# with neighbours, odd lengths, several chunks.
-LENGTHS = [1, 1000, 256 * KIB - 1, 256 * KIB + 1, 512 * KIB + 3, MIB - 1, MIB, MIB + 1, 3 * MIB + 7]
+# Elements of float32: where the shared path takes over from the one-shot (NOTE [transport
+# selection] 6: 128 Ki elements) and the one-shot's limit at 2 and 4 ranks, each with
+# neighbours, the 4 MiB chunk (across nodes) with neighbours, odd lengths, several chunks.
+LENGTHS = [1, 1000, 128 * KIB - 1, 128 * KIB, 128 * KIB + 1, 256 * KIB - 1, 256 * KIB + 1, 512 * KIB + 3,
+           MIB - 1, MIB, MIB + 1, 3 * MIB + 7]
 
 
 @pytest.fixture
@@ -43,6 +45,17 @@ def test_in_place_allreduce_is_exact_over_world_split_and_duplicate(world):
                         "max": pattern + p - 1}[op]
                 comm.allreduce(x, op, group=g)
                 np.testing.assert_array_equal(x, want.astype(np.float32), err_msg=f"{name}: n={n} {op}")
+        # One rank's sync call and another's async call of one piece take one path: the sync
+        # latency path declines what the shared path takes (were it not to, this raises a
+        # mismatch, "in private memory" vs "in shared array", up to the one-shot's limit).
+        for n in LENGTHS:
+            x = region[:4 * n].view(np.float32)
+            x[:] = r
+            if r % 2:
+                comm.allreduce(x, "sum", group=g)
+            else:
+                comm.allreduce(x, "sum", async_op=True, group=g).wait()
+            assert x[0] == x[n // 2] == x[-1] == p * (p - 1) / 2, f"{name}: sync and async, n={n}"
         # int64 and a torch view of the same memory (what DistributedGradients' buckets are)
         n = 600_001
         xi = region[8:8 + 8 * n].view(np.int64)

@@ -9,6 +9,7 @@ from terrapipe.kernels.reduce import (
 )
 from terrapipe.kernels.reduce import (
     TILE,
+    allreduce_rows,
     divide,
     reduce_into,
     reduce_many_into,
@@ -136,6 +137,43 @@ def test_reduce_rows_into_equals_the_row_kernel_bit_for_bit(n, k, dtype, op, dat
         np.testing.assert_allclose(out[:length], _NP[op].reduce(rows, axis=0)[offset:offset + length],
                                    rtol=1e-6 if dtype == np.float32 else 1e-12)
     assert np.all(out[length:] == 99)
+
+
+@given(
+    n=st.integers(0, 2 * TILE + 3),
+    k=st.integers(1, 5),
+    dtype=st.sampled_from(NATIVE),
+    op=st.sampled_from(OPS),
+    data=st.data(),
+)
+def test_allreduce_rows_equals_reduce_divide_copy_bit_for_bit(n, k, dtype, op, data):
+    # The shared-array allreduce does in one pass what it did in three (reduce into its own row,
+    # divide, copy into the other rows): the bytes must not change, in every row.
+    rng = np.random.default_rng(n * 3 + k)
+    rows = _make(rng, n, dtype, k)
+    me = data.draw(st.integers(0, k - 1))
+    offset = data.draw(st.integers(0, n))
+    length = data.draw(st.integers(0, n - offset))
+    divisor = k if op == "avg" else 1
+    ref = rows.copy()
+    reduce_many_native(ref[me], ref, OP_CODES[op], offset, length)
+    if op == "avg":
+        divide(ref[me], k, offset=offset, length=length)
+    want = ref[me, offset:offset + length].copy()
+    before = rows.copy()
+    allreduce_rows(rows, me, OP_CODES[op], offset, length, divisor)
+    for r in range(k):
+        np.testing.assert_array_equal(rows[r, offset:offset + length], want, err_msg=f"row {r}")
+        np.testing.assert_array_equal(rows[r, :offset], before[r, :offset])
+        np.testing.assert_array_equal(rows[r, offset + length:], before[r, offset + length:])
+    wide_type = np.float64 if dtype in (np.float32, np.float64) else np.int64
+    wide = _NP[op].reduce(before.astype(wide_type), axis=0)[offset:offset + length]
+    if op == "avg":
+        wide = wide / k if dtype in (np.float32, np.float64) else wide // k
+    if dtype in (np.int32, np.int64):
+        np.testing.assert_array_equal(want, wide.astype(dtype))
+    else:
+        np.testing.assert_allclose(want, wide, rtol=1e-5 if dtype == np.float32 else 1e-12)
 
 
 def test_reduce_many_aliasing_a_source_row():
