@@ -71,7 +71,7 @@ def _torchrun(tmp_path: Path, n: int, *args: str) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=240, env=env)
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.full)])  # 4: make test-full (CI time)
 def test_collectives_under_torchrun(tmp_path, n):
     out = _torchrun(tmp_path, n, "60", "all", str(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
