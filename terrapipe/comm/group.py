@@ -449,11 +449,14 @@ class Group:
         array (NOTE [shared arrays] 2 in shm.py), else None."""
         if self.shm is None or ckind or gate is not NO_GATE:  # Gloo groups have no shm
             return None
-        src = fs.only()
-        if src is None or fd.only() is None or fd.only().ctypes.data != src.ctypes.data:
+        src, dst = fs.only(), fd.only()
+        if src is None or dst is None:
             return None
+        # locate first: without shared arrays it answers at once (an address costs ~3 us)
         where = self.shm.locate(src)
-        return where if where is not None and where[1] % src.itemsize == 0 else None
+        if where is None or where[1] % src.itemsize:
+            return None
+        return where if dst is src or dst.ctypes.data == src.ctypes.data else None
 
     def shared_array(self, nbytes: int) -> np.ndarray | None:
         """A flat uint8 array of ``nbytes`` in this node's shared memory (NOTE [shared arrays]
@@ -510,7 +513,7 @@ class Group:
                 x.dtype, x.size, op, coll, ckind, x.shape if sig_shape is None else sig_shape)
         if not plan or self._pending or not x.flags.c_contiguous:
             return False
-        if not ckind and self._shared_fits(x.nbytes) and self.shm.locate(x) is not None:
+        if not ckind and x.nbytes >= SHARED_MIN_BYTES and self.shm.locate(x) is not None:
             return False  # the shared path's, sync or async alike (NOTE [transport selection] 6)
         call, as16 = plan
         flat = x.reshape(-1)
