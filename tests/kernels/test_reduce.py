@@ -47,6 +47,17 @@ def _round(x64, dtype):
     return x64.astype(dtype).astype(np.float64)
 
 
+# k rows of n native elements, an op, and hypothesis' data for the rest
+_ROWS = given(n=st.integers(0, 2 * TILE + 3), k=st.integers(1, 5), dtype=st.sampled_from(NATIVE),
+              op=st.sampled_from(OPS), data=st.data())
+
+
+def _draw_chunk(data, n: int) -> tuple[int, int]:
+    """(offset, length) of a chunk of an n-element array, drawn by hypothesis."""
+    offset = data.draw(st.integers(0, n))
+    return offset, data.draw(st.integers(0, n - offset))
+
+
 _NP = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
 
@@ -59,8 +70,7 @@ _NP = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod
 def test_reduce_into_matches_numpy_on_a_chunk(n, dtype, op, data):
     rng = np.random.default_rng(n)
     dst, src = _make(rng, n, dtype, 2)
-    offset = data.draw(st.integers(0, n))
-    length = data.draw(st.integers(0, n - offset))
+    offset, length = _draw_chunk(data, n)
     before = dst.copy()
     reduce_into(dst, src, op, offset=offset, length=length,
                 dtype="bfloat16" if dtype == "bfloat16" else None)
@@ -88,8 +98,7 @@ def test_reduce_many_into_matches_numpy(n, k, dtype, op, data):
     rng = np.random.default_rng(n * 7 + k)
     srcs = _make(rng, n, dtype, k)
     dst = np.zeros(n, srcs.dtype)
-    offset = data.draw(st.integers(0, n))
-    length = data.draw(st.integers(0, n - offset))
+    offset, length = _draw_chunk(data, n)
     reduce_many_into(dst, srcs, op, offset=offset, length=length,
                      dtype="bfloat16" if dtype == "bfloat16" else None)
     sl = slice(offset, offset + length)
@@ -111,20 +120,13 @@ def test_reduce_many_into_matches_numpy(n, k, dtype, op, data):
     assert not np.any(dst[:offset]) and not np.any(dst[offset + length:])
 
 
-@given(
-    n=st.integers(0, 2 * TILE + 3),
-    k=st.integers(1, 5),
-    dtype=st.sampled_from(NATIVE),
-    op=st.sampled_from(OPS),
-    data=st.data(),
-)
+@_ROWS
 def test_reduce_rows_into_equals_the_row_kernel_bit_for_bit(n, k, dtype, op, data):
     # The one-shot allreduce writes its result with reduce_rows_into where it used a scratch row
     # and a copy: the bytes must not change (ranks and paths are compared bit for bit).
     rng = np.random.default_rng(n * 5 + k)
     rows = _make(rng, n, dtype, k)
-    offset = data.draw(st.integers(0, n))
-    length = data.draw(st.integers(0, n - offset))
+    offset, length = _draw_chunk(data, n)
     out = np.full(length + 3, 99, rows.dtype)  # longer than the result: the tail stays
     reduce_rows_into(out, rows, OP_CODES[op], offset, length)
     scratch = np.zeros(n, rows.dtype)
@@ -139,21 +141,14 @@ def test_reduce_rows_into_equals_the_row_kernel_bit_for_bit(n, k, dtype, op, dat
     assert np.all(out[length:] == 99)
 
 
-@given(
-    n=st.integers(0, 2 * TILE + 3),
-    k=st.integers(1, 5),
-    dtype=st.sampled_from(NATIVE),
-    op=st.sampled_from(OPS),
-    data=st.data(),
-)
+@_ROWS
 def test_allreduce_rows_equals_reduce_divide_copy_bit_for_bit(n, k, dtype, op, data):
     # The shared-array allreduce does in one pass what it did in three (reduce into its own row,
     # divide, copy into the other rows): the bytes must not change, in every row.
     rng = np.random.default_rng(n * 3 + k)
     rows = _make(rng, n, dtype, k)
     me = data.draw(st.integers(0, k - 1))
-    offset = data.draw(st.integers(0, n))
-    length = data.draw(st.integers(0, n - offset))
+    offset, length = _draw_chunk(data, n)
     divisor = k if op == "avg" else 1
     ref = rows.copy()
     reduce_many_native(ref[me], ref, OP_CODES[op], offset, length)
