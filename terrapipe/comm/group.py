@@ -513,7 +513,7 @@ class Group:
                 x.dtype, x.size, op, coll, ckind, x.shape if sig_shape is None else sig_shape)
         if not plan or self._pending or not x.flags.c_contiguous:
             return False
-        if not ckind and x.nbytes >= SHARED_MIN_BYTES and self.shm.locate(x) is not None:
+        if not ckind and self._shared_fits(x.nbytes) and self.shm.locate(x) is not None:
             return False  # the shared path's, sync or async alike (NOTE [transport selection] 6)
         call, as16 = plan
         flat = x.reshape(-1)

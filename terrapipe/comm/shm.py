@@ -424,34 +424,31 @@ class ShmTransport(Transport):
         base = offset // item
         rec = timeline.enabled()
         t = timeline.now() if rec else 0
-        if self.cross is None and not kind:  # NOTE [shared arrays] 3
+        if self.cross is None and not kind:  # NOTE [shared arrays] 3: one pass
             lo, hi = segments(n, p)[me]
             divisor = self.size if op == kreduce.AVG else 1
             kreduce.allreduce_rows(rows, me, op, base + lo, hi - lo, divisor)
             if rec:
                 t = timeline.phase("comm", "reduce (shared)", t, {"bytes": (hi - lo) * item})
-            self.board.barrier(self.timeout, "allreduce")
-            if rec:
-                timeline.phase("comm", "wait for peers", t)
-            return
-        step = max(_SHARED_CHUNK_BYTES // item, p)
-        for c0 in range(0, n, step):
-            length = min(step, n - c0)
-            parts = segments(length, p)
-            lo, hi = parts[me]
-            at = base + c0
-            t = self._reduce_part(rows, op, at + lo, hi - lo, kind, "reduce (shared)", rec, t)
-            self.board.barrier(self.timeout, "allreduce")
-            if rec:
-                t = timeline.phase("comm", "wait for peers", t)
-            # The peers' parts of this chunk, while their writes are still in the shared cache.
-            # Nobody writes these columns of this row again in this call: a peer's next chunk
-            # is beyond them (NOTE [shared arrays] 3).
-            for q, (a, b) in enumerate(parts):
-                if q != me and b > a:
-                    rows[me, at + a:at + b] = rows[q, at + a:at + b]
-            if rec:
-                t = timeline.phase("comm", "copy parts (shared)", t, {"bytes": (length - hi + lo) * item})
+        else:  # across nodes, or 16-bit floats: three passes per chunk
+            step = max(_SHARED_CHUNK_BYTES // item, p)
+            for c0 in range(0, n, step):
+                length = min(step, n - c0)
+                parts = segments(length, p)
+                lo, hi = parts[me]
+                at = base + c0
+                t = self._reduce_part(rows, op, at + lo, hi - lo, kind, "reduce (shared)", rec, t)
+                self.board.barrier(self.timeout, "allreduce")
+                if rec:
+                    t = timeline.phase("comm", "wait for peers", t)
+                # The peers' parts of this chunk, while their writes are still in the shared cache.
+                # Nobody writes these columns of this row again in this call: a peer's next chunk
+                # is beyond them (NOTE [shared arrays] 3).
+                for q, (a, b) in enumerate(parts):
+                    if q != me and b > a:
+                        rows[me, at + a:at + b] = rows[q, at + a:at + b]
+                if rec:
+                    t = timeline.phase("comm", "copy parts (shared)", t, {"bytes": (length - hi + lo) * item})
         self.board.barrier(self.timeout, "allreduce")  # NOTE [shared arrays] 3
         if rec:
             timeline.phase("comm", "wait for peers", t)

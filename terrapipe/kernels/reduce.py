@@ -274,19 +274,13 @@ def reduce_many_16(dst, srcs, op, offset, length, kind, acc):
 @njit(nogil=True, cache=True)
 def divide_float(dst, divisor, offset, length):
     """``dst /= divisor`` on a chunk of a float32/float64 array (true division, like torch's avg)."""
-    d = dst[offset : offset + length]
-    q = dst.dtype.type(divisor)
-    for i in range(length):
-        d[i] = d[i] / q
+    _divide(dst[offset : offset + length], dst.dtype.type(divisor))
 
 
 @njit(nogil=True, cache=True)
 def divide_int(dst, divisor, offset, length):
     """``dst //= divisor`` on a chunk of an int32/int64 array (floor division, like NumPy)."""
-    d = dst[offset : offset + length]
-    q = dst.dtype.type(divisor)
-    for i in range(length):
-        d[i] = d[i] // q
+    _divide(dst[offset : offset + length], dst.dtype.type(divisor))
 
 
 @njit(nogil=True, cache=True)
