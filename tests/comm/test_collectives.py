@@ -204,6 +204,20 @@ def test_emulated_two_nodes_of_two(mpi_comm):
     x = np.arange(9.0) if r == 3 else np.zeros(9)
     comm.broadcast(x, 3)
     np.testing.assert_array_equal(x, np.arange(9.0))
+    # A shared array per node: each rank's part reduced on its node, allreduced across the
+    # nodes and copied back, per 4 MiB chunk (NOTE [shared arrays] 3 in comm/shm.py).
+    region = g.shared_array(4 * 3_000_007)
+    assert region is not None
+    for n, dtype, op in ((3_000_007, np.float32, "avg"), (200_001, np.float32, "sum"),
+                         (2_500_001, np.float16, "sum")):
+        x = region[:n * np.dtype(dtype).itemsize].view(dtype)
+        pattern = np.arange(n) % 13
+        x[:] = pattern + r
+        comm.allreduce(x, op)
+        want = pattern * p + p * (p - 1) / 2
+        np.testing.assert_array_equal(x, (want / p if op == "avg" else want).astype(dtype),
+                                      err_msg=f"shared array, n={n} {np.dtype(dtype)} {op}")
+    g.release_shared(region)
     comm.barrier()
 
 

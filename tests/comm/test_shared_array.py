@@ -62,6 +62,12 @@ def test_in_place_allreduce_is_exact_over_world_split_and_duplicate(world):
         xi[:] = np.arange(n) * (r + 1)
         comm.allreduce(xi, "sum", group=g)
         np.testing.assert_array_equal(xi, np.arange(n) * (p * (p + 1) // 2))
+        # float16: summed in float32 scratch, so the three passes per 4 MiB chunk run on one node
+        # too (NOTE [shared arrays] 3); 2.5M elements make two chunks
+        h = region[:2 * 2_500_001].view(np.float16)
+        h[:] = np.arange(h.size) % 13 + r
+        comm.allreduce(h, "sum", group=g)
+        np.testing.assert_array_equal(h, ((np.arange(h.size) % 13) * p + p * (p - 1) / 2).astype(np.float16))
         t = torch.from_numpy(region[:4 * n]).view(torch.float32)
         t.fill_(r + 1)
         comm.jit_allreduce([t], "avg", group=g)
