@@ -31,9 +31,9 @@ NOTE [gradients as bucket views]
        (``Group.shared_array``; NOTE [shared arrays] in comm/shm.py), so each bucket's
        allreduce reads the peers' gradients where the hooks put them and writes the result
        into every rank's bucket in one pass: about 2 bytes moved per gradient byte instead of
-       5.5. Made collectively with the buckets (construction and
-       :meth:`rebucket`); where the group has no shared memory, or /dev/shm is full, the
-       buckets are private NumPy buffers as in 1.
+       5.5. Made collectively with the buckets (construction and :meth:`rebucket`); where the
+       group has no shared memory, or /dev/shm is full, the buckets are private NumPy buffers
+       as in 1.
 """
 
 from __future__ import annotations
