@@ -190,15 +190,9 @@ class DistributedGradients:
         if self._skip:
             return
         key = id(p)
-        if p.grad.is_sparse:  # buckets are dense: a sparse gradient is reduced as its dense form
-            p.grad = p.grad.to_dense()
         if self._counts[key] >= self.passes_per_step:
             self._too_many_passes()
-        if self.as_views:
-            view = self._views[key]
-            if p.grad.data_ptr() != view.data_ptr():  # NOTE [gradients as bucket views] 2
-                view.copy_(p.grad)
-                p.grad = view
+        self._take_grad(p, self._counts[key] + 1 == self.passes_per_step)
         self.synchronized = False
         if self._arrived is not None and self._counts[key] == 0:
             self._arrived.append(key)
@@ -207,6 +201,18 @@ class DistributedGradients:
             b = self._bucket_of[key]
             self._ready[b] += 1
             self._launch_ready()
+
+    def _take_grad(self, p: torch.Tensor, last: bool) -> None:
+        """Put ``p``'s fresh ``.grad`` where its bucket reduces it (``last``: the step's final
+        backward pass for ``p``; subclasses take some gradients elsewhere: terrapipe.horovod's
+        sparse gradients)."""
+        if p.grad.is_sparse:  # buckets are dense: a sparse gradient is reduced as its dense form
+            p.grad = p.grad.to_dense()
+        if self.as_views:
+            view = self._views[id(p)]
+            if p.grad.data_ptr() != view.data_ptr():  # NOTE [gradients as bucket views] 2
+                view.copy_(p.grad)
+                p.grad = view
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
@@ -227,8 +233,8 @@ class DistributedGradients:
             if p.grad is None:  # no gradient on this rank: it contributes zeros
                 view.zero_()
                 p.grad = view
-            elif p.grad.data_ptr() != view.data_ptr():  # made outside the hook (no_sync)
-                view.copy_(p.grad)
+            elif p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():  # made outside the hook (no_sync)
+                view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
                 p.grad = view
         self._handles.append(self._reduce_bucket(b, self._bucket_flats[b]))
 

@@ -76,6 +76,7 @@ from .mpi_ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     start_timeline,
     stop_timeline,
     synchronize,
@@ -95,6 +96,7 @@ __all__ = [
     "broadcast_async", "broadcast_async_", "broadcast_object", "grouped_allgather",
     "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "join", "poll",
-    "reducescatter", "reducescatter_async", "start_timeline", "stop_timeline", "synchronize",
+    "reducescatter", "reducescatter_async", "sparse_allreduce_async", "start_timeline", "stop_timeline",
+    "synchronize",
     "DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "SyncBatchNorm",
 ]

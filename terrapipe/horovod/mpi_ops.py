@@ -35,6 +35,7 @@ __all__ = [
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "sparse_allreduce_async",
     "poll", "synchronize", "join", "barrier", "broadcast_object", "allgather_object",
 ]
 
@@ -327,6 +328,39 @@ def grouped_allgather(tensors, name=None, process_set: ProcessSet = global_proce
     return list(_AllgatherFn.apply(name, process_set, *ts))
 
 
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op,
+                           process_set: ProcessSet = global_process_set):
+    """Start reducing a sparse COO ``tensor`` (any shape, same on every rank) by gathering
+    every rank's entries, as Horovod reduces sparse gradients: its indices and values travel
+    as two allgathers named ``{name}.indices`` and ``{name}.values``. Returns a function that
+    waits and gives a new sparse tensor of ``tensor``'s shape holding every rank's entries,
+    uncoalesced (a row two ranks touch appears twice; ``coalesce()`` sums them), with the
+    values divided by the set's size for ``op=Average``. ``tensor`` must not change until then.
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise TensorArgumentError("sparse_allreduce_async: tensor must be a sparse COO torch.Tensor")
+    op = int(op)
+    if op not in (AVERAGE, SUM):
+        raise ValueError(f"sparse_allreduce_async: op must be Average or Sum, got {OP_NAMES.get(op, op)}")
+    # Entries go along dimension 0 of both gathers: indices as (nnz, sparse_dim).
+    indices = tensor._indices().t().contiguous()
+    values = tensor._values().contiguous()
+    base = f"{name}." if name is not None else None
+    h_indices = allgather_async(indices, name=base and base + "indices", process_set=process_set)
+    h_values = allgather_async(values, name=base and base + "values", process_set=process_set)
+    n = (process_set or global_process_set).size()
+
+    def wait() -> torch.Tensor:
+        gathered_values = synchronize(h_values)
+        gathered_indices = synchronize(h_indices)
+        if op == AVERAGE:
+            gathered_values = gathered_values / n
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape,
+                                       check_invariants=True)  # indices are checked against the shape
+
+    return wait
+
+
 # -- broadcast ---------------------------------------------------------------------------------
 def _set_rank(process_set) -> int:
     ps = process_set or global_process_set
@@ -451,6 +485,8 @@ def alltoall(tensor, splits=None, name=None, process_set: ProcessSet = global_pr
 
 # -- reducescatter -----------------------------------------------------------------------------
 def _reducescatter_issue(tensors, name, op, pre, post, process_set, single) -> int:
+    if op == ADASUM:  # a RuntimeError, as Horovod's core reports an unsupported reduction
+        raise NotImplementedError("reducescatter: op=Adasum is not supported (use Average or Sum)")
     if op not in (AVERAGE, SUM, MIN, MAX, PRODUCT):
         raise ValueError(f"reducescatter: unsupported op {op!r}")
     for t in tensors:

@@ -18,7 +18,7 @@ from . import basics
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, wire_format
 from .execute import ADASUM, AVERAGE, SUM
-from .mpi_ops import _allreduce_issue, _broadcast_issue, broadcast_object, synchronize
+from .mpi_ops import _allreduce_issue, _broadcast_issue, broadcast_object, sparse_allreduce_async, synchronize
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -42,10 +42,15 @@ class _Handle:
 
 class _NegotiatedGradients(DistributedGradients):
     """DistributedGradients whose buckets go through the hvd coordinator as grouped allreduces
-    named after their first parameter."""
+    named after their first parameter.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``) are Horovod's: with ``sparse_as_dense`` they
+    are reduced dense in their bucket and made sparse again by :meth:`synchronize`; without, each
+    is reduced by :func:`sparse_allreduce_async` (every rank's entries gathered) and its bucket
+    slot carries zeros, so every rank's buckets stay alike whatever its gradients' layout."""
 
     def __init__(self, params, names: dict[int, str], op: int, predivide: float, compression,
-                 process_set: ProcessSet, passes: int, buckets) -> None:
+                 process_set: ProcessSet, passes: int, buckets, sparse_as_dense: bool) -> None:
         fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
         bucket_mb = int(fusion) / 2**20 if fusion and int(fusion) > 0 else 25
         self.param_names = names
@@ -54,6 +59,35 @@ class _NegotiatedGradients(DistributedGradients):
                          group=process_set._group, backend="jit", buckets=buckets)
         self.hvd_op, self.predivide = op, predivide
         self.hvd_compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self._sparse_layout: set[int] = set()  # parameters whose gradients arrive sparse
+        self._sparse_pending: list[tuple[torch.Tensor, object]] = []  # (parameter, wait) this step
+
+    def _take_grad(self, p: torch.Tensor, last: bool) -> None:
+        if not p.grad.is_sparse:
+            return super()._take_grad(p, last)
+        self._sparse_layout.add(id(p))
+        if self.sparse_as_dense:
+            return super()._take_grad(p, last)
+        if last:  # earlier passes of a step accumulate in the sparse .grad itself
+            name = f"DistributedOptimizer.{self.param_names[id(p)]}"
+            self._sparse_pending.append(
+                (p, sparse_allreduce_async(p.grad, name, self.hvd_op, self.process_set)))
+            p.grad = None  # its bucket slot is reduced as zeros
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        pending, self._sparse_pending = self._sparse_pending, []
+        done = set()
+        for p, wait in pending:
+            p.grad = wait()
+            done.add(id(p))
+        for p in self._params:
+            if id(p) in self._sparse_layout and id(p) not in done and p.grad is not None:
+                p.grad = p.grad.to_sparse()  # sparse_as_dense: the update sees its layout again
+
+    def in_flight(self) -> bool:
+        return super().in_flight() or bool(self._sparse_pending)
 
     def _set_buckets(self, buckets) -> None:
         super()._set_buckets(buckets)
@@ -144,7 +178,7 @@ class _DistributedOptimizer:
         else:
             buckets = None
         self._hvd_names = {id(v): k for k, v in named_parameters}
-        self._hvd_sparse_as_dense = sparse_as_dense  # sparse gradients are always reduced dense here
+        self._parameter_names = {v: k for k, v in named_parameters}  # Horovod's attribute
         self._hvd_should_sync = True
         self._hvd_synchronized = False
         ps = process_set or global_process_set
@@ -153,7 +187,8 @@ class _DistributedOptimizer:
         if ps.included() and ps.size() > 1:
             basics.coordinator(ps)
             self._hvd_grads = _NegotiatedGradients(params, self._hvd_names, op, gradient_predivide_factor,
-                                                   compression, ps, backward_passes_per_step, buckets)
+                                                   compression, ps, backward_passes_per_step, buckets,
+                                                   bool(sparse_as_dense))
         self.backward_passes_per_step = backward_passes_per_step
 
     def set_backward_passes_per_step(self, passes: int) -> None:

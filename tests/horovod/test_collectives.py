@@ -105,6 +105,8 @@ def _check_collectives_match_numpy(mpi_comm):
         hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum)
     with pytest.raises(NotImplementedError, match="Adasum"):
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(RuntimeError, match="Adasum"):  # Horovod's test_horovod_reducescatter_adasum
+        hvd.reducescatter(torch.ones(2 * n), op=hvd.Adasum)
     with pytest.raises(RuntimeError, match="splits sum"):
         hvd.alltoall(torch.ones(n + 1), splits=[1] * n)
     with pytest.raises(RuntimeError, match="int32 or int64"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import terrapipe.horovod as hvd
+from terrapipe.horovod import sparse_allreduce_async
 
 
 class _Net(torch.nn.Module):
@@ -85,6 +86,58 @@ def _check_distributed_optimizer_equals_one_process():
         opt.step()
 
 
+def _sparse_rows(q, rows=10, dim=3):
+    """Rank ``q``'s sparse (rows, dim) tensor: a few random rows, none at all on rank 1."""
+    g = torch.Generator().manual_seed(7 + q)
+    dense = torch.zeros(rows, dim)
+    if q != 1:
+        picked = torch.randperm(rows, generator=g)[:3 + q % 3]
+        dense[picked] = torch.randn(len(picked), dim, generator=g)
+    return dense.to_sparse()
+
+
+def _embedding_batch(q, step):
+    g = torch.Generator().manual_seed(1000 * step + q)
+    return torch.randint(0, 12, (2, 3 + q % 2), generator=g)  # ranks' batches differ in size
+
+
+def _check_sparse_gradients_as_horovod_reduces_them():
+    r, n = hvd.rank(), hvd.size()
+    # sparse_allreduce_async: every rank's entries, uncoalesced; their sum is the dense reduction
+    mine = _sparse_rows(r)
+    for op, scale in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        out = sparse_allreduce_async(mine, f"sparse.{op}", op)()
+        assert out.is_sparse and out.shape == mine.shape
+        assert out._nnz() == sum(_sparse_rows(q)._nnz() for q in range(n))
+        want = sum(_sparse_rows(q).to_dense() for q in range(n)) * scale
+        torch.testing.assert_close(out.to_dense(), want)
+    with pytest.raises(ValueError, match="sparse COO"):
+        sparse_allreduce_async(mine.to_dense(), "dense", hvd.Sum)
+    # DistributedOptimizer over a sparse embedding, both of Horovod's ways, against one process
+    # on the union batch; the optimizer (SparseAdam) accepts only sparse gradients.
+    for sparse_as_dense, passes in ((False, 1), (False, 2), (True, 1)):
+        torch.manual_seed(0)
+        emb, ref = torch.nn.Embedding(12, 4, sparse=True), torch.nn.Embedding(12, 4, sparse=True)
+        ref.load_state_dict(emb.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                       named_parameters=emb.named_parameters(),
+                                       sparse_as_dense=sparse_as_dense, backward_passes_per_step=passes)
+        assert opt._parameter_names == {emb.weight: "weight"}
+        ref_opt = torch.optim.SparseAdam(list(ref.parameters()), lr=0.1)
+        for step in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for k in range(passes):
+                (emb(_embedding_batch(r, 10 * step + k)) ** 2).sum().backward()
+                for q in range(n):
+                    ((ref(_embedding_batch(q, 10 * step + k)) ** 2).sum() / n).backward()
+            opt.step()
+            ref_opt.step()
+            assert emb.weight.grad.is_sparse
+        torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-5, atol=1e-5,
+                                   msg=f"sparse_as_dense={sparse_as_dense}, passes={passes}")
+
+
 @pytest.mark.mpi(ranks=(1, 2), timeout=240)
 def test_broadcast_optimizer_state(mpi_comm):
     hvd.init()
@@ -144,6 +197,7 @@ def test_distributed_optimizer_and_sync_batch_norm(mpi_comm):
     hvd.init()
     try:
         _check_distributed_optimizer_equals_one_process()
+        _check_sparse_gradients_as_horovod_reduces_them()
         _check_sync_batch_norm_equals_batch_norm_on_the_whole_batch()
     finally:
         hvd.shutdown()
