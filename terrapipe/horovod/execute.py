@@ -51,11 +51,16 @@ def _scale(w: torch.Tensor, factor: float) -> None:
         w.copy_(w.double().mul_(factor))
 
 
-def _average(w: torch.Tensor, n: int) -> None:
-    if w.dtype.is_floating_point:
-        w.div_(n)
-    else:
-        w.floor_divide_(n)
+def _postscale(w: torch.Tensor, op: int, n: int, post: float) -> None:
+    """The sum ``w`` of ``n`` ranks made the result: divided by ``n`` for Average, then scaled
+    by ``post``. Integers take Horovod's single float64 factor ``post / n``, truncated toward
+    zero as its C++ core converts it back (-3 averaged over 2 ranks is -1, not floor's -2)."""
+    if op == AVERAGE:
+        if w.dtype.is_floating_point:
+            w.div_(n)
+        else:
+            post = post / n
+    _scale(w, post)
 
 
 def _work(t: torch.Tensor) -> torch.Tensor:
@@ -94,9 +99,7 @@ def _run_allreduce(g: comm.Group, entry, meta: list):
             works.append(w)
         comm.jit_allreduce(works, _COMM_OP[op], compression=wire or None, group=g)
         for w, o in zip(works, outs, strict=True):
-            if op == AVERAGE:
-                _average(w, g.size)
-            _scale(w, post)
+            _postscale(w, op, g.size, post)
             _finish(w, o)
     return outs
 
@@ -190,9 +193,7 @@ def _run_reducescatter(g: comm.Group, entry, meta: list):
             else:  # uneven rows: reduce the whole, keep this rank's rows
                 part = comm.allreduce(w, _COMM_OP[op], group=g)[start:start + counts[g.rank]]
             part = part.clone()
-            if op == AVERAGE:
-                _average(part, g.size)
-            _scale(part, post)
+            _postscale(part, op, g.size, post)
             out = part.to(t.dtype) if t.dtype != torch.bool else part != 0
             outs.append(out.to(t.device) if t.device.type != "cpu" else out)
     return outs

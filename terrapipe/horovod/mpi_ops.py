@@ -102,6 +102,8 @@ def _issue(kind: str, name: str | None, meta: list, args, tensors, process_set, 
     if name is None:
         co.unnamed += 1
         name = f"{kind}.noname.{co.unnamed}"
+    else:  # Horovod's op name: the kind, then the user's name (NOTE [name negotiation] 1)
+        name = f"{kind}.{name}"
     entry = Entry(str(name), meta, _describe(kind, str(name), tensors, extra), args)
     co.submit(entry)
     return _new_handle(entry, post)
@@ -132,10 +134,8 @@ def synchronize(handle: int):
     if item is None:
         return None
     entry, post = item
-    entry.done.wait()
-    if entry.error is not None:
-        raise entry.error
-    return post(entry.result) if post is not None else entry.result
+    result = entry.wait()  # frees the name (NOTE [name negotiation] 1)
+    return post(result) if post is not None else result
 
 
 def _first(result):
@@ -239,7 +239,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """Reduce ``tensor`` over the ranks of ``process_set`` into a new tensor (same shape, dtype,
     device). ``op``: Average (default), Sum, Min, Max, Product; ``prescale_factor`` multiplies
     each input, ``postscale_factor`` the result (integers scaled in float64 and truncated,
-    16-bit floats in float32; integer Average divides with floor). Differentiable."""
+    16-bit floats in float32; integer Average truncates toward zero). Differentiable."""
     op = _op_from(op, average)
     (t,) = _tensors(tensor, "allreduce")
     ts, wire, ctxs = _compressed([t], compression)
@@ -520,9 +520,10 @@ class _ReducescatterFn(torch.autograd.Function):
     def backward(ctx, *grads):
         if ctx.op not in (SUM, AVERAGE):
             raise RuntimeError("reducescatter: gradients are defined for op=Sum and op=Average only")
+        # Horovod's definition: the gathered output gradients, times the set's size for Sum
         full = grouped_allgather([g.contiguous() for g in grads], process_set=ctx.process_set)
         n = (ctx.process_set or global_process_set).size()
-        scale = ctx.pre * ctx.post / (n if ctx.op == AVERAGE else 1)
+        scale = ctx.pre * ctx.post * (n if ctx.op == SUM else 1)
         return (None,) * 5 + tuple(f * scale if scale != 1 else f for f in full)
 
 

@@ -8,7 +8,13 @@ NOTE [name negotiation]
     Horovod's semantics on top of it.
     1. Every hvd collective is an :class:`Entry` (name, metadata, tensors, executor) queued on
        its process set's :class:`Coordinator`, whose one thread runs entries in rounds on the
-       set's Group. Names in flight on a rank are unique (ValueError at issue).
+       set's Group. As in Horovod, a name is its kind and the user's name ("allreduce.loss"),
+       so an allgather and an allreduce may share a user's name. Names in flight on a rank are
+       unique (ValueError at issue). A name is in flight from issue until its handle is
+       synchronized; a handle never synchronized keeps its name until 1 s after its collective
+       finished. Horovod frees a name when the collective ran, but its background cycle (>= 1 ms)
+       makes an immediate second issue fail every time, which its tests and users rely on; here a
+       small collective can finish before the issuing thread gets the GIL back.
     2. A round starts with the fast check: one small allreduce (max) of
        ``[h(name), h(meta), -h(name), -h(meta)]`` of each rank's oldest entry. When every rank
        has the same head, that entry runs. Ranks that issue in the same order (every training
@@ -57,6 +63,7 @@ __all__ = ["Entry", "Coordinator", "JOIN"]
 JOIN = "join"
 _MASK = (1 << 62) - 1
 _SLEEP_FIRST, _SLEEP_MAX = 0.001, 0.02
+_NAME_HOLD = 1.0  # seconds a finished, never-synchronized entry keeps its name (NOTE 1)
 # The kinds a joined rank takes part in (NOTE [name negotiation] 3d); as in Horovod, the others
 # fail while any rank of the set has joined.
 _WITH_JOIN = ("allreduce", "barrier")
@@ -76,7 +83,7 @@ class Entry:
     """
 
     __slots__ = ("name", "meta", "describe", "args", "t0", "done", "result", "error",
-                 "_meta_json", "callbacks")
+                 "_meta_json", "callbacks", "t_done", "released", "owner")
 
     def __init__(self, name: str, meta: list, describe: str, args=None) -> None:
         self.name, self.meta, self.describe, self.args = name, meta, describe, args
@@ -86,19 +93,36 @@ class Entry:
         self.result = None
         self.error: BaseException | None = None
         self.callbacks: list[Callable] = []
+        self.t_done = 0.0
+        self.released = False
+        self.owner: Coordinator | None = None
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
         self.result, self.error = result, error
+        self.t_done = time.monotonic()
         self.done.set()
         for cb in self.callbacks:
             cb(self)
 
     def wait(self):
-        """Block until the entry ran; its result, or raise its error (HorovodInternalError)."""
+        """Block until the entry ran and free its name; its result, or raise its error
+        (HorovodInternalError)."""
         self.done.wait()
+        self.release()
         if self.error is not None:
             raise self.error
         return self.result
+
+
+    def release(self) -> None:
+        """The issuer is done with the entry (its handle was synchronized): its name is free."""
+        self.released = True
+        if self.owner is not None:
+            self.owner._free_name(self)
+
+    def holds_name(self) -> bool:
+        """Whether the entry still keeps its name from a new issue (NOTE [name negotiation] 1)."""
+        return not self.released and not (self.done.is_set() and time.monotonic() - self.t_done > _NAME_HOLD)
 
 
 class Coordinator:
@@ -113,7 +137,7 @@ class Coordinator:
         self.group, self.timeout, self.ranks, self.label = group, float(timeout), ranks, label
         self._cv = threading.Condition()
         self._queue: list[Entry] = []
-        self._names: set[str] = set()
+        self._names: dict[str, Entry] = {}  # entries holding their names (NOTE [name negotiation] 1)
         self._closing = False
         self._dead: str | None = None
         self._joined_seen: list[int] = []  # ranks seen joined, in the order first seen
@@ -129,14 +153,21 @@ class Coordinator:
                 raise HorovodInternalError(f"{self.label}: unusable after an earlier failure: {self._dead}")
             if self._closing:
                 raise HorovodInternalError(f"{self.label}: Horovod has been shut down")
-            if entry.name in self._names:
+            held = self._names.get(entry.name)
+            if held is not None and held.holds_name():
                 raise ValueError(
                     f"{entry.describe}: another collective named {entry.name!r} is still in flight on "
                     f"this rank; names in flight must be unique (wait for it, or use another name)")
-            self._names.add(entry.name)
+            self._names[entry.name] = entry
+            entry.owner = self
             self._queue.append(entry)
             self._cv.notify()
         return entry
+
+    def _free_name(self, entry: Entry) -> None:
+        with self._cv:
+            if self._names.get(entry.name) is entry:
+                del self._names[entry.name]
 
     def close(self, wait: float = 10.0) -> bool:
         """Stop after the queued entries ran; True when the thread has ended."""
@@ -182,7 +213,6 @@ class Coordinator:
     def _retire(self, entry: Entry, result=None, error: BaseException | None = None) -> None:
         with self._cv:
             self._queue.remove(entry)
-            self._names.discard(entry.name)
         entry.finish(result, error)
 
     def _execute(self, entry: Entry | None, meta: list, describe: str):

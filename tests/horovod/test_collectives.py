@@ -34,7 +34,7 @@ def _check_collectives_match_numpy(mpi_comm):
         if dtype.is_floating_point:
             np.testing.assert_allclose(mean, total / n, rtol=1e-3 if dtype == torch.float16 else 1e-6)
         else:
-            assert np.array_equal(mean, np.floor_divide(total, n))  # Horovod: floor for integers
+            assert np.array_equal(mean, np.trunc(total * (1.0 / n)))  # Horovod: * 1/n in float64, truncated
         for op, ref in ((hvd.Min, np.min), (hvd.Max, np.max)):
             assert np.array_equal(hvd.allreduce(x, op=op).double().numpy(), ref(xs, axis=0))
         # prescale / postscale: integers scaled in float64 and truncated, as Horovod scales
@@ -139,11 +139,13 @@ def _check_gradients_as_horovod_defines_them():
         (out * (r + 1)).sum().backward()
         want = torch.tensor([float(d + 1) for d in range(n) for _ in range(2)], dtype=dtype)
         assert torch.equal(x.grad, want)
-        # reducescatter (Sum): every rank's input gets the gathered output gradients
-        x = torch.ones(2 * n, dtype=dtype, requires_grad=True)
-        (hvd.reducescatter(x, op=hvd.Sum) * (r + 1)).sum().backward()
-        want = torch.tensor([float(q + 1) for q in range(n) for _ in range(2)], dtype=dtype)
-        assert torch.equal(x.grad, want)
+        # reducescatter: every rank's input gets the gathered output gradients, times the set's
+        # size for Sum (Horovod's definition; its test_horovod_reducescatter_grad expects size)
+        gathered = torch.tensor([float(q + 1) for q in range(n) for _ in range(2)], dtype=dtype)
+        for op, scale in ((hvd.Sum, n), (hvd.Average, 1)):
+            x = torch.ones(2 * n, dtype=dtype, requires_grad=True)
+            (hvd.reducescatter(x, op=op) * (r + 1)).sum().backward()
+            assert torch.equal(x.grad, gathered * scale)
         # Max: the summed gradient flows to the rank holding the maximum
         x = torch.tensor([float(r), -float(r)], dtype=dtype, requires_grad=True)
         hvd.allreduce(x, op=hvd.Max).sum().backward()
@@ -182,7 +184,8 @@ def _check_timeline_api(mpi_comm):
             assert ops == {(r, k) for r in range(n) for k in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE")}
             assert any(e["name"] == "CYCLE_START" for e in events) == mark_cycles
             rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-            assert "test_allreduce" in rows and "after_stop" not in rows
+            # Horovod's row names: the op's kind, then the user's name
+            assert "allreduce.test_allreduce" in rows and "allreduce.after_stop" not in rows
     mpi_comm.barrier()
     if mpi_comm.rank == 0:
         shutil.rmtree(folder)
