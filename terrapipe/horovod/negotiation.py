@@ -113,7 +113,6 @@ class Entry:
             raise self.error
         return self.result
 
-
     def release(self) -> None:
         """The issuer is done with the entry (its handle was synchronized): its name is free."""
         self.released = True

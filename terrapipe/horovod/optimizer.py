@@ -76,12 +76,14 @@ class _NegotiatedGradients(DistributedGradients):
             p.grad = None  # its bucket slot is reduced as zeros
 
     def synchronize(self) -> None:
-        super().synchronize()
-        pending, self._sparse_pending = self._sparse_pending, []
         done = set()
-        for p, wait in pending:
-            p.grad = wait()
-            done.add(id(p))
+        try:
+            super().synchronize()
+        finally:  # the sparse reductions are waited for (their names freed) even when a bucket failed
+            pending, self._sparse_pending = self._sparse_pending, []
+            for p, wait in pending:
+                p.grad = wait()
+                done.add(id(p))
         for p in self._params:
             if id(p) in self._sparse_layout and id(p) not in done and p.grad is not None:
                 p.grad = p.grad.to_sparse()  # sparse_as_dense: the update sees its layout again
