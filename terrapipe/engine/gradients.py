@@ -147,7 +147,7 @@ class DistributedGradients:
     def _shared_flats(self, buckets: list[list[torch.nn.Parameter]]) -> list[torch.Tensor] | None:
         """Every bucket's flat buffer in one node-shared array (NOTE [gradients as bucket views]
         4), or None where there is none. Collective over the group."""
-        if self.backend != "jit" or buckets[0][0].device.type != "cpu":
+        if not buckets or self.backend != "jit" or buckets[0][0].device.type != "cpu":
             return None
         sizes = [sum(p.numel() for p in b) * b[0].element_size() for b in buckets]
         starts = [0]
@@ -197,8 +197,8 @@ class DistributedGradients:
         if self._arrived is not None and self._counts[key] == 0:
             self._arrived.append(key)
         self._counts[key] += 1
-        if self._counts[key] == self.passes_per_step:
-            b = self._bucket_of[key]
+        b = self._bucket_of.get(key)  # None: a subclass reduces it outside the buckets
+        if self._counts[key] == self.passes_per_step and b is not None:
             self._ready[b] += 1
             self._launch_ready()
 
@@ -302,11 +302,16 @@ class DistributedGradients:
         mine = [index[k] for k in self._arrived] + [index[id(p)] for p in self._order if id(p) not in seen]
         self._arrived = None
         order = self._broadcast_order(np.asarray(mine, np.int64))
-        ordered = [self._params[i] for i in order]
+        ordered = self._bucketed([self._params[i] for i in order])
         if [id(p) for p in ordered] == [id(p) for p in self._order]:
             return
         self._order = ordered
         self._set_buckets(_size_buckets(ordered, self.first_bucket_mb, self.bucket_mb))
+
+    def _bucketed(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The parameters to keep in buckets when they are cut along the first arrivals (all of
+        them; terrapipe.horovod reduces agreed sparse ones outside)."""
+        return params
 
     @contextmanager
     def no_sync(self):

@@ -11,6 +11,7 @@ import os
 import warnings
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from ..engine.gradients import DistributedGradients
@@ -45,9 +46,11 @@ class _NegotiatedGradients(DistributedGradients):
     named after their first parameter.
 
     Sparse gradients (``nn.Embedding(sparse=True)``) are Horovod's: with ``sparse_as_dense`` they
-    are reduced dense in their bucket and made sparse again by :meth:`synchronize`; without, each
-    is reduced by :func:`sparse_allreduce_async` (every rank's entries gathered) and its bucket
-    slot carries zeros, so every rank's buckets stay alike whatever its gradients' layout."""
+    are reduced dense in their bucket and made sparse again by :meth:`synchronize`; without, by
+    :func:`sparse_allreduce_async` (every rank's entries gathered). In the first step such a
+    parameter's bucket slot carries zeros; the first synchronize agrees on rank 0's sparse
+    parameters (with the bucket order) and cuts them out of the buckets, and from then on a
+    rank with no gradient for one sends its share empty, so no rank waits for it."""
 
     def __init__(self, params, names: dict[int, str], op: int, predivide: float, compression,
                  process_set: ProcessSet, passes: int, buckets, sparse_as_dense: bool) -> None:
@@ -55,41 +58,58 @@ class _NegotiatedGradients(DistributedGradients):
         bucket_mb = int(fusion) / 2**20 if fusion and int(fusion) > 0 else 25
         self.param_names = names
         self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
+        self._sparse_dims: dict[int, int] = {}  # parameters seen with sparse gradients: sparse_dim
+        self._outside: dict[int, int] = {}  # agreed sparse parameters, out of the buckets: sparse_dim
+        self._sparse_pending: dict[int, tuple[torch.Tensor, object]] = {}  # id: (parameter, wait)
         super().__init__(params, bucket_mb=bucket_mb, backward_passes_per_step=passes,
                          group=process_set._group, backend="jit", buckets=buckets)
+        self._by_id = {id(p): p for p in self._params}
         self.hvd_op, self.predivide = op, predivide
         self.hvd_compression = compression
-        self.sparse_as_dense = sparse_as_dense
-        self._sparse_layout: set[int] = set()  # parameters whose gradients arrive sparse
-        self._sparse_pending: list[tuple[torch.Tensor, object]] = []  # (parameter, wait) this step
 
     def _take_grad(self, p: torch.Tensor, last: bool) -> None:
-        if not p.grad.is_sparse:
-            return super()._take_grad(p, last)
-        self._sparse_layout.add(id(p))
-        if self.sparse_as_dense:
+        key = id(p)
+        if p.grad.is_sparse:
+            self._sparse_dims.setdefault(key, p.grad.sparse_dim())
+        if key not in self._outside and (not p.grad.is_sparse or self.sparse_as_dense):
             return super()._take_grad(p, last)
         if last:  # earlier passes of a step accumulate in the sparse .grad itself
-            name = f"DistributedOptimizer.{self.param_names[id(p)]}"
-            self._sparse_pending.append(
-                (p, sparse_allreduce_async(p.grad, name, self.hvd_op, self.process_set)))
-            p.grad = None  # its bucket slot is reduced as zeros
+            self._sparse_pending[key] = (p, self._sparse_reduce(p, p.grad))
+            if key not in self._outside:
+                p.grad = None  # still in a bucket (first step): its slot is reduced as zeros
+
+    def _sparse_reduce(self, p: torch.Tensor, grad: torch.Tensor):
+        if not grad.is_sparse:
+            grad = grad.to_sparse(self._outside.get(id(p), 1))
+        return sparse_allreduce_async(grad, f"DistributedOptimizer.{self.param_names[id(p)]}", self.hvd_op,
+                                      self.process_set)
 
     def synchronize(self) -> None:
-        done = set()
         try:
-            super().synchronize()
+            super().synchronize()  # the first one also agrees on the parameters outside the buckets
+            for key, sparse_dim in self._outside.items():
+                if key not in self._sparse_pending:  # no gradient on this rank: an empty share
+                    p = self._by_id[key]
+                    grad = p.grad if p.grad is not None else torch.sparse_coo_tensor(
+                        torch.empty(sparse_dim, 0, dtype=torch.int64),
+                        torch.empty((0, *p.shape[sparse_dim:]), dtype=p.dtype), p.shape)
+                    self._sparse_pending[key] = (p, self._sparse_reduce(p, grad))
         finally:  # the sparse reductions are waited for (their names freed) even when a bucket failed
-            pending, self._sparse_pending = self._sparse_pending, []
-            for p, wait in pending:
+            pending, self._sparse_pending = self._sparse_pending, {}
+            for p, wait in pending.values():
                 p.grad = wait()
-                done.add(id(p))
-        for p in self._params:
-            if id(p) in self._sparse_layout and id(p) not in done and p.grad is not None:
-                p.grad = p.grad.to_sparse()  # sparse_as_dense: the update sees its layout again
+        if self.sparse_as_dense:  # the update sees the gradients' layout again
+            for key, sparse_dim in self._sparse_dims.items():
+                p = self._by_id[key]
+                if p.grad is not None and not p.grad.is_sparse:
+                    p.grad = p.grad.to_sparse(sparse_dim)
 
     def in_flight(self) -> bool:
         return super().in_flight() or bool(self._sparse_pending)
+
+    def _bucketed(self, params):
+        return [p for p in params if id(p) not in self._outside]
 
     def _set_buckets(self, buckets) -> None:
         super()._set_buckets(buckets)
@@ -97,11 +117,15 @@ class _NegotiatedGradients(DistributedGradients):
                              + (f"+{len(b) - 1}" if len(b) > 1 else "") for b in self.buckets]
 
     def _broadcast_order(self, order):
-        # Through the coordinator, as every hvd collective of this process set goes.
-        t = torch.from_numpy(order)
+        # Through the coordinator, as every hvd collective of this process set goes; with it, the
+        # sparse parameters rank 0 saw (their sparse_dim, else 0), which leave the buckets.
+        dims = [0 if self.sparse_as_dense else self._sparse_dims.get(id(p), 0) for p in self._params]
+        t = torch.from_numpy(np.concatenate([order, np.asarray(dims, np.int64)]))
         root = self.process_set.ranks[0] if self.process_set.ranks else 0
         synchronize(_broadcast_issue([t], [t], root, "DistributedOptimizer.bucket_order", self.process_set))
-        return order
+        agreed = t[len(order):].tolist()
+        self._outside = {id(p): d for p, d in zip(self._params, agreed, strict=True) if d}
+        return t[:len(order)].numpy()
 
     def _reduce_bucket(self, b: int, flat: torch.Tensor):
         if self.hvd_op == AVERAGE:  # Horovod splits the average around the sum

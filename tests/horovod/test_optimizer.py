@@ -136,6 +136,44 @@ def _check_sparse_gradients_as_horovod_reduces_them():
             assert emb.weight.grad.is_sparse
         torch.testing.assert_close(emb.weight, ref.weight, rtol=1e-5, atol=1e-5,
                                    msg=f"sparse_as_dense={sparse_as_dense}, passes={passes}")
+        # after the first step the sparse parameter left the buckets (no zeros travel for it)
+        if n > 1:  # (one rank: no reduction at all)
+            in_buckets = any(q is emb.weight for b in opt._hvd_grads.buckets for q in b)
+            assert in_buckets == sparse_as_dense
+    # A sparse embedding beside a dense layer, and a step where rank 1 does not use the
+    # embedding: its share goes empty (before, the other ranks waited for it and timed out).
+    for sparse_as_dense in (False, True):
+        model, ref = _SparseNet(), _SparseNet()
+        ref.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(),
+                                       sparse_as_dense=sparse_as_dense)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        for step in range(4):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            (model(_embedding_batch(r, step), use_embedding=(r, step) != (1, 2)) ** 2).sum().backward()
+            for q in range(n):
+                out = ref(_embedding_batch(q, step), use_embedding=(q, step) != (1, 2))
+                ((out ** 2).sum() / n).backward()
+            opt.step()
+            ref_opt.step()
+            assert model.emb.weight.grad.is_sparse and not model.head.weight.grad.is_sparse
+        for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5,
+                                       msg=f"{name}, sparse_as_dense={sparse_as_dense}")
+
+
+class _SparseNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = torch.nn.Embedding(12, 4, sparse=True)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, idx, use_embedding=True):
+        h = self.emb(idx).sum(1) if use_embedding else torch.ones(idx.shape[0], 4)
+        return self.head(h)
 
 
 @pytest.mark.mpi(ranks=(1, 2), timeout=240)
