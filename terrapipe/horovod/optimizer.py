@@ -52,7 +52,7 @@ class _NegotiatedGradients(DistributedGradients):
     parameters (with the bucket order) and cuts them out of the buckets, and from then on a
     rank with no gradient for one sends its share empty, so no rank waits for it."""
 
-    def __init__(self, params, names: dict[int, str], op: int, predivide: float, compression,
+    def __init__(self, params, names: dict[torch.Tensor, str], op: int, predivide: float, compression,
                  process_set: ProcessSet, passes: int, buckets, sparse_as_dense: bool) -> None:
         fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
         bucket_mb = int(fusion) / 2**20 if fusion and int(fusion) > 0 else 25
@@ -82,8 +82,10 @@ class _NegotiatedGradients(DistributedGradients):
     def _sparse_reduce(self, p: torch.Tensor, grad: torch.Tensor):
         if not grad.is_sparse:
             grad = grad.to_sparse(self._outside.get(id(p), 1))
-        return sparse_allreduce_async(grad, f"DistributedOptimizer.{self.param_names[id(p)]}", self.hvd_op,
-                                      self.process_set)
+        return sparse_allreduce_async(grad, self._op_name(p), self.hvd_op, self.process_set)
+
+    def _op_name(self, p: torch.Tensor) -> str:
+        return f"DistributedOptimizer.{self.param_names[p]}"
 
     def synchronize(self) -> None:
         try:
@@ -113,8 +115,8 @@ class _NegotiatedGradients(DistributedGradients):
 
     def _set_buckets(self, buckets) -> None:
         super()._set_buckets(buckets)
-        self.bucket_names = [f"DistributedOptimizer.{self.param_names[id(b[0])]}"
-                             + (f"+{len(b) - 1}" if len(b) > 1 else "") for b in self.buckets]
+        self.bucket_names = [self._op_name(b[0]) + (f"+{len(b) - 1}" if len(b) > 1 else "")
+                             for b in self.buckets]
 
     def _broadcast_order(self, order):
         # Through the coordinator, as every hvd collective of this process set goes; with it, the
@@ -203,8 +205,8 @@ class _DistributedOptimizer:
                 o += n
         else:
             buckets = None
-        self._hvd_names = {id(v): k for k, v in named_parameters}
-        self._parameter_names = {v: k for k, v in named_parameters}  # Horovod's attribute
+        # Horovod's attribute, and the names buckets are issued under (tensors hash by identity)
+        self._parameter_names = {v: k for k, v in named_parameters}
         self._hvd_should_sync = True
         self._hvd_synchronized = False
         ps = process_set or global_process_set
@@ -212,9 +214,9 @@ class _DistributedOptimizer:
         self._hvd_grads = None
         if ps.included() and ps.size() > 1:
             basics.coordinator(ps)
-            self._hvd_grads = _NegotiatedGradients(params, self._hvd_names, op, gradient_predivide_factor,
-                                                   compression, ps, backward_passes_per_step, buckets,
-                                                   bool(sparse_as_dense))
+            self._hvd_grads = _NegotiatedGradients(params, self._parameter_names, op,
+                                                   gradient_predivide_factor, compression, ps,
+                                                   backward_passes_per_step, buckets, bool(sparse_as_dense))
         self.backward_passes_per_step = backward_passes_per_step
 
     def set_backward_passes_per_step(self, passes: int) -> None:
