@@ -36,8 +36,8 @@ from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks,
 
 CASES = ("jit_allreduce", "jit (private bucket)", "jit (torch.ones)", "comm.allreduce", "ring over MPI",
          "mpi Allreduce", "gloo all_reduce")
-ALGORITHMS = ("shm one-shot", "shm chunked", "shm shared array", "mpi transport: MPI's own", "comm.allreduce",
-              "mpi transport: ring", "mpi Allreduce")
+ALGORITHMS = ("shm one-shot", "shm single copy", "shm chunked", "shm shared array",
+              "mpi transport: MPI's own", "comm.allreduce", "mpi transport: ring", "mpi Allreduce")
 
 
 def _algorithm_cases(a: np.ndarray, shared: np.ndarray | None, mpi, MPI) -> dict:
@@ -65,6 +65,12 @@ def _algorithm_cases(a: np.ndarray, shared: np.ndarray | None, mpi, MPI) -> dict
     if a.nbytes <= g.shm.small_bytes:
         oneshot = g.shm.oneshot_plan(a.dtype, SUM, 0, "allreduce", sig, check)
         cases["shm one-shot"] = lambda: oneshot(a, a)
+    if g.shm.peers is not None:  # NOTE [single-copy allreduce] in comm/cma.py
+        def single_copy():
+            g.shm.post_single_copy(a, a)  # published by the agreement's release store
+            g.agree("allreduce", SUM, buf)
+            g.shm.allreduce_single_copy(a, a, SUM)
+        cases["shm single copy"] = single_copy
     cases["shm chunked"] = agreed(lambda: g.shm.allreduce(fused, fused, SUM, a.dtype, 0))
     if shared is not None and a.nbytes >= SHARED_MIN_BYTES:  # smaller ones take the one-shot
         cases["shm shared array"] = lambda: comm.allreduce(shared, "sum")

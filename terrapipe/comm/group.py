@@ -13,7 +13,8 @@ NOTE [collective ordering]
        publish signature and data together (ShmTransport.oneshot).
 
 NOTE [transport selection]
-    ``Group._route`` (with ``_oneshot_fits``) is the only place that chooses; the crossovers are
+    ``Group._route`` and the predicates ``allreduce_views`` asks before it (``_shared_fits``,
+    ``_single_copy_fits``, ``_oneshot_fits``) are the only places that choose; the crossovers are
     measured with ``python -m benchmarks.allreduce --algorithms -n 2`` / ``-n 4``.
     1. CUDA tensors go to NCCL before any of this, when the group can use it (comm/nccl.py).
     2. Under torchrun every collective goes over Gloo.
@@ -27,13 +28,23 @@ NOTE [transport selection]
     6. An allreduce in place on a piece of a shared array (``Group.shared_array``; NOTE
        [shared arrays] in shm.py) takes the shared path from ``shm.SHARED_MIN_BYTES`` (512
        KiB), before the one-shot, sync (the latency path declines it) or async alike.
-    7. Larger ones go through our ring over MPI when every local rank has a core of its own:
-       one copy fewer than the segment (at 2 ranks here 1.3-1.5x the chunked segment from
-       1 MiB, 2.4x MPICH from 32 MiB). When ranks outnumber the node's cores, each ring step
-       waits for a neighbour to be scheduled (at 4 ranks on 2 cores the ring took 3x the
+    7. On one node, an allreduce of private host memory from ``cma.MIN_BYTES`` (2 MiB) goes
+       single-copy where the kernel lets the node's ranks read each other's memory (NOTE
+       [single-copy allreduce] in cma.py): each rank reads its part of the peers' sources and
+       then their reduced parts, nothing through the segment. Interleaved, float32 sum in place
+       (``benchmarks.allreduce --algorithms``), at 2 ranks: 2 MiB 287 us vs the one-shot's 335,
+       4 MiB 467 vs the ring's 564, 64 MiB 10.8 ms vs 12.0 (the chunked segment: 17.9); at 4
+       ranks on 2 cores it loses to the one-shot at 1 MiB (608 vs 420 us), ties the segment at
+       2 MiB and leads from 4 MiB (1.7 vs 2.2 ms; 64 MiB 30.5 vs 33.8). Device-staged messages
+       keep the segment (their chunks overlap the copies); the signature marks the path, so
+       ranks that chose differently get CollectiveMismatchError, not a hang.
+    8. Larger ones that do not go single-copy go through our ring over MPI when every local rank
+       has a core of its own: one copy fewer than the segment (at 2 ranks here 1.3-1.5x the chunked
+       segment from 1 MiB, 2.4x MPICH from 32 MiB). When ranks outnumber the node's cores, each
+       ring step waits for a neighbour to be scheduled (at 4 ranks on 2 cores the ring took 3x the
        segment's time at 1 MiB), so the chunked segment carries them, as it does device-staged
-       allreduces (their chunks overlap the copies, NOTE [staging gate] in shm.py) and
-       everything under ``TERRAPIPE_COMM_BACKEND=shm``.
+       allreduces (their chunks overlap the copies, NOTE [staging gate] in shm.py) and everything
+       under ``TERRAPIPE_COMM_BACKEND=shm``.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import numpy as np
 from .. import timeline
 from ..kernels import reduce as kreduce
 from ..kernels.floats import F16, compress, decompress
+from . import cma
 from .buffers import DTYPE_CODES, Buffer
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 from .shm import SHARED_MIN_BYTES, SIG_WORDS, ShmTransport
@@ -62,6 +74,7 @@ _COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "r
 # Signature words: 0 collective, 1 op, 2 dtype, 3 root, 4 elements, 5 dims, then the dims up to
 # _SHARED_WORD, where a shared array's (segment, byte offset) go (NOTE [shared arrays] 2 in shm.py).
 _SHARED_WORD = SIG_WORDS - 2
+_SINGLE_COPY = -1  # at _SHARED_WORD: private memory, read by the peers (NOTE [single-copy allreduce])
 _CODE_DTYPE = {v: k for k, v in DTYPE_CODES.items()}
 _CODE_OP = {v: k for k, v in kreduce.OPS.items()}
 
@@ -360,10 +373,14 @@ class Group:
                 parts.append(f"op={_CODE_OP.get(int(s[1]), s[1])}")
             if s[3] >= 0:
                 parts.append(f"root={int(s[3])}")
-            if s[_SHARED_WORD]:
+            if s[_SHARED_WORD] == _SINGLE_COPY:
+                parts.append("in private memory (single copy)")
+            elif s[_SHARED_WORD]:
                 parts.append(f"in shared array {int(s[_SHARED_WORD])} at byte {int(s[_SHARED_WORD + 1])}")
-            elif coll in ("allreduce", "jit_allreduce") and (sigs[:, _SHARED_WORD] != 0).any():
+            elif coll in ("allreduce", "jit_allreduce") and (sigs[:, _SHARED_WORD] > 0).any():
                 parts.append("in private memory")
+            elif coll in ("allreduce", "jit_allreduce") and (sigs[:, _SHARED_WORD] == _SINGLE_COPY).any():
+                parts.append("by another path")
             return " ".join(parts)
 
         lines = "; ".join(f"rank {r}: {desc(s)}" for r, s in zip(ranks, sigs, strict=True))
@@ -418,6 +435,9 @@ class Group:
         rkind = ckind or kind
         nbytes = fs.n * rows_dtype.itemsize
         where = self._shared_location(fs, fd, ckind, gate) if self._shared_fits(nbytes) else None
+        if where is None and gate is NO_GATE and self._single_copy_fits(nbytes, rkind):
+            self._allreduce_single_copy(fs, fd, op, rows_dtype, coll, sig_buf)
+            return
         if where is None and self._oneshot_fits(nbytes):
             gate.ready(fs.n)
             src = fs.only()
@@ -443,6 +463,31 @@ class Group:
             return
         self.agree(coll, op, sig_buf)
         self._route("allreduce", gate).allreduce(fs, fd, op, rows_dtype, rkind, ckind, gate=gate)
+
+    def _single_copy_fits(self, nbytes: int, kind: int) -> bool:
+        """Whether a host allreduce of ``nbytes`` not in a shared array goes single-copy (NOTE
+        [transport selection] 7): the same answer on every rank that calls it alike. (Device-staged
+        ones keep the segment, whose chunks overlap the copies: NOTE [staging gate] in shm.py.)"""
+        return (kind == 0 and nbytes >= cma.MIN_BYTES and self.shm is not None and self.control is self.shm
+                and self.shm.peers is not None and self.nnodes == 1 and not self.force_mpi)
+
+    def _allreduce_single_copy(self, fs: Fused, fd: Fused, op: int, dtype: np.dtype, coll: str,
+                               sig_buf) -> None:
+        """NOTE [single-copy allreduce] in cma.py; a fused message (several arrays) goes through
+        one contiguous private copy. Its signature says so, so a rank that chose another path
+        (a device-staged message beside host ones) gets CollectiveMismatchError, not a hang."""
+        src, dst = fs.only(), fd.only()
+        if src is None or dst is None or not (src.flags.c_contiguous and dst.flags.c_contiguous):
+            dst = src = self.shm.staging(fs.n * dtype.itemsize).view(dtype)
+            fs.read(0, fs.n, src)
+        sig = self._signature(coll, op, sig_buf).copy()
+        sig[_SHARED_WORD] = _SINGLE_COPY
+        self.shm.post_single_copy(src, dst)
+        with timeline.span("comm", "agreement"):
+            self.control.agree(coll, sig, functools.partial(self._mismatch, coll))
+        self.shm.allreduce_single_copy(src, dst, op)
+        if dst is not fd.only():
+            fd.write(0, dst)
 
     def _shared_location(self, fs: Fused, fd: Fused, ckind: int, gate) -> tuple[int, int] | None:
         """(segment, byte offset) when this allreduce takes the in-place path through a shared
@@ -545,7 +590,8 @@ class Group:
         kind = ckind or (F16 if name == "float16" else 0)
         rows_dtype = np.dtype(np.uint16) if kind else dtype
         if (self.size == 1 or name not in ("float32", "float64", "int32", "int64", "float16")
-                or (ckind and name != "float32") or not self._oneshot_fits(size * rows_dtype.itemsize)):
+                or (ckind and name != "float32") or not self._oneshot_fits(size * rows_dtype.itemsize)
+                or self._single_copy_fits(size * rows_dtype.itemsize, kind)):
             return False
         sig = self._signature_of(coll, op, name, size, tuple(shape), -1)
         call = self.shm.oneshot_plan(rows_dtype, op, kind, coll, sig, functools.partial(self._mismatch, coll))

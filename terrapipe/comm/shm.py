@@ -86,6 +86,7 @@ from .. import timeline
 from ..kernels import oneshot
 from ..kernels import reduce as kreduce
 from ..kernels.sync import publish_step, release_step, rows_equal, spin_until
+from . import cma
 from .errors import CollectiveTimeoutError
 from .ring import segments
 from .transport import NO_GATE, Fused, Transport, divide
@@ -222,6 +223,9 @@ class Board:
         self.steps = self.table[:, 0]
         self._sig_slots = tuple(self.table[:, c : c + SIG_WORDS] for c in _SIG_COLS)
         self.pids = self.table[:, 60]
+        # Each rank's source and destination addresses for a single-copy collective, written
+        # before the agreement's release store (NOTE [single-copy allreduce] 2 in cma.py).
+        self.addrs = self.table[:, 1:3].view(np.uint64)
         self.me = me
         self.ranks = ranks  # world rank of each local rank, for messages
         self.step = 0
@@ -314,6 +318,9 @@ class ShmTransport(Transport):
         self._node_comm = node_comm  # for the segments of alloc_shared
         self._shared: dict[int, tuple[int, int, np.ndarray, Segment]] = {}  # id: (addr, bytes, rows, segment)
         self._shared_made = 0
+        # NOTE [single-copy allreduce] 4 in cma.py: None where the node cannot (or across nodes)
+        self.peers = self._probe_single_copy() if cross is None and p > 1 and cma.enabled() else None
+        self._staging = np.empty(0, np.uint8)  # contiguous copies of fused messages (single copy)
 
     def late(self) -> tuple[list[int], str] | None:
         """Group ranks of this node that died or have not reached this rank's step, or None."""
@@ -450,6 +457,67 @@ class ShmTransport(Transport):
                 if rec:
                     t = timeline.phase("comm", "copy parts (shared)", t, {"bytes": (length - hi + lo) * item})
         self.board.barrier(self.timeout, "allreduce")  # NOTE [shared arrays] 3
+        if rec:
+            timeline.phase("comm", "wait for peers", t)
+
+    # -- single copy (NOTE [single-copy allreduce] in cma.py) --------------------------------------
+    def _probe_single_copy(self) -> cma.Peers | None:
+        """Whether every rank of the node can read every other's memory (NOTE [single-copy
+        allreduce] 4), agreed on the board: the Peers to do it with, or None on every rank."""
+        board, me = self.board, self.local_rank
+        mark = np.array([os.getpid()], np.int64)  # what a peer must read at this address
+        board.addrs[me, 0] = mark.ctypes.data
+        board.barrier(self.timeout, "start-up")
+        ok = all(q == me or cma.read_value(int(board.pids[q]), int(board.addrs[q, 0])) == board.pids[q]
+                 for q in range(self.local_size))
+        step = board.barrier(self.timeout, "start-up", np.array([1 if ok else 2], np.int64))
+        if (board.sigs(step)[:, 0] != 1).any():
+            return None
+        return cma.Peers(board.pids.copy(), list(board.ranks))
+
+    def post_single_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Publish this rank's source and destination for the single-copy allreduce whose
+        agreement comes next (its release store makes them visible)."""
+        self.board.addrs[self.local_rank] = (src.ctypes.data, dst.ctypes.data)
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A private contiguous uint8 buffer of ``nbytes`` for a fused message's single copy
+        (kept and grown: a fresh one would pay a page fault per 4 KiB on every call)."""
+        if self._staging.nbytes < nbytes:
+            self._staging = np.empty(nbytes, np.uint8)
+        return self._staging[:nbytes]
+
+    def allreduce_single_copy(self, src: np.ndarray, dst: np.ndarray, op: int) -> None:
+        """Allreduce ``src`` (1-D, native dtype, this rank's private memory) into ``dst`` (same
+        shape and dtype; may be ``src``) by reading the peers' memory (NOTE [single-copy
+        allreduce] in cma.py); :meth:`post_single_copy` and the agreement have run. One node."""
+        board, peers = self.board, self.peers
+        p, me = self.local_size, self.local_rank
+        n = src.shape[0]
+        bounds = np.array([n * q // p for q in range(p + 1)], np.int64)
+        addrs = board.addrs
+        rec = timeline.enabled()
+        t = timeline.now() if rec else 0
+        divisor = self.size if op == kreduce.AVG else 1
+        integer = src.dtype.kind in "iu"
+        failed = cma.reduce_part(dst, src, peers.pids, np.ascontiguousarray(addrs[:, 0]), me, op,
+                                 bounds[me], bounds[me + 1], divisor, integer, peers.tile(src.dtype),
+                                 peers.iov)
+        if failed >= 0:
+            raise peers.failed(failed, "allreduce", int(addrs[failed, 0]))
+        if rec:
+            t = timeline.phase("comm", "reduce (single copy)", t,
+                               {"bytes": int(bounds[me + 1] - bounds[me]) * src.itemsize})
+        board.barrier(self.timeout, "allreduce")
+        if rec:
+            t = timeline.phase("comm", "wait for peers", t)
+        failed = cma.gather_parts(dst, peers.pids, np.ascontiguousarray(addrs[:, 1]), bounds, me, peers.iov)
+        if failed >= 0:
+            raise peers.failed(failed, "allreduce", int(addrs[failed, 1]))
+        if rec:
+            t = timeline.phase("comm", "copy parts (single copy)", t,
+                               {"bytes": int(n - bounds[me + 1] + bounds[me]) * src.itemsize})
+        board.barrier(self.timeout, "allreduce")  # nobody reads my destination any more
         if rec:
             timeline.phase("comm", "wait for peers", t)
 

@@ -11,7 +11,8 @@ NOTE [the terrapipe process group]
        run``) whose ranks are torch's ranks, the group is made over MPI (shared memory on each
        node, MPI between nodes and for the ring, as ``terrapipe.comm`` routes them); else it is
        shared memory between the ranks of one node, set up through the store torch hands the
-       backend (no MPI needed). The ranks decide which together, through the store.
+       backend (no MPI needed; under MPI too with ``TERRAPIPE_COMM_BACKEND=shm``). The ranks
+       decide which together, through the store.
     2. An asynchronous call (``opts.asyncOp``, which DDP's reducer and ``async_op=True`` set)
        returns at once. The transfer runs on the group's ordered executor thread, which releases
        the GIL inside the kernels, so backward keeps running on the caller's thread while a
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -447,7 +449,8 @@ def _mpi_group(store, rank: int, size: int, global_ranks: list[int], timeout: fl
     together through the store, so no rank goes to MPI alone."""
     ranks = global_ranks or list(range(size))
     mine = False
-    if launch_env.mpi_launched():
+    # TERRAPIPE_COMM_BACKEND=shm: shared memory only, the group torchrun's ranks get
+    if launch_env.mpi_launched() and os.environ.get("TERRAPIPE_COMM_BACKEND", "").lower() != "shm":
         try:
             from mpi4py import MPI
 

@@ -6,10 +6,10 @@ array (up to 4 MB; across nodes in 4 MiB chunks), sync and async mixed (a quarte
 operations sync on some ranks and async on others) with up to ``outstanding`` async operations
 in flight, NumPy arrays and torch tensors, sizes across every path threshold of comm (the
 one-shot allreduce up to 2 MiB at 2 ranks and 1 MiB at 4, which are also the shared-memory row
-halves; the shared-array path from 512 KiB; the ring's 512 KiB chunks and its 1 MiB start under
-forced MPI; the old one-shot limit at 64 KiB) with odd lengths on both sides, up to
-``max_bytes``. Inputs are small integers in float32 (and int64, bfloat16), so every sum is
-exact and each result is compared bit for bit.
+halves; the single-copy allreduce of private memory from 2 MiB; the shared-array path from
+512 KiB; the ring's 512 KiB chunks and its 1 MiB start under forced MPI; the old one-shot limit
+at 64 KiB) with odd lengths on both sides, up to ``max_bytes``. Inputs are small integers in
+float32 (and int64, bfloat16), so every sum is exact and each result is compared bit for bit.
 
     python -m tests.comm.stress --minutes 5          # under mpiexec: the soak (make soak)
 """
@@ -29,7 +29,7 @@ import terrapipe.comm as comm
 KIB, MIB = 1 << 10, 1 << 20
 # Bytes of float32 messages: each threshold of comm/group.py with its neighbours, odd lengths.
 SIZES = [0, 4, 28, 4 * KIB, 64 * KIB - 4, 64 * KIB, 64 * KIB + 4, 512 * KIB - 4, 512 * KIB + 4,
-         MIB - 4, MIB, MIB + 4, 2 * MIB - 4, 2 * MIB + 4, 4 * 1_000_003, 16 * MIB + 12, 64 * MIB]
+         MIB - 4, MIB, MIB + 4, 2 * MIB - 4, 2 * MIB, 2 * MIB + 4, 4 * 1_000_003, 16 * MIB + 12, 64 * MIB]
 OPS = ("allreduce", "allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter", "jit_allreduce",
        "shared allreduce")
 # In-place allreduces of pieces of a node-shared array (NOTE [shared arrays] in comm/shm.py): one

@@ -218,6 +218,51 @@ def test_ddp_equals_one_process_on_the_union_batch(mpi_comm):
     _close()
 
 
+@pytest.mark.mpi(ranks=(2, 4), timeout=240, ci_ranks=(2,))
+def test_ddp_buckets_past_the_single_copy_threshold(mpi_comm):
+    """DDP's default buckets of a 2.6M-parameter model (one of 1 MiB, then up to 25 MB) are
+    private torch memory reduced single-copy (NOTE [single-copy allreduce] in comm/cma.py);
+    training equals one process on the union batch, both ways DDP hands them over."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from terrapipe.comm import cma
+
+    tp, _ = _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    shm = tp.group.shm
+    taken = []
+    inner = shm.allreduce_single_copy
+    shm.allreduce_single_copy = lambda src, dst, op: (taken.append(src.nbytes), inner(src, dst, op))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, 1200), torch.nn.ReLU(), torch.nn.Linear(1200, 1500),
+                                   torch.nn.ReLU(), torch.nn.Linear(1500, 10))
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4 * n, 256, generator=g), torch.randint(0, 10, (4 * n,), generator=g))
+               for _ in range(3)]
+    ref = model()
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for x, y in batches:
+        ropt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ropt.step()
+    for as_view in (False, True):
+        net = model()
+        ddp = DDP(net, gradient_as_bucket_view=as_view)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
+            opt.step()
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if shm.peers is not None:
+        assert taken and max(taken) >= cma.MIN_BYTES, taken
+    _close()
+
+
 @pytest.mark.mpi(ranks=(2,), timeout=240)
 def test_comm_hooks_functional_collectives_and_fsdp2(mpi_comm):
     _init(mpi_comm)
