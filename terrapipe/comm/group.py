@@ -464,11 +464,11 @@ class Group:
         self.agree(coll, op, sig_buf)
         self._route("allreduce", gate).allreduce(fs, fd, op, rows_dtype, rkind, ckind, gate=gate)
 
-    def _single_copy_fits(self, nbytes: int, kind: int) -> bool:
+    def _single_copy_fits(self, nbytes: int, kind: int, min_bytes: int = cma.MIN_BYTES) -> bool:
         """Whether a host allreduce of ``nbytes`` not in a shared array goes single-copy (NOTE
         [transport selection] 7): the same answer on every rank that calls it alike. (Device-staged
         ones keep the segment, whose chunks overlap the copies: NOTE [staging gate] in shm.py.)"""
-        return (kind == 0 and nbytes >= cma.MIN_BYTES and self.shm is not None and self.control is self.shm
+        return (kind == 0 and nbytes >= min_bytes and self.shm is not None and self.control is self.shm
                 and self.shm.peers is not None and self.nnodes == 1 and not self.force_mpi)
 
     def _allreduce_single_copy(self, fs: Fused, fd: Fused, op: int, dtype: np.dtype, coll: str,
@@ -598,7 +598,20 @@ class Group:
         return call, bool(kind and not ckind)
 
     # -- the other collectives: the one-rank shortcut and the agreement, once; then the data ------
+    def _post_single_copy(self, buf: Buffer, nbytes: int, min_bytes: int, kind: int = 0) -> bool:
+        """Whether a collective of ``buf`` moving ``nbytes`` goes single-copy (from
+        ``min_bytes``: NOTE [single-copy allreduce] 6 in cma.py), decided alike on every rank
+        from what the signature carries; if so, its address is published with the agreement
+        that follows."""
+        flat = buf.flat
+        if not (self._single_copy_fits(nbytes, kind, min_bytes) and flat.flags.c_contiguous):
+            return False
+        self.shm.post_single_copy(flat, flat)
+        return True
+
     def broadcast_flat(self, buf: Buffer, root: int) -> None:
+        # Not single-copy: the segment's chunks let root copy in while the others copy out, as
+        # fast here from 1 MiB (NOTE [single-copy allreduce] 6 in cma.py).
         if self.size > 1:
             self.agree("broadcast", 0, buf, root)
             self._route("broadcast").broadcast(buf.flat, root)
@@ -609,8 +622,12 @@ class Group:
             out[0] = buf.flat
             return
         coll = "gather" if root >= 0 else "allgather"
+        single = self._post_single_copy(buf, buf.flat.nbytes, cma.MIN_BYTES)
         self.agree(coll, 0, buf, root)
-        self._route(coll).allgather(buf.flat, out, root)
+        if single:
+            self.shm.allgather_single_copy(buf.flat, out, root)
+        else:
+            self._route(coll).allgather(buf.flat, out, root)
 
     def scatter_flat(self, full: Buffer, out: np.ndarray, root: int) -> None:
         """full: (size * n) on every rank (read on root only); out: this rank's n elements."""
@@ -625,8 +642,12 @@ class Group:
         if self.size == 1:
             out[...] = buf.flat
             return
+        single = self._post_single_copy(buf, buf.flat.nbytes, cma.REDUCE_SCATTER_MIN_BYTES, buf.kind)
         self.agree("reduce_scatter", op, buf)
-        self._route("reduce_scatter").reduce_scatter(buf.flat, out, op, buf.kind)
+        if single:
+            self.shm.reduce_scatter_single_copy(buf.flat, out, op)
+        else:
+            self._route("reduce_scatter").reduce_scatter(buf.flat, out, op, buf.kind)
 
     def reduce_flat(self, buf: Buffer, op: int, root: int) -> None:
         if self.size == 1:

@@ -500,7 +500,7 @@ class ShmTransport(Transport):
         t = timeline.now() if rec else 0
         divisor = self.size if op == kreduce.AVG else 1
         integer = src.dtype.kind in "iu"
-        failed = cma.reduce_part(dst, src, peers.pids, np.ascontiguousarray(addrs[:, 0]), me, op,
+        failed = cma.reduce_part(dst, 0, src, peers.pids, np.ascontiguousarray(addrs[:, 0]), me, op,
                                  bounds[me], bounds[me + 1], divisor, integer, peers.tile(src.dtype),
                                  peers.iov)
         if failed >= 0:
@@ -520,6 +520,46 @@ class ShmTransport(Transport):
         board.barrier(self.timeout, "allreduce")  # nobody reads my destination any more
         if rec:
             timeline.phase("comm", "wait for peers", t)
+
+    def _read_from(self, q: int, dst: np.ndarray, remote: int, what: str) -> None:
+        """``dst`` (1-D, C-contiguous) = the bytes at ``remote`` of local rank ``q``."""
+        peers = self.peers
+        if not cma.read(int(peers.pids[q]), dst.ctypes.data, remote, dst.nbytes, peers.iov):
+            raise peers.failed(q, what, remote)
+
+    def allgather_single_copy(self, flat: np.ndarray, out: np.ndarray, root: int = -1) -> None:
+        """``out[r]`` = rank r's ``flat`` for every rank (on ``root`` only when >= 0), read from
+        each peer's memory (NOTE [single-copy allreduce] 6); posted and agreed. One node."""
+        coll = "gather" if root >= 0 else "allgather"
+        if root < 0 or root == self.rank:
+            ranks, addrs = self.board.ranks, self.board.addrs
+            for q in range(self.local_size):
+                row = out[ranks[q]]
+                if q == self.local_rank:
+                    row[...] = flat
+                elif row.flags.c_contiguous:
+                    self._read_from(q, row, int(addrs[q, 0]), coll)
+                else:
+                    tmp = np.empty_like(flat)
+                    self._read_from(q, tmp, int(addrs[q, 0]), coll)
+                    row[...] = tmp
+        self.board.barrier(self.timeout, coll)  # every source is read
+
+    def reduce_scatter_single_copy(self, flat: np.ndarray, out: np.ndarray, op: int) -> None:
+        """``out`` = this rank's part (``segments(n, size)``) of op over every rank's ``flat``
+        (native dtypes), read from the peers' memory (NOTE [single-copy allreduce] 6); posted
+        and agreed. One node."""
+        peers = self.peers
+        lo, hi = segments(flat.shape[0], self.size)[self.rank]
+        dst = out if out.flags.c_contiguous else np.empty(hi - lo, flat.dtype)
+        failed = cma.reduce_part(dst, lo, flat, peers.pids, np.ascontiguousarray(self.board.addrs[:, 0]),
+                                 self.local_rank, op, lo, hi, self.size if op == kreduce.AVG else 1,
+                                 flat.dtype.kind in "iu", peers.tile(flat.dtype), peers.iov)
+        if failed >= 0:
+            raise peers.failed(failed, "reduce_scatter", int(self.board.addrs[failed, 0]))
+        if dst is not out:
+            out[...] = dst
+        self.board.barrier(self.timeout, "reduce_scatter")  # every source is read
 
     # -- allreduce -------------------------------------------------------------------------------
     def oneshot(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,

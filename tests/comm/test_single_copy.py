@@ -45,7 +45,7 @@ def test_reduce_part_matches_numpy(dtype, op, n, cut, in_place, seed):
     divisor = 2 if op == "avg" else 1
     integer = np.dtype(dtype).kind == "i"
     srcs = np.array([src.ctypes.data, theirs.ctypes.data], np.uint64)
-    got = cma.reduce_part(dst, src, peers.pids, srcs, 0, code, lo, hi, divisor, integer,
+    got = cma.reduce_part(dst, 0, src, peers.pids, srcs, 0, code, lo, hi, divisor, integer,
                           peers.tile(dtype), peers.iov)
     assert got == -1
     ref = {"sum": src + theirs, "avg": src + theirs, "prod": src * theirs,
@@ -80,7 +80,7 @@ def test_an_unreadable_peer_is_named():
     x = np.ones(1000, np.float32)
     srcs = np.array([x.ctypes.data, x.ctypes.data], np.uint64)
     tile = peers.tile(x.dtype)
-    assert cma.reduce_part(x, x, peers.pids, srcs, 0, 0, 0, 1000, 1, False, tile, peers.iov) == 1
+    assert cma.reduce_part(x, 0, x, peers.pids, srcs, 0, 0, 0, 1000, 1, False, tile, peers.iov) == 1
     err = peers.failed(1, "allreduce", int(srcs[1]))
     assert isinstance(err, CommError)
     assert str(err) == f"allreduce: rank 9 (pid {dead.pid}) died"
@@ -221,3 +221,47 @@ def test_a_path_mismatch_raises_on_every_rank(world):
     with pytest.raises(CollectiveMismatchError, match="single copy") as e:
         comm.allreduce(np.ones(n, np.float32), "sum", group=world)
     assert "rank 0" in str(e.value) and "rank 1" in str(e.value)
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=400, ci_ranks=(2,))
+def test_reduce_scatter_allgather_and_gather_over_world_split_and_duplicate(world):
+    """NOTE [single-copy allreduce] 6: the other collectives that read the peers' memory, on
+    both sides of their thresholds, against NumPy."""
+    available = world.shm.peers is not None
+    for name, g in stress.groups_under_test(world).items():
+        r, p = g.rank, g.size
+        if p == 1:
+            continue
+        taken = {"allgather": 0, "reduce_scatter": 0}
+        expected = dict.fromkeys(taken, 0)
+        shm = g.shm
+        for coll in taken:
+            inner = getattr(shm, f"{coll}_single_copy")
+
+            def counted(*args, coll=coll, inner=inner, taken=taken):
+                taken[coll] += 1
+                return inner(*args)
+
+            setattr(shm, f"{coll}_single_copy", counted)
+        for n in (cma.REDUCE_SCATTER_MIN_BYTES // 8 - 1, cma.REDUCE_SCATTER_MIN_BYTES // 4,
+                  cma.MIN_BYTES // 4 - 1, cma.MIN_BYTES // 4 + 3):
+            for dtype in DTYPES:
+                base = np.arange(n) % 11
+                x = (base + r).astype(dtype)
+                rows = np.stack([(base + q).astype(dtype) for q in range(p)])
+                np.testing.assert_array_equal(np.asarray(comm.allgather(x, group=g)), rows,
+                                              err_msg=f"{name} allgather n={n} {dtype}")
+                got = comm.gather(x, root=p - 1, group=g)
+                if r == p - 1:
+                    np.testing.assert_array_equal(np.asarray(got), rows, err_msg=f"{name} gather n={n}")
+                for op in ("sum", "avg", "min"):
+                    want = np.array_split(_want(op, base, p, dtype), p)[r]
+                    np.testing.assert_array_equal(np.asarray(comm.reduce_scatter(x, op, group=g)), want,
+                                                  err_msg=f"{name} reduce_scatter n={n} {dtype} {op}")
+                # allgather and gather from MIN_BYTES of input, reduce-scatter from 1 MiB
+                expected["allgather"] += 2 * (x.nbytes >= cma.MIN_BYTES)
+                expected["reduce_scatter"] += 3 * (x.nbytes >= cma.REDUCE_SCATTER_MIN_BYTES)
+        if available:
+            assert taken == expected and 0 < expected["allgather"] < expected["reduce_scatter"], (name, taken)
+        else:
+            assert taken == dict.fromkeys(taken, 0)
