@@ -265,3 +265,52 @@ def test_reduce_scatter_allgather_and_gather_over_world_split_and_duplicate(worl
             assert taken == expected and 0 < expected["allgather"] < expected["reduce_scatter"], (name, taken)
         else:
             assert taken == dict.fromkeys(taken, 0)
+
+
+def _huge_bytes_at(addr: int) -> int:
+    """AnonHugePages (bytes) of the mapping holding ``addr`` in this process."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_a_buffer_reduced_again_gets_huge_pages(monkeypatch):
+    """NOTE [huge pages for reused buffers]: the second sighting of a buffer advises it, the
+    first does not, the bytes stay, and TERRAPIPE_HUGEPAGES=0 leaves it alone."""
+    from terrapipe.comm import pages
+
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        mode = "[never]"
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off on this machine")
+    t = torch.arange(6 << 20, dtype=torch.float32)  # 24 MiB of PyTorch's 4 KiB pages
+    addr, nbytes = t.data_ptr(), t.numel() * 4
+    inner = -(-addr // pages.HUGE) * pages.HUGE + pages.HUGE  # a 2 MiB page inside it
+    advisor = pages.Advisor()
+    assert advisor.enabled
+    advisor.saw(addr, nbytes)
+    assert _huge_bytes_at(inner) == 0, "a buffer seen once is left alone"
+    advisor.saw(addr, nbytes)
+    got = _huge_bytes_at(inner)
+    if got == 0:
+        probe = torch.ones(6 << 20)
+        if not pages.advise(probe.data_ptr(), probe.numel() * 4):
+            pytest.skip("this kernel does not collapse pages on request (MADV_COLLAPSE, Linux 6.1+)")
+    assert got > 0, "the second sighting advises the buffer"
+    assert torch.equal(t, torch.arange(6 << 20, dtype=torch.float32))
+    monkeypatch.setenv("TERRAPIPE_HUGEPAGES", "0")
+    off = pages.Advisor()
+    u = torch.arange(6 << 20, dtype=torch.float32)
+    for _ in range(3):
+        off.saw(u.data_ptr(), u.numel() * 4)
+    assert _huge_bytes_at(-(-u.data_ptr() // pages.HUGE) * pages.HUGE + pages.HUGE) == 0
