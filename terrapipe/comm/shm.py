@@ -86,7 +86,7 @@ from .. import timeline
 from ..kernels import oneshot
 from ..kernels import reduce as kreduce
 from ..kernels.sync import publish_step, release_step, rows_equal, spin_until
-from . import cma, pages
+from . import cma, hugepages
 from .errors import CollectiveTimeoutError
 from .ring import segments
 from .transport import NO_GATE, Fused, Transport, divide
@@ -321,7 +321,7 @@ class ShmTransport(Transport):
         # NOTE [single-copy allreduce] 4 in cma.py: None where the node cannot (or across nodes)
         self.peers = self._probe_single_copy() if cross is None and p > 1 and cma.enabled() else None
         self._staging = np.empty(0, np.uint8)  # contiguous copies of fused messages (single copy)
-        self.pages = pages.Advisor()  # NOTE [huge pages for reused buffers] in pages.py
+        self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
 
     def late(self) -> tuple[list[int], str] | None:
         """Group ranks of this node that died or have not reached this rank's step, or None."""
@@ -479,10 +479,10 @@ class ShmTransport(Transport):
     def post_single_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Publish this rank's source and destination for the single-copy collective whose
         agreement comes next (its release store makes them visible); buffers posted again and
-        again get huge pages (NOTE [huge pages for reused buffers] in pages.py)."""
-        self.pages.saw(src.ctypes.data, src.nbytes)
+        again get huge pages (NOTE [huge pages for reused buffers] in hugepages.py)."""
+        self.hugepages.saw(src.ctypes.data, src.nbytes)
         if dst.ctypes.data != src.ctypes.data:
-            self.pages.saw(dst.ctypes.data, dst.nbytes)
+            self.hugepages.saw(dst.ctypes.data, dst.nbytes)
         self.board.addrs[self.local_rank] = (src.ctypes.data, dst.ctypes.data)
 
     def staging(self, nbytes: int) -> np.ndarray:

@@ -8,7 +8,8 @@ a :class:`Transport`:
 transport  moves data through                          module
 =========  ==========================================  =================================
 shm        the node's shared segment (across nodes:    comm/shm.py
-           each part over the cross-node ``mpi``)
+           each part over the cross-node ``mpi``), or  comm/cma.py
+           the peers' own memory (single copy)
 mpi        MPI over one communicator (MPI's own        comm/mpi.py
            collectives, the chunked ring)
 gloo       torch.distributed's Gloo                    comm/gloo.py

@@ -4,8 +4,8 @@ model's gradient tensors, the staging copy of fused messages).
 NOTE [huge pages for reused buffers]
     1. Why: the single-copy collectives (NOTE [single-copy allreduce] in cma.py) have the kernel
        pin the peer's pages for every read, page by page. PyTorch's CPU allocator hands out 4 KiB
-       pages (unless ``THP_MEM_ALLOC_ENABLE=1`` was set before torch started), so on its memory
-       that pinning costs a quarter of the time: interleaved at 2 ranks, ``comm.allreduce`` of a
+       pages (unless ``THP_MEM_ALLOC_ENABLE=1`` was set before torch started), and on its memory
+       those reads take 1.3-1.5x as long: interleaved at 2 ranks, ``comm.allreduce`` of a
        ``torch.ones`` tensor took 5.03 ms at 25 MiB and 13.7 at 64 MiB on 4 KiB pages, 3.84 and
        9.3 once the same memory was backed by 2 MiB pages. NumPy's large arrays get 2 MiB pages
        already.
