@@ -477,7 +477,9 @@ class Group:
         one contiguous private copy. Its signature says so, so a rank that chose another path
         (a device-staged message beside host ones) gets CollectiveMismatchError, not a hang."""
         src, dst = fs.only(), fd.only()
-        if src is None or dst is None or not (src.flags.c_contiguous and dst.flags.c_contiguous):
+        if (src is None or dst is None or not (src.flags.c_contiguous and dst.flags.c_contiguous)
+                or (dst.ctypes.data != src.ctypes.data and np.may_share_memory(src, dst))):
+            # several arrays, or an output overlapping the input elsewhere than in place
             dst = src = self.shm.staging(fs.n * dtype.itemsize).view(dtype)
             fs.read(0, fs.n, src)
         sig = self._signature(coll, op, sig_buf).copy()

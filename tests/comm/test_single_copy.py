@@ -144,6 +144,12 @@ def test_allreduce_is_exact_over_world_split_and_duplicate(world):
                                                   err_msg=f"{name}: n={n} {dtype} {op}")
         expected = sum(1 for n in LENGTHS for d in DTYPES if n * np.dtype(d).itemsize >= cma.MIN_BYTES) * 5
         assert len(calls) == (expected if available else 0), (name, len(calls))
+        # an output overlapping the input one element further on: through a private copy
+        n = 600_001
+        z = np.zeros(n + 1, np.float32)
+        z[:n] = np.arange(n) % 5 + r
+        comm.allreduce(z[:n], "sum", out=z[1:], group=g)
+        np.testing.assert_array_equal(z[1:], (np.arange(n) % 5) * p + p * (p - 1) / 2, err_msg=name)
         # several tensors fused into one message go through one private contiguous copy
         ts = [torch.full((n,), float(r + k)) for k, n in enumerate((700_001, 3, 900_000))]
         comm.jit_allreduce(ts, "sum", group=g)
