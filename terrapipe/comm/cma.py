@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 import numpy as np
 from numba import njit, types
@@ -78,7 +79,7 @@ _readv = types.ExternalFunction(
 
 def enabled() -> bool:
     """Whether single-copy transfers may be tried at all (Linux; ``TERRAPIPE_CMA`` not 0)."""
-    return os.environ.get("TERRAPIPE_CMA", "1") != "0" and hasattr(os, "sched_getaffinity")
+    return os.environ.get("TERRAPIPE_CMA", "1") != "0" and sys.platform.startswith("linux")
 
 
 @njit(nogil=True, cache=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 __all__ = ["Advisor", "HUGE"]
 
@@ -52,7 +53,7 @@ class Advisor:
     used by one collective at a time)."""
 
     def __init__(self) -> None:
-        self.enabled = os.environ.get("TERRAPIPE_HUGEPAGES", "1") != "0" and hasattr(os, "sched_getaffinity")
+        self.enabled = os.environ.get("TERRAPIPE_HUGEPAGES", "1") != "0" and sys.platform.startswith("linux")
         self._seen: set[tuple[int, int]] = set()
         self._advised: set[tuple[int, int]] = set()
 

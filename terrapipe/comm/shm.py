@@ -492,36 +492,41 @@ class ShmTransport(Transport):
             self._staging = np.empty(nbytes, np.uint8)
         return self._staging[:nbytes]
 
+    def _reduce_from_peers(self, dst: np.ndarray, shift: int, src: np.ndarray, lo: int, hi: int,
+                           op: int, coll: str) -> None:
+        """Phase one (NOTE [single-copy allreduce] 2): ``dst[lo - shift:hi - shift]`` = op over
+        every local rank's posted source ``[lo, hi)`` (``src`` is mine), divided for avg."""
+        peers, addrs = self.peers, self.board.addrs
+        failed = cma.reduce_part(dst, shift, src, peers.pids, np.ascontiguousarray(addrs[:, 0]),
+                                 self.local_rank, op, lo, hi, self.size if op == kreduce.AVG else 1,
+                                 src.dtype.kind in "iu", peers.tile(src.dtype), peers.iov)
+        if failed >= 0:
+            raise peers.failed(failed, coll, int(addrs[failed, 0]))
+
     def allreduce_single_copy(self, src: np.ndarray, dst: np.ndarray, op: int) -> None:
         """Allreduce ``src`` (1-D, native dtype, this rank's private memory) into ``dst`` (same
         shape and dtype; may be ``src``) by reading the peers' memory (NOTE [single-copy
         allreduce] in cma.py); :meth:`post_single_copy` and the agreement have run. One node."""
         board, peers = self.board, self.peers
-        p, me = self.local_size, self.local_rank
+        me = self.local_rank
         n = src.shape[0]
-        bounds = np.array([n * q // p for q in range(p + 1)], np.int64)
-        addrs = board.addrs
+        parts = segments(n, self.local_size)
+        lo, hi = parts[me]
         rec = timeline.enabled()
         t = timeline.now() if rec else 0
-        divisor = self.size if op == kreduce.AVG else 1
-        integer = src.dtype.kind in "iu"
-        failed = cma.reduce_part(dst, 0, src, peers.pids, np.ascontiguousarray(addrs[:, 0]), me, op,
-                                 bounds[me], bounds[me + 1], divisor, integer, peers.tile(src.dtype),
-                                 peers.iov)
-        if failed >= 0:
-            raise peers.failed(failed, "allreduce", int(addrs[failed, 0]))
+        self._reduce_from_peers(dst, 0, src, lo, hi, op, "allreduce")
         if rec:
-            t = timeline.phase("comm", "reduce (single copy)", t,
-                               {"bytes": int(bounds[me + 1] - bounds[me]) * src.itemsize})
+            t = timeline.phase("comm", "reduce (single copy)", t, {"bytes": (hi - lo) * src.itemsize})
         board.barrier(self.timeout, "allreduce")
         if rec:
             t = timeline.phase("comm", "wait for peers", t)
-        failed = cma.gather_parts(dst, peers.pids, np.ascontiguousarray(addrs[:, 1]), bounds, me, peers.iov)
+        bounds = np.array([a for a, _ in parts] + [n], np.int64)
+        failed = cma.gather_parts(dst, peers.pids, np.ascontiguousarray(board.addrs[:, 1]), bounds, me,
+                                  peers.iov)
         if failed >= 0:
-            raise peers.failed(failed, "allreduce", int(addrs[failed, 1]))
+            raise peers.failed(failed, "allreduce", int(board.addrs[failed, 1]))
         if rec:
-            t = timeline.phase("comm", "copy parts (single copy)", t,
-                               {"bytes": int(n - bounds[me + 1] + bounds[me]) * src.itemsize})
+            t = timeline.phase("comm", "copy parts (single copy)", t, {"bytes": (n - hi + lo) * src.itemsize})
         board.barrier(self.timeout, "allreduce")  # nobody reads my destination any more
         if rec:
             timeline.phase("comm", "wait for peers", t)
@@ -554,14 +559,9 @@ class ShmTransport(Transport):
         """``out`` = this rank's part (``segments(n, size)``) of op over every rank's ``flat``
         (native dtypes), read from the peers' memory (NOTE [single-copy allreduce] 6); posted
         and agreed. One node."""
-        peers = self.peers
         lo, hi = segments(flat.shape[0], self.size)[self.rank]
         dst = out if out.flags.c_contiguous else np.empty(hi - lo, flat.dtype)
-        failed = cma.reduce_part(dst, lo, flat, peers.pids, np.ascontiguousarray(self.board.addrs[:, 0]),
-                                 self.local_rank, op, lo, hi, self.size if op == kreduce.AVG else 1,
-                                 flat.dtype.kind in "iu", peers.tile(flat.dtype), peers.iov)
-        if failed >= 0:
-            raise peers.failed(failed, "reduce_scatter", int(self.board.addrs[failed, 0]))
+        self._reduce_from_peers(dst, lo, flat, lo, hi, op, "reduce_scatter")
         if dst is not out:
             out[...] = dst
         self.board.barrier(self.timeout, "reduce_scatter")  # every source is read
