@@ -12,11 +12,14 @@ module again, which registers the backend there too. The suite's decorators name
 before the suite is imported, since it serves every call Gloo serves on the CPU. Other gates
 name Gloo literally in the suite's source (``require_backend_is_available({"gloo"})``,
 ``BACKEND != "gloo"``, ``BACKEND == "gloo"``): the suite is loaded from its own source with
-"terrapipe" added to each of them (``_load_suite``). The ``monitored_barrier`` tests stay Gloo's:
-torch itself refuses ``dist.monitored_barrier`` on any other backend ("only implemented for GLOO
-backend"), so they skip here with that reason. Nothing else of the suite changes.
+"terrapipe" added to each of them (``_load_suite``). The tests that call
+``dist.monitored_barrier`` stay Gloo's: torch itself refuses that function on any other backend
+("only implemented for GLOO backend"), so they skip here with that reason (``_refused``, read
+from the tests' own code). A test that calls ``monitored_barrier`` on a group object runs: the
+terrapipe group serves it (through its Gloo group). Nothing else of the suite changes.
 """
 
+import ast
 import os
 import re
 import tempfile
@@ -40,14 +43,41 @@ for _name, _backends in DistTestCases.backend_feature.items():
 DistTestCases.backend_feature["plugin"].add("terrapipe")  # what the suite's availability check reads
 
 _SUITE = "torch.testing._internal.distributed.distributed_test"
-# The decorator, up to the test it gates: widened unless that test is a monitored_barrier one.
+# The decorator, up to the test it gates: widened unless torch refuses what that test calls.
 _DECORATOR = re.compile(r'require_backend_is_available\(\{"gloo"\}\)(?=(?:\s*@[^\n]*)*\s*def (test_\w+))')
 _GATES = {'BACKEND == "gloo"': 'BACKEND in ("gloo", "terrapipe")',
           'BACKEND != "gloo"': 'BACKEND not in ("gloo", "terrapipe")'}
+# Tests (with the helpers they call on self) that call dist.monitored_barrier: filled by _load_suite.
+_REFUSED: set[str] = set()
+
+
+def _refused(source: str) -> set[str]:
+    """The suite's tests that reach ``dist.monitored_barrier``, directly or through a
+    ``self._helper`` of the suite: torch raises ValueError there for every backend but Gloo."""
+    calls: dict[str, set[str]] = {}
+    direct: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        calls[node.name] = set()
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute):
+                owner = sub.func.value
+                if isinstance(owner, ast.Name) and owner.id == "dist" and sub.func.attr == "monitored_barrier":
+                    direct.add(node.name)
+                elif isinstance(owner, ast.Name) and owner.id == "self":
+                    calls[node.name].add(sub.func.attr)
+    refused = set(direct)
+    while True:  # through helpers, to a fixed point
+        more = {f for f, callees in calls.items() if f not in refused and callees & refused}
+        if not more:
+            break
+        refused |= more
+    return {f for f in refused if f.startswith("test_")}
 
 
 def _widen(match: re.Match) -> str:
-    if "monitored_barrier" in match.group(1):
+    if match.group(1) in _REFUSED:
         return match.group(0)
     return 'require_backend_is_available({"gloo", "terrapipe"})'
 
@@ -64,6 +94,9 @@ def _load_suite():
     spec = importlib.util.find_spec(_SUITE)
     with open(spec.origin) as f:
         source = f.read()
+    _REFUSED.update(_refused(source))
+    if not _REFUSED:
+        raise RuntimeError("torch's suite no longer calls dist.monitored_barrier: update _refused")
     source, n = _DECORATOR.subn(_widen, source)
     for gate, widened in _GATES.items():
         if gate not in source or not n:
@@ -82,7 +115,7 @@ DistributedTest, TestDistBackend = _suite.DistributedTest, _suite.TestDistBacken
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
-        if "monitored_barrier" in self._testMethodName and os.environ["BACKEND"] != "gloo":
+        if self._testMethodName in _REFUSED and os.environ["BACKEND"] != "gloo":
             self.skipTest("torch refuses dist.monitored_barrier on any backend but Gloo")
         super().setUp()
         self._spawn_processes()
