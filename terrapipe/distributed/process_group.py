@@ -18,7 +18,10 @@ NOTE [the terrapipe process group]
        the GIL inside the kernels, so backward keeps running on the caller's thread while a
        bucket is reduced. The returned ``Work`` wraps a ``torch.futures.Future`` completed on
        that thread with the output tensors (``[tensor]`` for allreduce, what DDP's hooks read
-       with ``fut.value()[0]``), or with the error. A synchronous call (``dist.all_reduce``
+       with ``fut.value()[0]``), or with the error. Where the outputs are CUDA tensors the
+       future is made for their devices, as a NCCL Work's is: completing it records an event on
+       the completing thread's current stream, and a consumer's ``wait()`` makes its own current
+       stream wait for that event. A synchronous call (``dist.all_reduce``
        without ``async_op``) runs on the caller's thread, in order after anything outstanding,
        and takes terrapipe's latency path: no thread hand-off for the 4 KiB allreduce.
     3. What the shared-memory transport does not do (point-to-point, all-to-all, gather and
@@ -173,12 +176,17 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
     def _ours(self, tensors: Sequence[torch.Tensor], dtypes=_COPYABLE) -> bool:
         return self._group is not None and all(t.dtype in dtypes and not t.is_sparse for t in tensors)
 
-    def _chain(self, handles: list, finish: Callable[[], object]) -> dist.Work:
+    def _chain(self, handles: list, finish: Callable[[], object],
+               outputs: Sequence[torch.Tensor] = ()) -> dist.Work:
         """A Work completed with ``finish()`` once every comm handle in ``handles`` is done
-        (a synchronous call's results count as done handles)."""
+        (a synchronous call's results count as done handles). ``outputs``: the tensors the
+        value holds; where they are CUDA tensors the future is made for their devices, as a
+        NCCL Work's is, so a consumer's ``wait()`` makes its current stream wait for the
+        result (NOTE [the terrapipe process group] 2)."""
         self.served["terrapipe"] += 1
         handles[:] = [_as_handle(h) for h in handles]
-        fut = torch.futures.Future()
+        devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
+        fut = torch.futures.Future(devices=devices) if devices else torch.futures.Future()
         left = [len(handles)]
         lock = threading.Lock()  # finished handles call back on this thread, the rest on the group's
 
@@ -228,7 +236,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
                 t.mul_(factor)
         a = _async(opts)
         handles = [_allreduce(t, op, async_op=a, group=self._group) for t in tensors]
-        return self._chain(handles, lambda: list(tensors))
+        return self._chain(handles, lambda: list(tensors), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         """One fused collective per dtype for host tensors (``jit_allreduce``: one agreement,
@@ -243,7 +251,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
             for t in tensors:
                 t.mul_(factor)
         h = _jit_allreduce(list(tensors), op, async_op=_async(opts), group=self._group)
-        return self._chain([h], lambda: list(tensors))
+        return self._chain([h], lambda: list(tensors), tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else c10d.BroadcastOptions()
@@ -251,7 +259,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
             return self._g.broadcast(tensors, opts)
         a = _async(opts)
         handles = [_broadcast(t, opts.rootRank, async_op=a, group=self._group) for t in tensors]
-        return self._chain(handles, lambda: list(tensors))
+        return self._chain(handles, lambda: list(tensors), tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts=None) -> dist.Work:
@@ -272,7 +280,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
                     o.copy_(stacked[r])
             return output_lists
 
-        return self._chain(handles, finish)
+        return self._chain(handles, finish, [o for outs in output_lists for o in outs])
 
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
         opts = opts if opts is not None else c10d.AllgatherOptions()
@@ -288,7 +296,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
             output.view(-1).copy_(h.wait().reshape(-1))
             return [output]
 
-        return self._chain([h], finish)
+        return self._chain([h], finish, [output])
 
     _allgather_base = all_gather_single
 
@@ -311,7 +319,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
                 o += i.numel()
             return outputs
 
-        return self._chain([h], finish)
+        return self._chain([h], finish, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -349,7 +357,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
             output.view(-1).copy_(h.wait())
             return [output]
 
-        return self._chain([h], finish)
+        return self._chain([h], finish, [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -376,7 +384,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
                 o += out.numel()
             return outputs
 
-        return self._chain([h], finish)
+        return self._chain([h], finish, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -390,7 +398,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
                 t.mul_(factor)
         a = _async(opts)
         handles = [_reduce(t, op, opts.rootRank, async_op=a, group=self._group) for t in tensors]
-        return self._chain(handles, lambda: list(tensors))
+        return self._chain(handles, lambda: list(tensors), tensors)
 
     def barrier(self, opts=None) -> dist.Work:
         opts = opts if opts is not None else c10d.BarrierOptions()

@@ -5,6 +5,8 @@ torch does (``terrapipe.distributed.init_process_group`` under mpiexec), with a 
 the same ranks beside the terrapipe one for reference results.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -442,3 +444,35 @@ def test_under_torchrun_over_the_store(tmp_path, ranks):
                        timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("rank*")) == [f"rank{k}" for k in range(ranks)]
+
+
+def test_example_ddp_script_under_torchrun_trains_as_on_gloo(tmp_path):
+    """examples/ddp_train.py, a plain DDP script, under ``torchrun --standalone`` at 2 ranks:
+    with backend="terrapipe" it trains to the weights it reaches on Gloo (DDP's buckets are
+    pre-divided sums of two ranks' gradients, which both backends add in either order to the
+    same floats), and its loss falls."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "HYDRA_", "MPI_", "TERRAPIPE_TEST_MPI"))}
+    env["OMP_NUM_THREADS"] = "1"
+    script = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
+    weights, losses = {}, {}
+    for backend in ("terrapipe", "gloo"):
+        out = tmp_path / f"{backend}.pt"
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node=2", str(script), "--backend", backend, "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("epoch ")]
+        assert len(lines) == 3 and all(f"({backend}, 2 ranks)" in ln for ln in lines), r.stdout
+        losses[backend] = [float(ln.split("loss ")[1].split()[0]) for ln in lines]
+        weights[backend] = torch.load(out, weights_only=True)
+    assert losses["terrapipe"][-1] < 0.5 * losses["terrapipe"][0], losses
+    assert weights["terrapipe"].keys() == weights["gloo"].keys()
+    for k, w in weights["terrapipe"].items():
+        torch.testing.assert_close(w, weights["gloo"][k], rtol=1e-6, atol=1e-7, msg=k)
+    torch.testing.assert_close(torch.tensor(losses["terrapipe"]), torch.tensor(losses["gloo"]),
+                               rtol=1e-5, atol=0)

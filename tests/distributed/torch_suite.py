@@ -59,14 +59,16 @@ def _refused(source: str) -> set[str]:
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.FunctionDef):
             continue
-        calls[node.name] = set()
+        calls.setdefault(node.name, set())
         for sub in ast.walk(node):
-            if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute):
-                owner = sub.func.value
-                if isinstance(owner, ast.Name) and owner.id == "dist" and sub.func.attr == "monitored_barrier":
-                    direct.add(node.name)
-                elif isinstance(owner, ast.Name) and owner.id == "self":
-                    calls[node.name].add(sub.func.attr)
+            if not (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
+                    and isinstance(sub.func.value, ast.Name)):
+                continue
+            owner, attr = sub.func.value.id, sub.func.attr
+            if owner == "dist" and attr == "monitored_barrier":
+                direct.add(node.name)
+            elif owner == "self":
+                calls[node.name].add(attr)
     refused = set(direct)
     while True:  # through helpers, to a fixed point
         more = {f for f, callees in calls.items() if f not in refused and callees & refused}
