@@ -13,7 +13,9 @@ floor), ``terrapipe`` (DDP on the terrapipe group), ``gloo`` (DDP on the Gloo gr
 default 25 MB buckets both times. ``--detail`` adds ``ddp floor`` (DDP with a comm hook that
 communicates nothing: DDP's own copies and hooks, what any backend pays) and ``terrapipe (no
 single copy)`` (a second terrapipe group made with ``TERRAPIPE_CMA=0``: NOTE [single-copy
-allreduce] in comm/cma.py). A sample is the slowest rank's mean step time. Reported per size:
+allreduce] in comm/cma.py) and ``terrapipe (spin waits)`` (one made with ``TERRAPIPE_WAIT=spin``:
+waiting ranks poll and yield instead of sleeping, NOTE [sleeping on a counter] in
+kernels/sync.py). A sample is the slowest rank's mean step time. Reported per size:
 median step time, the communication overhead t - t_none in ms and as a share of the step
 (t - t_none) / t, and terrapipe's over Gloo's for both. Then the latency of ``dist.all_reduce``
 of 4 KiB (float32) on each group, alternating, median of many calls.
@@ -30,7 +32,7 @@ import time
 from .common import format_table, interleave_ranks, report_from_rank0, run_ranks, save
 
 CASES = ("none", "terrapipe", "gloo")
-DETAIL = ("ddp floor", "terrapipe (no single copy)")
+DETAIL = ("ddp floor", "terrapipe (no single copy)", "terrapipe (spin waits)")
 
 
 def _hidden_for(million: float) -> int:
@@ -71,10 +73,13 @@ def _worker(params: list[float], rounds: int, steps: int, detail: bool) -> None:
     terrapipe.distributed.init_process_group("terrapipe", mpi_comm=mpi)
     gloo = dist.new_group(backend="gloo")
     cases = CASES + (DETAIL if detail else ())
-    if detail:
-        os.environ["TERRAPIPE_CMA"] = "0"  # read when a group is made
+    if detail:  # each setting is read when a group is made
+        os.environ["TERRAPIPE_CMA"] = "0"
         no_single_copy = dist.new_group(backend="terrapipe")
         del os.environ["TERRAPIPE_CMA"]
+        os.environ["TERRAPIPE_WAIT"] = "spin"
+        spin_waits = dist.new_group(backend="terrapipe")
+        del os.environ["TERRAPIPE_WAIT"]
     g = torch.Generator().manual_seed(mpi.rank)
     x, y = torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
 
@@ -85,6 +90,7 @@ def _worker(params: list[float], rounds: int, steps: int, detail: bool) -> None:
             models["ddp floor"] = DDP(_mlp(hidden))
             models["ddp floor"].register_comm_hook(None, _no_communication)
             models["terrapipe (no single copy)"] = DDP(_mlp(hidden), process_group=no_single_copy)
+            models["terrapipe (spin waits)"] = DDP(_mlp(hidden), process_group=spin_waits)
         opts = {c: torch.optim.SGD(m.parameters(), lr=0.01) for c, m in models.items()}
 
         def step(case):
@@ -123,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--store", action="store_true", help="the terrapipe group torchrun's ranks get")
-    p.add_argument("--detail", action="store_true", help="also DDP's floor and terrapipe without single copy")
+    p.add_argument("--detail", action="store_true",
+                   help="also DDP's floor, and terrapipe without single copy and with spin waits")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

@@ -85,14 +85,14 @@ import numpy as np
 from .. import timeline
 from ..kernels import oneshot
 from ..kernels import reduce as kreduce
-from ..kernels.sync import publish_step, release_step, rows_equal, spin_until
+from ..kernels.sync import CAN_SLEEP, publish_step, release_step, rows_equal, sleep_until, spin_until
 from . import cma, hugepages
 from .errors import CollectiveTimeoutError
 from .ring import segments
 from .transport import NO_GATE, Fused, Transport, divide
 
 __all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "row_bytes",
-           "oneshot_bytes"]
+           "oneshot_bytes", "wait_mode"]
 
 PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
@@ -103,6 +103,11 @@ _SIG_COLS = (8, 32)  # the two signature slots (by step parity); column 0 is the
 # the usual wait when every rank has a core), then per round between yields.
 _FIRST_SPINS = 2000
 _ROUND_SPINS = 64
+# A wait that has yielded this long sleeps on the late counter instead (NOTE [sleeping on a
+# counter] in kernels/sync.py), at most _NAP_SECONDS at a time: between naps it looks at the
+# clock and its peers' liveness and drives MPI's progress (NOTE [MPI progress] 4 in ring.py).
+_SLEEP_AFTER_SECONDS = 50e-6
+_NAP_SECONDS = 1e-3
 # The one-shot allreduce (one barrier: data and signature published together, every rank reduces
 # the whole message) has each rank read p x n bytes; it beats MPICH's Allreduce and our other
 # paths while that stays within ONESHOT_READ_BYTES (measured here: at 2 ranks up to 2 MiB,
@@ -112,6 +117,16 @@ ONESHOT_READ_BYTES = 4 << 20
 # message: p x row = 8 MiB per node whatever p, and at least 1 MiB a row.
 _SEGMENT_BYTES = 8 << 20
 _MIN_ROW_BYTES = 1 << 20
+
+
+def wait_mode() -> str:
+    """How a rank waits for late peers on the board (``TERRAPIPE_WAIT``, read when a group is
+    made): ``sleep`` (default; NOTE [sleeping on a counter] in kernels/sync.py) or ``spin``
+    (poll and yield the core, never sleep: for ranks that each own an otherwise idle core)."""
+    mode = os.environ.get("TERRAPIPE_WAIT", "sleep").lower()
+    if mode not in ("sleep", "spin"):
+        raise ValueError(f"TERRAPIPE_WAIT: expected 'sleep' or 'spin', got {mode!r}")
+    return mode
 
 
 def row_bytes(local_size: int) -> int:
@@ -221,6 +236,9 @@ class Board:
     def __init__(self, words: np.ndarray, nlocal: int, me: int, ranks: list[int]) -> None:
         self.table = words[: nlocal * _SLOT].reshape(nlocal, _SLOT)
         self.steps = self.table[:, 0]
+        self.sleepers = self.table[:, oneshot.SLEEPERS_COL]  # NOTE [sleeping on a counter] 2
+        self.sleeps = CAN_SLEEP and wait_mode() == "sleep"
+        self._nap = np.array([0, int(_NAP_SECONDS * 1e9)], np.int64)  # a struct timespec
         self._sig_slots = tuple(self.table[:, c : c + SIG_WORDS] for c in _SIG_COLS)
         self.pids = self.table[:, 60]
         # Each rank's source and destination addresses for a single-copy collective, written
@@ -247,23 +265,30 @@ class Board:
         """Advance this rank's counter (after writing ``sig`` if given); returns the new step."""
         self.step += 1
         if sig is None:
-            release_step(self.steps, self.me, self.step)
+            release_step(self.steps, self.sleepers, self.me, self.step)
         else:
-            publish_step(self._sig_slots[self.step % 2], self.me, sig, self.steps, self.step)
+            publish_step(self._sig_slots[self.step % 2], self.me, sig, self.steps, self.sleepers, self.step)
         return self.step
 
     def wait(self, step: int, timeout: float, what: str) -> None:
+        """Until every local rank's counter reaches ``step``: spin, then yield the core between
+        short rounds (ranks may outnumber cores), then sleep on the late counter (NOTE
+        [sleeping on a counter] in kernels/sync.py); raises CollectiveTimeoutError naming the
+        late ranks after ``timeout`` seconds, or at once when one of them died."""
         steps = self.steps
         if spin_until(steps, step, _FIRST_SPINS):
             return
         start = time.monotonic()
         rounds = 0
         while not spin_until(steps, step, _ROUND_SPINS):
-            # Past the first spin, yield the core between short rounds: ranks may outnumber cores.
-            os.sched_yield()
+            slept = self.sleeps and time.monotonic() - start > _SLEEP_AFTER_SECONDS
+            if not slept:
+                os.sched_yield()
+            elif sleep_until(steps, self.sleepers, step, self._nap):
+                return
             self.progress()
             rounds += 1
-            if rounds % 256:
+            if rounds % 256 and not slept:
                 continue
             late = [int(q) for q in np.nonzero(steps < step)[0]]
             if not late:

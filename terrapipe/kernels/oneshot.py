@@ -10,8 +10,9 @@ private scratch and are then widened or copied out.
 
 Layouts: ``rows`` is the C-contiguous ``(p, row_len)`` array of the node's rows, the message
 occupies ``rows[:, h:h+n]``; ``board`` is the ``(p, words)`` int64 table of
-``terrapipe.comm.shm.Board``: column 0 holds each process's step counter, columns
-``[sig_col, sig_col + len(sig))`` the signature slot of this step. (Few arguments on purpose:
+``terrapipe.comm.shm.Board``: column 0 holds each process's step counter, column
+``SLEEPERS_COL`` how many processes sleep on it (NOTE [sleeping on a counter] in sync.py),
+columns ``[sig_col, sig_col + len(sig))`` the signature slot of this step. (Few arguments on purpose:
 each array argument costs about 0.1 us of dispatch, a large part of a 4 KiB allreduce.)
 ``scratch`` is a private row of ``rows``' dtype and length; ``acc`` float32 scratch of at least
 ``reduce.TILE`` elements.
@@ -32,9 +33,10 @@ from .floats import compress, decompress
 from .reduce import divide_16, divide_float, divide_int, reduce_many_16, reduce_many_native, reduce_rows_into
 from .sync import publish_step, rows_equal, spin_until
 
-__all__ = ["WAITING", "oneshot_allreduce", "finish"]
+__all__ = ["WAITING", "SLEEPERS_COL", "oneshot_allreduce", "finish"]
 
 WAITING = -2
+SLEEPERS_COL = 3  # the board's column counting the processes asleep on each step counter
 
 
 # The three layouts (native rows; 16-bit rows; float32 sent as 16-bit) differ only in how data goes
@@ -109,7 +111,7 @@ def _reduce_out_impl(dst, rows, op, h, n, divisor, kind, scratch, acc):
 def _meet(board, sig_col, me, sig, step, spins):
     steps = board[:, 0]
     slot = board[:, sig_col:sig_col + sig.shape[0]]
-    publish_step(slot, me, sig, steps, step)
+    publish_step(slot, me, sig, steps, board[:, SLEEPERS_COL], step)
     if not spin_until(steps, step, spins):
         return WAITING
     return rows_equal(slot)

@@ -1,4 +1,5 @@
-"""Step counters in memory shared between processes: acquire loads, release stores, bounded spins.
+"""Step counters in memory shared between processes: acquire loads, release stores, bounded spins,
+and sleeping on a counter until a peer advances it (futex).
 
 A compiled loop that polls an array element may read it once and keep the value in a register:
 nothing in the loop tells LLVM that another process writes it. These kernels load and store the
@@ -9,16 +10,55 @@ loads inside the loop and orders them against the data around them. On x86-64 bo
 Ordering contract (what NOTE [board protocol] in ``terrapipe.comm.shm`` builds on): every store a
 process makes before :func:`store_release` of a counter is visible to a process that
 :func:`load_acquire` s that counter's new value (or a later one) before it reads that data.
+
+NOTE [sleeping on a counter]
+    1. Why: a rank that waits milliseconds for a peer (DDP's bucket whose peer is still in
+       backward, a rank that arrives late) should not spin. Where ranks outnumber free cores,
+       as two ranks of backward plus two reduction threads on two cores do, a spinning waiter
+       takes the core its own rank's backward needs. So past a short spin a waiter sleeps in
+       the kernel (``FUTEX_WAIT``) on the counter it waits for.
+    2. Protocol, per counter ``steps[q]`` with a count of sleepers ``sleepers[q]`` beside it.
+       The waiter adds itself to ``sleepers[q]`` (a sequentially consistent read-modify-write),
+       loads ``steps[q]`` again, and sleeps only if it is still short, on the low 32 bits of
+       the value it saw. The publisher stores its counter (sequentially consistent), then
+       loads its ``sleepers``, and only if it is non-zero issues ``FUTEX_WAKE``. Each side's
+       first access is ordered before its second, so either the waiter sees the new step, or
+       the publisher sees the sleeper and wakes it. A wake that comes before the waiter is in
+       the kernel is not lost: ``FUTEX_WAIT`` returns at once when the word no longer holds
+       the value it was given.
+    3. Cost when nobody sleeps: the publisher's store becomes an ``xchg`` (x86-64), plus one
+       load from the cache line its counter is in. No system call.
+    4. Every sleep has a timeout (the caller's), after which the caller looks at the clock, at
+       its peers' liveness, and drives MPI's progress (NOTE [MPI progress] 4 in
+       ``terrapipe.comm.ring``), then sleeps again.
+    5. ``futex(2)`` is reached through libc's ``syscall()``, resolved by symbol in the process
+       (as ``terrapipe.comm.cma`` resolves ``process_vm_readv``), so the kernels can be cached
+       on disk. ``syscall()`` is variadic in C; the declaration here passes integers only,
+       which the x86-64 and AArch64 Linux implementations read from the registers a
+       fixed-argument call fills. Elsewhere ``CAN_SLEEP`` is False and waiters only yield.
 """
 
 from __future__ import annotations
+
+import platform
+import sys
 
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["load_acquire", "store_release", "compare_exchange", "spin_until", "release_step",
-           "publish_step", "rows_equal"]
+__all__ = ["load_acquire", "load_seq_cst", "store_release", "store_seq_cst", "fetch_add", "address_of",
+           "compare_exchange", "spin_until", "release_step", "publish_step", "rows_equal", "sleep_until",
+           "CAN_SLEEP"]
+
+# futex(2): its system call number per architecture (NOTE [sleeping on a counter] 5).
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower(), -1)
+CAN_SLEEP = sys.platform.startswith("linux") and _SYS_FUTEX > 0
+_FUTEX_WAIT = 0  # not FUTEX_PRIVATE_FLAG: the counters are shared between processes
+_FUTEX_WAKE = 1
+_WAKE_ALL = 0x7FFFFFFF
+_syscall = types.ExternalFunction(
+    "syscall", types.intp(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp, types.intp))
 
 
 def _element_pointer(context, builder, arrty, arr, idx, idxty):
@@ -38,6 +78,71 @@ def load_acquire(typingctx, arr, idx):
     def codegen(context, builder, signature, args):
         ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
         return builder.load_atomic(ptr, "acquire", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def load_seq_cst(typingctx, arr, idx):
+    """``arr[idx]`` of a 1-D int64 array, sequentially consistent (the second access of either
+    side of NOTE [sleeping on a counter] 2; a plain ``mov`` on x86-64, as an acquire load is)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+            and isinstance(idx, types.Integer)):
+        return None
+    sig = types.int64(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+
+    return sig, codegen
+
+
+@intrinsic
+def store_seq_cst(typingctx, arr, idx, value):
+    """``arr[idx] = value`` on a 1-D int64 array, sequentially consistent: release ordering,
+    and no later load of this thread is performed before it (``xchg`` on x86-64)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+            and isinstance(idx, types.Integer) and isinstance(value, types.Integer)):
+        return None
+    sig = types.void(arr, idx, value)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        val = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store_atomic(val, ptr, "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def fetch_add(typingctx, arr, idx, delta):
+    """Atomically ``arr[idx] += delta`` on a 1-D int64 array, sequentially consistent; returns
+    the value before (``lock xadd`` on x86-64)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+            and isinstance(idx, types.Integer) and isinstance(delta, types.Integer)):
+        return None
+    sig = types.int64(arr, idx, delta)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        val = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", ptr, val, "seq_cst")
+
+    return sig, codegen
+
+
+@intrinsic
+def address_of(typingctx, arr, idx):
+    """The address of ``arr[idx]`` (1-D array of any layout) as an integer."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and isinstance(idx, types.Integer)):
+        return None
+    sig = types.intp(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+        return builder.ptrtoint(ptr, context.get_value_type(types.intp))
 
     return sig, codegen
 
@@ -103,22 +208,54 @@ def spin_until(steps, target, max_spins):
     return False
 
 
-@njit(nogil=True, cache=True)
-def release_step(steps, me, step):
-    """``steps[me] = step`` with release ordering (see the module's ordering contract)."""
-    store_release(steps, me, step)
+@njit(nogil=True, cache=True, inline="always")
+def _advance(steps, sleepers, me, step):
+    """``steps[me] = step``, then wake whoever sleeps on it (NOTE [sleeping on a counter] 2)."""
+    store_seq_cst(steps, me, step)
+    if load_seq_cst(sleepers, me) != 0:
+        _syscall(_SYS_FUTEX, address_of(steps, me), _FUTEX_WAKE, _WAKE_ALL, 0, 0, 0)
 
 
 @njit(nogil=True, cache=True)
-def publish_step(sig_slot, me, sig, steps, step):
+def release_step(steps, sleepers, me, step):
+    """``steps[me] = step`` with release ordering (see the module's ordering contract), waking
+    the peers that sleep on it. ``sleepers``: 1-D int64 beside ``steps``, one count per process
+    (NOTE [sleeping on a counter] 2)."""
+    _advance(steps, sleepers, me, step)
+
+
+@njit(nogil=True, cache=True)
+def publish_step(sig_slot, me, sig, steps, sleepers, step):
     """Write ``sig`` (1-D int64) into row ``me`` of ``sig_slot`` (2-D int64, zero-filling the rest
-    of the row), then release ``steps[me] = step``: a peer that sees the step sees the signature
-    and every store made before this call (the data copied into the segment)."""
+    of the row), then release ``steps[me] = step`` and wake its sleepers: a peer that sees the
+    step sees the signature and every store made before this call (the data copied into the
+    segment)."""
     row = sig_slot[me]
     k = sig.shape[0]
     for i in range(row.shape[0]):
         row[i] = sig[i] if i < k else 0
-    store_release(steps, me, step)
+    _advance(steps, sleepers, me, step)
+
+
+@njit(nogil=True, cache=True)
+def sleep_until(steps, sleepers, target, timeout):
+    """Sleep until the first counter below ``target`` changes, or ``timeout`` passes (NOTE
+    [sleeping on a counter] 2); True when every ``steps[i] >= target`` already. A wake-up does
+    not mean the target is reached: the caller polls again.
+
+    steps, sleepers: 1-D int64, one per process (shared). timeout: int64 ``(2,)``, a relative
+    ``struct timespec`` (seconds, nanoseconds), private."""
+    for q in range(steps.shape[0]):
+        if load_acquire(steps, q) >= target:
+            continue
+        fetch_add(sleepers, q, 1)
+        seen = load_seq_cst(steps, q)
+        if seen < target:
+            _syscall(_SYS_FUTEX, address_of(steps, q), _FUTEX_WAIT, seen & 0xFFFFFFFF, timeout.ctypes.data,
+                     0, 0)
+        fetch_add(sleepers, q, -1)
+        return False
+    return True
 
 
 @njit(nogil=True, cache=True)

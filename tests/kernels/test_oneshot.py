@@ -159,7 +159,7 @@ def test_publish_step_writes_the_signature_then_the_step():
     board = np.zeros((3, 64), np.int64)
     board[1, SIG_COL:SIG_COL + WORDS] = 99  # stale words beyond a shorter signature are cleared
     sig = np.arange(5, dtype=np.int64) + 1
-    publish_step(board[:, SIG_COL:SIG_COL + WORDS], 1, sig, board[:, 0], 7)
+    publish_step(board[:, SIG_COL:SIG_COL + WORDS], 1, sig, board[:, 0], board[:, 3], 7)
     assert board[1, 0] == 7
     np.testing.assert_array_equal(board[1, SIG_COL:SIG_COL + WORDS], np.r_[sig, np.zeros(WORDS - 5)])
     assert not board[[0, 2]].any()
@@ -185,7 +185,7 @@ def test_spin_until_sees_a_store_from_another_thread():
     waiter.start()
     time.sleep(0.05)
     assert waiter.is_alive() and not result  # counter 1 is still behind
-    release_step(steps, 1, 3)
+    release_step(steps, np.zeros(2, np.int64), 1, 3)
     waiter.join(10)
     assert result == [True]
 
