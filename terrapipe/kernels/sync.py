@@ -67,61 +67,72 @@ def _element_pointer(context, builder, arrty, arr, idx, idxty):
     return cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
 
 
-@intrinsic
-def load_acquire(typingctx, arr, idx):
-    """``arr[idx]`` of a 1-D int64 array, read with acquire ordering (never hoisted out of a loop)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-            and isinstance(idx, types.Integer)):
-        return None
-    sig = types.int64(arr, idx)
-
-    def codegen(context, builder, signature, args):
-        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        return builder.load_atomic(ptr, "acquire", 8)
-
-    return sig, codegen
+def _int64_cell(arr, idx, *values) -> bool:
+    """Whether the arguments type as (1-D int64 array, integer index, integer values...)."""
+    return (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
+            and isinstance(idx, types.Integer) and all(isinstance(v, types.Integer) for v in values))
 
 
-@intrinsic
-def load_seq_cst(typingctx, arr, idx):
+def _atomic_load(name: str, order: str, doc: str):
+    """An intrinsic ``name(arr, idx)``: ``arr[idx]`` of a 1-D int64 array, loaded atomically
+    with memory order ``order``."""
+    def typer(typingctx, arr, idx):
+        if not _int64_cell(arr, idx):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            return builder.load_atomic(ptr, order, 8)
+
+        return types.int64(arr, idx), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+def _atomic_store(name: str, order: str, doc: str):
+    """An intrinsic ``name(arr, idx, value)``: ``arr[idx] = value`` on a 1-D int64 array,
+    stored atomically with memory order ``order``."""
+    def typer(typingctx, arr, idx, value):
+        if not _int64_cell(arr, idx, value):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            val = context.cast(builder, args[2], signature.args[2], types.int64)
+            builder.store_atomic(val, ptr, order, 8)
+            return context.get_dummy_value()
+
+        return types.void(arr, idx, value), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+load_acquire = _atomic_load(
+    "load_acquire", "acquire",
+    """``arr[idx]`` of a 1-D int64 array, read with acquire ordering (never hoisted out of a loop).""")
+load_seq_cst = _atomic_load(
+    "load_seq_cst", "seq_cst",
     """``arr[idx]`` of a 1-D int64 array, sequentially consistent (the second access of either
-    side of NOTE [sleeping on a counter] 2; a plain ``mov`` on x86-64, as an acquire load is)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-            and isinstance(idx, types.Integer)):
-        return None
-    sig = types.int64(arr, idx)
-
-    def codegen(context, builder, signature, args):
-        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        return builder.load_atomic(ptr, "seq_cst", 8)
-
-    return sig, codegen
-
-
-@intrinsic
-def store_seq_cst(typingctx, arr, idx, value):
+    side of NOTE [sleeping on a counter] 2; a plain ``mov`` on x86-64, as an acquire load is).""")
+store_release = _atomic_store(
+    "store_release", "release",
+    """``arr[idx] = value`` on a 1-D int64 array with release ordering: every earlier store of
+    this thread is visible to whoever acquires the new value.""")
+store_seq_cst = _atomic_store(
+    "store_seq_cst", "seq_cst",
     """``arr[idx] = value`` on a 1-D int64 array, sequentially consistent: release ordering,
-    and no later load of this thread is performed before it (``xchg`` on x86-64)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-            and isinstance(idx, types.Integer) and isinstance(value, types.Integer)):
-        return None
-    sig = types.void(arr, idx, value)
-
-    def codegen(context, builder, signature, args):
-        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        val = context.cast(builder, args[2], signature.args[2], types.int64)
-        builder.store_atomic(val, ptr, "seq_cst", 8)
-        return context.get_dummy_value()
-
-    return sig, codegen
+    and no later load of this thread is performed before it (``xchg`` on x86-64).""")
 
 
 @intrinsic
 def fetch_add(typingctx, arr, idx, delta):
     """Atomically ``arr[idx] += delta`` on a 1-D int64 array, sequentially consistent; returns
     the value before (``lock xadd`` on x86-64)."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-            and isinstance(idx, types.Integer) and isinstance(delta, types.Integer)):
+    if not _int64_cell(arr, idx, delta):
         return None
     sig = types.int64(arr, idx, delta)
 
@@ -148,24 +159,6 @@ def address_of(typingctx, arr, idx):
 
 
 @intrinsic
-def store_release(typingctx, arr, idx, value):
-    """``arr[idx] = value`` on a 1-D int64 array with release ordering: every earlier store of
-    this thread is visible to whoever acquires the new value."""
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-            and isinstance(idx, types.Integer) and isinstance(value, types.Integer)):
-        return None
-    sig = types.void(arr, idx, value)
-
-    def codegen(context, builder, signature, args):
-        ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
-        val = context.cast(builder, args[2], signature.args[2], types.int64)
-        builder.store_atomic(val, ptr, "release", 8)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def compare_exchange(typingctx, arr, idx, expected, desired):
     """Atomically ``if arr[idx] == expected: arr[idx] = desired``; True when it swapped.
 
@@ -173,9 +166,7 @@ def compare_exchange(typingctx, arr, idx, expected, desired):
     it orders the critical section's loads after it), acquire on failure; one ``lock cmpxchg``
     on x86-64. The building block of the chunk locks in :mod:`terrapipe.kernels.shard`.
     """
-    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1
-            and isinstance(idx, types.Integer) and isinstance(expected, types.Integer)
-            and isinstance(desired, types.Integer)):
+    if not _int64_cell(arr, idx, expected, desired):
         return None
     sig = types.boolean(arr, idx, expected, desired)
 
