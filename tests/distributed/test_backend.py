@@ -184,11 +184,39 @@ def test_coalescing_manager_batches_equal_gloos(mpi_comm):
     _close()
 
 
+def _ddp_equals_one_process(model, batches, variants, sgd: dict, device=None, rtol=1e-5, atol=1e-6):
+    """Train ``model()`` in one process on each whole batch, and ``DDP(model(), **kw)`` for each
+    ``kw`` in ``variants`` with every rank on its equal slice of it: DDP averages the ranks'
+    gradients, so each variant's parameters must equal the one process's. sgd: SGD's keyword
+    arguments; device: where the models and batches go (the CPU by default)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    dev = device if device is not None else torch.device("cpu")
+    k = batches[0][0].shape[0] // n
+
+    def train(net, part):
+        opt = torch.optim.SGD(net.parameters(), **sgd)
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(part(x).to(dev)), part(y).to(dev)).backward()
+            opt.step()
+
+    ref = model().to(dev)
+    train(ref, lambda t: t)
+    for kw in variants:
+        net = model().to(dev)
+        train(DDP(net, **kw), lambda t: t[r * k:(r + 1) * k])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
 @pytest.mark.mpi(ranks=(2, 4), timeout=240)
 def test_ddp_equals_one_process_on_the_union_batch(mpi_comm):
     tp, _ = _init(mpi_comm)
-    r, n = dist.get_rank(), dist.get_world_size()
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    n = dist.get_world_size()
 
     def model():
         torch.manual_seed(0)
@@ -197,25 +225,9 @@ def test_ddp_equals_one_process_on_the_union_batch(mpi_comm):
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(8 * n, 32, generator=g), torch.randint(0, 5, (8 * n,), generator=g))
                for _ in range(5)]
-    ref = model()
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for static in (False, True):
-        net = model()
-        # Small buckets: several allreduces per backward, launched while backward runs.
-        ddp = DDP(net, bucket_cap_mb=0.005, static_graph=static)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        for x, y in batches:
-            lo, hi = r * 8, (r + 1) * 8
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x[lo:hi]), y[lo:hi]).backward()
-            opt.step()
-        if not static:
-            for x, y in batches:
-                ropt.zero_grad()
-                torch.nn.functional.cross_entropy(ref(x), y).backward()
-                ropt.step()
-        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Small buckets: several allreduces per backward, launched while backward runs.
+    _ddp_equals_one_process(model, batches, [{"bucket_cap_mb": 0.005, "static_graph": static}
+                                             for static in (False, True)], {"lr": 0.1, "momentum": 0.9})
     assert tp.served["terrapipe"] >= 5 * 3
     _close()
 
@@ -225,12 +237,10 @@ def test_ddp_buckets_past_the_single_copy_threshold(mpi_comm):
     """DDP's default buckets of a 2.6M-parameter model (one of 1 MiB, then up to 25 MB) are
     private torch memory reduced single-copy (NOTE [single-copy allreduce] in comm/cma.py);
     training equals one process on the union batch, both ways DDP hands them over."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from terrapipe.comm import cma
 
     tp, _ = _init(mpi_comm)
-    r, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     shm = tp.group.shm
     taken = []
     inner = shm.allreduce_single_copy
@@ -244,22 +254,8 @@ def test_ddp_buckets_past_the_single_copy_threshold(mpi_comm):
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(4 * n, 256, generator=g), torch.randint(0, 10, (4 * n,), generator=g))
                for _ in range(3)]
-    ref = model()
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    for x, y in batches:
-        ropt.zero_grad()
-        torch.nn.functional.cross_entropy(ref(x), y).backward()
-        ropt.step()
-    for as_view in (False, True):
-        net = model()
-        ddp = DDP(net, gradient_as_bucket_view=as_view)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        for x, y in batches:
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x[4 * r:4 * r + 4]), y[4 * r:4 * r + 4]).backward()
-            opt.step()
-        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _ddp_equals_one_process(model, batches, [{"gradient_as_bucket_view": v} for v in (False, True)],
+                            {"lr": 0.05})
     if shm.peers is not None:
         assert taken and max(taken) >= cma.MIN_BYTES, taken
     _close()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.test_backend import _close, _init
+from tests.distributed.test_backend import _close, _ddp_equals_one_process, _init
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -69,11 +69,9 @@ def test_collectives_of_cuda_tensors_equal_gloos_on_the_host(mpi_comm):
 @cuda
 @pytest.mark.mpi(ranks=(2,), timeout=300)
 def test_ddp_on_cuda_equals_one_process_on_the_union_batch(mpi_comm):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     _init(mpi_comm, timeout=120)
-    r, n = dist.get_rank(), dist.get_world_size()
-    dev = _device(r)
+    n = dist.get_world_size()
+    dev = _device(dist.get_rank())
 
     def model():
         torch.manual_seed(0)
@@ -84,21 +82,6 @@ def test_ddp_on_cuda_equals_one_process_on_the_union_batch(mpi_comm):
     g = torch.Generator().manual_seed(9)
     batches = [(torch.randn(4 * n, 256, generator=g), torch.randint(0, 10, (4 * n,), generator=g))
                for _ in range(3)]
-    ref = model().to(dev)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    for x, y in batches:
-        ropt.zero_grad()
-        torch.nn.functional.cross_entropy(ref(x.to(dev)), y.to(dev)).backward()
-        ropt.step()
-    net = model().to(dev)
-    ddp = DDP(net, device_ids=[dev.index])
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    for x, y in batches:
-        lo, hi = 4 * r, 4 * r + 4
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x[lo:hi].to(dev)), y[lo:hi].to(dev)).backward()
-        opt.step()
-    torch.cuda.synchronize(dev)
-    for a, b in zip(net.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    _ddp_equals_one_process(model, batches, [{"device_ids": [dev.index]}], {"lr": 0.05, "momentum": 0.9},
+                            device=dev, rtol=1e-4, atol=1e-5)
     _close()

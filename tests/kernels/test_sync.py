@@ -41,7 +41,7 @@ def _atomics(a):
 
 
 def test_atomics_against_plain_arithmetic():
-    a = np.arange(0, 40, 10, dtype=np.int64)[::1]
+    a = np.arange(0, 40, 10, dtype=np.int64)
     old, now, addr = _atomics(a)
     assert (old, now) == (10, 15) and a.tolist() == [0, 15, 7, 30]
     assert addr == a.ctypes.data + 2 * a.strides[0]
