@@ -313,6 +313,23 @@ class Board:
         return s
 
 
+def _entry_point(kernel, args: tuple):
+    """The compiled entry point of ``kernel`` for the types of ``args``, compiled (or loaded
+    from Numba's cache) now, without running it.
+
+    NOTE [symmetric completion]: a rank must not do first-call work after a collective's
+    meeting point that its peers skip. In the one-shot, only a rank that arrived early and
+    waited calls :func:`~terrapipe.kernels.oneshot.finish`; compiled lazily there (hundreds of
+    milliseconds on a cold cache, milliseconds to load from a warm one), it left the collective
+    that much later than the rank that arrived last, so a rank's next step started late and
+    Horovod's barrier test, which times a barrier from the previous collective's return on
+    each rank, measured a barrier shorter than the peer's sleep. So a plan compiles every kernel
+    it may run after the meeting before its rank publishes."""
+    key = tuple(numba.typeof(a) for a in args)
+    kernel.compile(key)
+    return kernel.overloads[key].entry_point
+
+
 class ShmTransport(Transport):
     """Collectives through the shared segment of this rank's node; with ``cross`` (an
     MpiTransport over the ranks of the same local rank on every node) hierarchical: each part of
@@ -628,21 +645,20 @@ class ShmTransport(Transport):
             step, col = board.reserve()
             args = (src, dst, rows, h, me, table, col, sig, step, op, divisor, kind, scratch, acc,
                     _ONESHOT_SPINS)
+            tail = (dst, rows, h, op, divisor, kind, scratch, acc)
             # What Numba's type of an array depends on: dtype, layout, writeability.
             types = (src.dtype, src.flags.c_contiguous, src.flags.writeable,
                      dst.dtype, dst.flags.c_contiguous)
-            fn = compiled.get(types)
-            if fn is None:
-                state = oneshot.oneshot_allreduce(*args)
-                key = tuple(numba.typeof(a) for a in args)
-                compiled[types] = oneshot.oneshot_allreduce.overloads[key].entry_point
-            else:
-                state = fn(*args)
+            fns = compiled.get(types)
+            if fns is None:
+                fns = compiled[types] = (_entry_point(oneshot.oneshot_allreduce, args),
+                                         _entry_point(oneshot.finish, tail))
+            state = fns[0](*args)
             if state == oneshot.WAITING:
                 board.wait(step, timeout, coll)
                 state = rows_equal(board.sigs(step))
                 if state < 0:
-                    oneshot.finish(dst, rows, h, op, divisor, kind, scratch, acc)
+                    fns[1](*tail)
             if state >= 0:
                 check(board.sigs(step), board.ranks)
 
