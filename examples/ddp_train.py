@@ -1,8 +1,8 @@
-"""A plain torch DDP training script; the one change for terrapipe is the backend's name.
+"""A plain torch DDP training script; the one change for terrapipe is the backend's name. It does
+not import terrapipe: once terrapipe is installed, ``import torch`` registers the backend.
 
     torchrun --standalone --nproc-per-node 2 examples/ddp_train.py            # backend="terrapipe"
     torchrun --standalone --nproc-per-node 2 examples/ddp_train.py --backend gloo
-    terrapipe run -n 2 python examples/ddp_train.py                          # under MPI too
 
 Synthetic data: an MLP learns a fixed linear map, each rank on its DistributedSampler shard;
 rank 0 prints each epoch's mean loss over all ranks. ``--out FILE``: rank 0 saves the trained
@@ -17,8 +17,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import terrapipe.distributed  # registers backend="terrapipe"
-
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", default="terrapipe")
 parser.add_argument("--epochs", type=int, default=3)
@@ -27,9 +25,7 @@ parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--out", default=None, help="rank 0 saves the trained state_dict here")
 args = parser.parse_args()
 
-# torchrun sets RANK/WORLD_SIZE/MASTER_ADDR: this is dist.init_process_group(backend=...).
-# Under mpiexec / terrapipe run it meets over tcp:// with rank and size from MPI.
-terrapipe.distributed.init_process_group(args.backend)
+dist.init_process_group(args.backend)  # torchrun's RANK, WORLD_SIZE, MASTER_ADDR/PORT
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(1234)
 torch.set_num_threads(1)

@@ -3,10 +3,10 @@ imports no terrapipe layer, so every layer may record into it).
 
 Turned on by ``TERRAPIPE_TIMELINE=path.json`` (``terrapipe run --timeline path.json`` sets it) or
 :func:`start`; off by default. Each rank writes its part ``path.json.rank<r>`` (one JSON event per
-line) while it runs; ``terrapipe run`` merges the parts into ``path.json`` when the job ends
-(``terrapipe timeline merge path.json`` does it by hand), one process track per rank, readable in
-Perfetto and chrome://tracing. ``terrapipe timeline summary path.json`` tells, per rank, how much
-of each step waited for data, computed, and waited on communication (terrapipe/timeline_summary.py).
+line) while it runs; when the job ends the parts become one trace ``path.json``, one process track
+per rank, readable in Perfetto and chrome://tracing (NOTE [one trace per job]). ``terrapipe
+timeline summary path.json`` tells, per rank, how much of each step waited for data, computed, and
+waited on communication (terrapipe/timeline_summary.py).
 
 NOTE [timeline recording]
     1. Off costs one global read: every recorder returns at once when nothing records, and
@@ -28,14 +28,31 @@ NOTE [timeline recording]
        (``"ph": "X"``) of one row nest; work that overlaps other work on its thread (an async
        collective from issue to completion) is an async event pair (``"b"`` / ``"e"``, matched
        by ``id``).
+
+NOTE [one trace per job]
+    1. Whoever launched the job, ``TERRAPIPE_TIMELINE=path.json`` ends with one trace at
+       ``path.json`` and no parts beside it. Each rank of a launched job (``mpiexec``, ``terrapipe
+       run``, torchrun: :mod:`terrapipe.launch_env` knows its rank and world size) leaves a mark
+       ``path.json.rank<r>.done`` at exit, after its part is complete; the rank that sees every
+       rank's mark takes the merge (an exclusive create of ``path.json.merging``, so exactly one
+       does) and removes parts and marks. A lone process merges its own part.
+    2. A rank that dies leaves no mark, so no rank merges; ``terrapipe run`` merges what the ranks
+       left when the job ends, and ``terrapipe timeline merge path.json`` does it by hand.
+    3. The marks live beside the trace: on several machines that share no file system each
+       machine's parts stay there (``terrapipe timeline merge`` once they are brought together).
+    4. Only a rank's main process records from the variable. A helper process it starts with
+       ``multiprocessing`` (spawn or forkserver) imports this module with the same environment, and
+       would otherwise write over its rank's part and mark it done early.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import glob
 import json
+import multiprocessing
 import os
 import threading
 import time
@@ -43,7 +60,7 @@ from collections.abc import Callable
 
 __all__ = ["enabled", "now", "span", "record", "phase", "instant", "async_begin", "async_end", "start",
            "stop", "flush", "dropped", "path", "marks_cycles", "set_clock_offset", "clock_offset",
-           "estimate_offset", "merge", "load", "CAPACITY", "FLUSH_S"]
+           "estimate_offset", "has_parts", "merge", "load", "CAPACITY", "FLUSH_S"]
 
 CAPACITY = 1 << 16  # events per recording thread between two drains (NOTE [timeline recording] 2)
 FLUSH_S = 0.5  # seconds between drains (NOTE [timeline recording] 3)
@@ -362,8 +379,42 @@ class _Writer(threading.Thread):
 
 
 def _at_exit() -> None:
-    if _on:
-        stop()
+    if not _on:
+        return
+    trace, recorded = _path, _writer is not None and _writer.file is not None
+    stop()
+    _finish_job(trace, recorded)
+
+
+def _finish_job(trace: str, recorded: bool) -> None:
+    """This rank's end of NOTE [one trace per job] 1: mark its part complete, and merge the
+    parts if every rank of the job has."""
+    from . import launch_env
+
+    launched = launch_env.mpi_launched() or launch_env.torch_launched()
+    rank, size = launch_env.world()
+    if not launched and not recorded:
+        return  # not a rank (a launcher sees the variable too), and nothing of its own to merge
+    try:
+        with open(f"{trace}.rank{rank}.done", "w"):
+            pass
+        if not all(os.path.exists(f"{trace}.rank{r}.done") for r in range(size)):
+            return  # a rank still running merges
+        fd = os.open(f"{trace}.merging", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:
+        return  # another rank merges (or the folder went away): nothing of this rank is lost
+    os.close(fd)
+    try:
+        if _parts(trace):
+            merge(trace)
+    finally:
+        _clear_marks(trace)
+
+
+def _clear_marks(trace: str) -> None:
+    for mark in glob.glob(glob.escape(trace) + ".rank*.done") + [trace + ".merging"]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mark)
 
 
 atexit.register(_at_exit)
@@ -392,6 +443,11 @@ def _parts(path: str) -> list[str]:
     return sorted(parts, key=lambda p: int(p[prefix:]))
 
 
+def has_parts(path: str) -> bool:
+    """Whether ranks' parts ``<path>.rank<r>`` wait to be merged."""
+    return bool(_parts(path))
+
+
 def merge(path: str) -> int:
     """Join the ranks' parts ``<path>.rank*`` into ``path`` (one JSON array, ranks in order) and
     remove them; returns the number of events. No parts: ValueError naming ``path``."""
@@ -407,6 +463,7 @@ def merge(path: str) -> int:
     os.replace(tmp, path)
     for part in parts:
         os.unlink(part)
+    _clear_marks(path)
     return len(events)
 
 
@@ -425,5 +482,5 @@ def load(path: str) -> list[dict]:
     return data
 
 
-if os.environ.get("TERRAPIPE_TIMELINE"):
-    start(os.environ["TERRAPIPE_TIMELINE"])
+if os.environ.get("TERRAPIPE_TIMELINE") and multiprocessing.current_process().name == "MainProcess":
+    start(os.environ["TERRAPIPE_TIMELINE"])  # NOTE [one trace per job] 4

@@ -1,10 +1,13 @@
 """terrapipe.distributed: the ``"terrapipe"`` backend of torch.distributed (imports comm).
 
-Importing it registers the backend, so a script changes one word::
+Once terrapipe is installed, ``import torch`` registers the backend's name (the
+``torch.backends`` entry point, :mod:`terrapipe.torch_backend`), so a script changes one word::
 
-    import terrapipe.distributed  # noqa: F401
     dist.init_process_group(backend="terrapipe")   # under torchrun, or any init_method
     model = DDP(model)
+
+Importing this package registers it too (where torch's entry points are switched off with
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
 
 Under ``mpiexec`` or ``terrapipe run``, where torch's variables are not set,
 :func:`init_process_group` finds the world from the MPI launcher and meets over ``tcp://``.
@@ -17,23 +20,21 @@ import datetime
 import os
 import socket
 
-import torch
 import torch.distributed as dist
 
 from .. import launch_env
-from .process_group import ProcessGroupTerrapipe, create
+from ..torch_backend import BACKEND
+from ..torch_backend import register as _register
+from .process_group import ProcessGroupTerrapipe
 
 __all__ = ["ProcessGroupTerrapipe", "BACKEND", "register", "init_process_group"]
 
-BACKEND = "terrapipe"
 
 
 def register() -> None:
-    """Register the backend with torch.distributed (idempotent; done on import)."""
-    if BACKEND.upper() in dist.Backend._plugins:
-        return
-    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=devices)
+    """Register the backend with torch.distributed (idempotent; done on import, and by
+    ``import torch`` through the entry point)."""
+    _register()
 
 
 def init_process_group(backend: str = BACKEND, timeout: float = 300.0, mpi_comm=None) -> None:

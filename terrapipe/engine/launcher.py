@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         compat = str(Path(__file__).resolve().parent.parent / "horovod" / "compat")
         env["PYTHONPATH"] = os.pathsep.join(x for x in (compat, env.get("PYTHONPATH", "")) if x)
     if args.timeline:
-        env["TERRAPIPE_TIMELINE"] = os.path.abspath(args.timeline)
+        env["TERRAPIPE_TIMELINE"] = args.timeline
+    if env.get("TERRAPIPE_TIMELINE"):  # the flag, or the variable set by the user
+        env["TERRAPIPE_TIMELINE"] = os.path.abspath(env["TERRAPIPE_TIMELINE"])
     if args.autotune or args.autotune_log_file:
         env["TERRAPIPE_AUTOTUNE"] = "1"
     if args.autotune_log_file:
@@ -97,16 +99,23 @@ def main(argv: list[str] | None = None) -> int:
         code = _run_local(args.n, args.hosts, command, env)
     else:
         code = _run_mpiexec(build_command(args.n, args.hosts, command), env)
-    if args.timeline:
-        from .. import timeline
-
-        try:
-            n = timeline.merge(env["TERRAPIPE_TIMELINE"])
-            print(f"terrapipe run: timeline of {n} events in {env['TERRAPIPE_TIMELINE']} "
-                  f"(terrapipe timeline summary {args.timeline})", file=sys.stderr)
-        except ValueError as e:  # no rank recorded anything
-            print(f"terrapipe run: {e}", file=sys.stderr)
+    if env.get("TERRAPIPE_TIMELINE"):
+        _report_timeline(env["TERRAPIPE_TIMELINE"])
     return _summarize(status_dir, code)
+
+
+def _report_timeline(trace: str) -> None:
+    """The job's one trace (NOTE [one trace per job] in terrapipe/timeline.py): the ranks merged
+    it at exit, or, when a rank died before it could, the launcher merges what they left."""
+    from .. import timeline
+
+    try:
+        n = timeline.merge(trace) if timeline.has_parts(trace) else len(timeline.load(trace))
+    except (OSError, ValueError) as e:  # no rank recorded anything
+        print(f"terrapipe run: timeline: {e}", file=sys.stderr)
+        return
+    print(f"terrapipe run: timeline of {n} events in {trace} (terrapipe timeline summary {trace})",
+          file=sys.stderr)
 
 
 def _forwarding(pgids: list[int]):

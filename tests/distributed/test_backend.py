@@ -5,6 +5,7 @@ torch does (``terrapipe.distributed.init_process_group`` under mpiexec), with a 
 the same ranks beside the terrapipe one for reference results.
 """
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -336,6 +337,31 @@ def test_registered_and_unused_without_init():
     np.testing.assert_equal(dist.Backend("terrapipe"), "terrapipe")
 
 
+def test_import_torch_registers_the_name_and_loads_no_terrapipe_layer():
+    """The ``torch.backends`` entry point (pyproject.toml): ``import torch`` alone knows
+    backend="terrapipe", and loads only the leaf that registers it; the backend (and comm) load
+    when a group is made, and a lone process can make one with no terrapipe import."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch, torch.distributed as dist
+loaded = sorted(m for m in sys.modules if m.startswith("terrapipe"))
+assert loaded == ["terrapipe", "terrapipe.torch_backend"], loaded
+assert dist.Backend.backend_capability["terrapipe"] == ["cpu", "cuda"]
+dist.init_process_group("terrapipe", store=dist.HashStore(), rank=0, world_size=1)
+assert "terrapipe.comm" in sys.modules and dist.get_backend() == "terrapipe"
+t = torch.arange(4.0)
+dist.all_reduce(t)
+assert t.tolist() == [0.0, 1.0, 2.0, 3.0]
+dist.destroy_process_group()
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 @pytest.mark.mpi(ranks=(2,), timeout=120)
 def test_premul_sum_and_avg_of_integers(mpi_comm):
     _, gloo = _init(mpi_comm)
@@ -443,8 +469,9 @@ def test_under_torchrun_over_the_store(tmp_path, ranks):
 
 
 def test_example_ddp_script_under_torchrun_trains_as_on_gloo(tmp_path):
-    """examples/ddp_train.py, a plain DDP script, under ``torchrun --standalone`` at 2 ranks:
-    with backend="terrapipe" it trains to the weights it reaches on Gloo (DDP's buckets are
+    """examples/ddp_train.py, a plain DDP script that never imports terrapipe (the backend is
+    found through the ``torch.backends`` entry point), under ``torchrun --standalone`` at 2
+    ranks: with backend="terrapipe" it trains to the weights it reaches on Gloo (DDP's buckets are
     pre-divided sums of two ranks' gradients, which both backends add in either order to the
     same floats), and its loss falls."""
     import os
@@ -455,6 +482,8 @@ def test_example_ddp_script_under_torchrun_trains_as_on_gloo(tmp_path):
            if not k.startswith(("PMI_", "OMPI_", "HYDRA_", "MPI_", "TERRAPIPE_TEST_MPI"))}
     env["OMP_NUM_THREADS"] = "1"
     script = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
+    assert "terrapipe" not in "".join(ln for ln in script.read_text().splitlines()
+                                      if ln.startswith(("import", "from")))
     weights, losses = {}, {}
     for backend in ("terrapipe", "gloo"):
         out = tmp_path / f"{backend}.pt"

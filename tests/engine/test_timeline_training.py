@@ -160,3 +160,35 @@ def test_terrapipe_run_timeline_then_summary(tmp_path):
     for rank in summary["ranks"].values():
         assert rank["steps"] >= 2
         assert abs(rank["data"] + rank["compute"] + rank["comm"] - 1) < 1e-6
+
+
+@pytest.mark.parametrize("launcher", ["terrapipe run", "mpiexec", "torchrun"])
+def test_the_variable_alone_ends_with_one_trace_of_every_rank(tmp_path, launcher):
+    """NOTE [one trace per job] in terrapipe/timeline.py: ``TERRAPIPE_TIMELINE=job.json`` (a
+    path relative to the job's folder) and no flag, under each launcher a user has, ends with
+    one Chrome trace holding both ranks' loader, comm and engine events, and nothing beside it."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.mpi_plugin import mpiexec
+
+    root = Path(__file__).resolve().parents[2]
+    script = [str(root / "examples" / "train_synthetic.py"), "--data", str(tmp_path / "data"),
+              "--epochs", "1", "--per-class", "16"]
+    cmd = {"terrapipe run": [sys.executable, "-m", "terrapipe.cli", "run", "-n", "2", sys.executable],
+           "mpiexec": [mpiexec(), "-n", "2", sys.executable],
+           "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+           }[launcher] + script
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "HYDRA_", "MPI_", "TERRAPIPE_TEST_MPI"))}
+    env.update(TERRAPIPE_TIMELINE="job.json", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "job.json"]  # no parts, no marks
+    events = json.loads((tmp_path / "job.json").read_text())
+    check_nesting(events)
+    for pid in (0, 1):
+        cats = {e["cat"] for e in events if e.get("pid") == pid and e["ph"] in "Xibe"}
+        assert {"loader", "comm", "engine"} <= cats, (pid, cats)
+    assert {e["pid"] for e in events} == {0, 1}
