@@ -9,7 +9,7 @@ STAMP       := $(VENV)/.terrapipe-installed
 TORCH_SPEC  ?= torch==2.13.0
 PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 
-.PHONY: setup demo test test-full soak bench lint clean torch-suite
+.PHONY: setup demo test test-full soak bench lint clean torch-suite docs
 
 setup: $(STAMP)
 
@@ -26,9 +26,11 @@ $(STAMP): pyproject.toml setup.py terrapipe/pipeline/_jpeg.c Makefile
 	@$(PY) -c "from terrapipe.pipeline import roi_jpeg; print('libjpeg-turbo region decoder:', roi_jpeg.available())"
 	@touch $(STAMP)
 
+# The demo's short runs are not results: they go to benchmarks/results/demo/ (git-ignored).
 demo: setup
-	$(PY) -m benchmarks.kernels --quick
-	$(PY) -m benchmarks.loader --data benchmarks/data_cache/demo --images 1024 --batches 2 --rounds 1
+	BENCH_RESULTS_DIR=benchmarks/results/demo $(PY) -m benchmarks.kernels --quick
+	BENCH_RESULTS_DIR=benchmarks/results/demo $(PY) -m benchmarks.loader --data benchmarks/data_cache/demo \
+	  --images 1024 --batches 2 --rounds 1
 
 # CI's suite (.ci/run): every test, with rank counts above 2 only where the test asks for them in
 # CI (the comm core's load and topology tests); see tests/mpi_plugin.py.
@@ -55,11 +57,21 @@ bench: setup
 	$(PY) -m benchmarks.gpu_feed
 	$(PY) -m benchmarks.cuda_allreduce -n 2
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on any warning (a broken
+# link, an API page whose object is gone).
+DOCS_STAMP  := $(VENV)/.terrapipe-docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PIP) install -e ".[docs]"
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 lint: setup
 	$(VENV)/bin/ruff check terrapipe tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) benchmarks/results build
+	rm -rf $(VENV) benchmarks/results/demo build site
 	find terrapipe -name '*.so' -delete
 	find . -name __pycache__ -prune -exec rm -rf {} +
 

@@ -7,15 +7,22 @@ gives the median, min and max per case and the ratio of medians against the base
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# Committed results: one file per run, named <benchmark>_<date>.json, each naming its date, CPU
+# model, core count and command (a ratio holds only within one run on one CPU). Runs that are not
+# results (make demo, quick checks) set BENCH_RESULTS_DIR to a folder git ignores.
+RESULTS = Path(os.environ.get("BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results")
 
 
 def interleave(
@@ -65,21 +72,78 @@ def _fmt(v: object) -> str:
     return str(v)
 
 
+def _lscpu() -> dict[str, str]:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10,
+                             env=dict(os.environ, LC_ALL="C")).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in out.splitlines()) if v}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` prints it, with its family and model numbers (``AMD
+    EPYC`` alone names several generations); ``/proc/cpuinfo`` where lscpu is missing."""
+    info = _lscpu()
+    name = info.get("Model name")
+    if name is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+        except OSError:
+            name = None
+    name = name or platform.processor() or "unknown"
+    if "CPU family" in info and "Model" in info:
+        name += f" (family {info['CPU family']}, model {info['Model']})"
+    return name
+
+
+def vector_isa() -> str:
+    """The widest x86 vector extension the CPU reports (what Numba's LLVM may use)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    for isa in ("avx512f", "avx2", "avx", "sse4_2"):
+        if isa in flags:
+            return isa
+    return "none"
+
+
 def machine() -> dict[str, object]:
     return {
+        "cpu": cpu_model(),
+        "vector_isa": vector_isa(),
+        "cores": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
     }
 
 
+def command() -> str:
+    """The command line that reproduces this run (``python -m benchmarks.<name> ...``)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
 def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> list[Path]:
-    """Write ``results/<name>.json``, and ``<name>.png`` from the matplotlib figure ``plot()``
-    returns (skipped if matplotlib is missing)."""
+    """Write ``<RESULTS>/<name>_<date>.json`` (the run's date, CPU model, core count and
+    command beside the figures), and ``.png`` from the matplotlib figure ``plot()`` returns
+    (skipped if matplotlib is missing). A second run of the same benchmark on the same day
+    gets ``_2``, ``_3``, ... rather than overwriting the first."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    today = datetime.date.today().isoformat()
+    stem, k = f"{name}_{today}", 1
+    while (RESULTS / f"{stem}.json").exists():
+        k += 1
+        stem = f"{name}_{today}_{k}"
+    name = stem
     out = [RESULTS / f"{name}.json"]
-    payload = {"benchmark": name, "machine": machine(), **payload}
+    payload = {"benchmark": name, "date": today, "command": command(), "machine": machine(), **payload}
     out[0].write_text(json.dumps(payload, indent=2))
     if plot is not None:
         try:
