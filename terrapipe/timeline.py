@@ -482,5 +482,12 @@ def load(path: str) -> list[dict]:
     return data
 
 
-if os.environ.get("TERRAPIPE_TIMELINE") and multiprocessing.current_process().name == "MainProcess":
-    start(os.environ["TERRAPIPE_TIMELINE"])  # NOTE [one trace per job] 4
+def _start_from_settings() -> None:
+    from . import settings  # a leaf too
+
+    trace = settings.get("TERRAPIPE_TIMELINE")
+    if trace and multiprocessing.current_process().name == "MainProcess":
+        start(trace)  # NOTE [one trace per job] 4
+
+
+_start_from_settings()

@@ -15,6 +15,7 @@ from .collectives import (
     broadcast_object,
     clock_alignment,
     finalize,
+    forced_backend,
     gather,
     init,
     is_initialized,
@@ -34,7 +35,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 
 __all__ = [
     "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "broadcast_object",
-    "clock_alignment", "finalize", "gather",
+    "clock_alignment", "finalize", "forced_backend", "gather",
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError",

@@ -52,6 +52,7 @@ import sys
 import numpy as np
 from numba import njit, types
 
+from .. import settings
 from ..kernels import reduce as kreduce
 from .errors import CommError
 
@@ -79,7 +80,7 @@ _readv = types.ExternalFunction(
 
 def enabled() -> bool:
     """Whether single-copy transfers may be tried at all (Linux; ``TERRAPIPE_CMA`` not 0)."""
-    return os.environ.get("TERRAPIPE_CMA", "1") != "0" and sys.platform.startswith("linux")
+    return settings.get("TERRAPIPE_CMA") and sys.platform.startswith("linux")
 
 
 @njit(nogil=True, cache=True)

@@ -20,16 +20,17 @@ import traceback
 
 import numpy as np
 
-from .. import launch_env, timeline
+from .. import launch_env, settings, timeline
 from ..kernels import reduce as kreduce
 from ..kernels.floats import BF16, F16
 from . import clock, nccl
 from .buffers import Buffer, plain_array
-from .group import NO_GATE, Group, Handle
+from .group import NO_GATE, Group, Handle, force_backend, forced_backend
 from .shm import remove_stale
 
 __all__ = [
-    "init", "finalize", "world", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "init", "finalize", "forced_backend", "world", "is_initialized", "rank", "size", "local_rank",
+    "local_size",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather", "scatter",
     "send", "recv", "barrier", "jit_allreduce", "broadcast_object",
 ]
@@ -61,15 +62,16 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
         raise ValueError(f"timeout must be positive, got {timeout}")
     remove_stale()
     launched = launch_env.mpi_launched()
-    if backend in ("mpi", "shm"):
-        os.environ["TERRAPIPE_COMM_BACKEND"] = backend
+    if backend != "auto":
+        force_backend(backend)  # every group of this process routes by it, the world first
+    backend = forced_backend()
     if backend == "torch" or (backend == "auto" and not launched and launch_env.torch_launched()):
         _world = Group.over_torch(timeout)
     elif launched or backend != "auto":
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD.Dup()
-        node_size = int(os.environ.get("TERRAPIPE_NODE_SIZE", "0")) or None
+        node_size = settings.get("TERRAPIPE_NODE_SIZE") or None
         _world = Group(comm, timeout, node_size)
         if _world.size > 1:
             _abort_on_uncaught_exception(MPI)
@@ -102,7 +104,7 @@ def _abort_on_uncaught_exception(MPI) -> None:
         previous(kind, value, tb)
         sys.stderr.flush()
         sys.stdout.flush()
-        status_dir = os.environ.get("TERRAPIPE_RUN_STATUS")  # set by `terrapipe run`
+        status_dir = settings.get("TERRAPIPE_RUN_STATUS")  # set by `terrapipe run`
         if status_dir:
             # Recorded before aborting: the launcher kills every other process right after, and
             # the abort may cut the traceback short on its way through mpiexec, so the launcher
@@ -119,11 +121,13 @@ def _abort_on_uncaught_exception(MPI) -> None:
 
 
 def finalize() -> None:
-    """Release the world's shared memory and threads (also runs at exit)."""
+    """Release the world's shared memory and threads (also runs at exit); a later :func:`init`
+    starts afresh (its ``backend=`` too)."""
     global _world
     if _world is not None:
         _world.close()
         _world = None
+    force_backend(None)
 
 
 def is_initialized() -> bool:

@@ -57,7 +57,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .. import timeline
+from .. import settings, timeline
 from ..kernels import reduce as kreduce
 from ..kernels.floats import F16, compress, decompress
 from . import cma
@@ -66,7 +66,23 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 from .shm import SHARED_MIN_BYTES, SIG_WORDS, ShmTransport
 from .transport import NO_GATE, Fused, Transport
 
-__all__ = ["Group", "Handle", "NO_GATE"]
+__all__ = ["Group", "Handle", "NO_GATE", "forced_backend", "force_backend"]
+
+_backend_choice: str | None = None  # comm.init(backend=...) when it named one
+
+
+def force_backend(backend: str | None) -> None:
+    """Make ``backend`` ("mpi", "shm", "torch"; None: back to the setting) what every group made
+    from now on in this process routes by, over ``TERRAPIPE_COMM_BACKEND`` (comm.init's
+    ``backend=``)."""
+    global _backend_choice
+    _backend_choice = backend
+
+
+def forced_backend() -> str:
+    """The backend this process's groups route by: what :func:`terrapipe.comm.init` was asked
+    for when it named one, else ``TERRAPIPE_COMM_BACKEND`` ("auto", "mpi", "shm" or "torch")."""
+    return _backend_choice or settings.get("TERRAPIPE_COMM_BACKEND")
 
 _COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "reduce": 5,
          "gather": 6, "scatter": 7, "barrier": 8, "jit_allreduce": 9,
@@ -207,7 +223,7 @@ class Group:
         self.staging_pool = None  # comm/staging.py: pinned buffers and side streams, made on demand
         self.nccl = None  # comm/nccl.py: None (undecided), False (staged) or its NcclTransport
         self._small_entries: dict[tuple, tuple | None] = {}  # allreduce_small's plans
-        forced = os.environ.get("TERRAPIPE_COMM_BACKEND", "auto").lower()
+        forced = forced_backend()
         self.force_mpi, self.force_shm = forced == "mpi", forced == "shm"
 
     @property

@@ -22,8 +22,9 @@ NOTE [huge pages for reused buffers]
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
+
+from .. import settings
 
 __all__ = ["Advisor", "HUGE"]
 
@@ -53,7 +54,7 @@ class Advisor:
     used by one collective at a time)."""
 
     def __init__(self) -> None:
-        self.enabled = os.environ.get("TERRAPIPE_HUGEPAGES", "1") != "0" and sys.platform.startswith("linux")
+        self.enabled = settings.get("TERRAPIPE_HUGEPAGES") and sys.platform.startswith("linux")
         self._seen: set[tuple[int, int]] = set()
         self._advised: set[tuple[int, int]] = set()
 

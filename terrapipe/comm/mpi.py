@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import timeline
+from .. import settings, timeline
 from ..kernels import reduce as kreduce
 from .errors import CollectiveTimeoutError
 from .ring import CHUNK_BYTES, ring_allreduce, segments
@@ -30,7 +30,7 @@ __all__ = ["MpiTransport", "RING_BYTES"]
 
 # At or above this many bytes an allreduce over MPI runs as our chunked ring (NOTE [ring
 # schedule]); below it MPI's own allreduce. Measured by benchmarks.allreduce --algorithms.
-RING_BYTES = int(os.environ.get("TERRAPIPE_RING_BYTES", 1 << 20))
+RING_BYTES = settings.SETTINGS["TERRAPIPE_RING_BYTES"].default  # without the setting or tune()
 _SPINS_BEFORE_YIELD = 200
 
 
@@ -53,7 +53,7 @@ class MpiTransport(Transport):
         self.timeout = timeout
         self._late_hint = late_hint
         self._done_sends: list = []  # the ring's done messages not known complete (NOTE [MPI progress] 3)
-        self.ring_bytes = RING_BYTES  # allreduces this large or larger take the ring (tune())
+        self.ring_bytes = settings.get("TERRAPIPE_RING_BYTES")  # this large or larger: the ring (tune())
         self.chunk_bytes = CHUNK_BYTES  # the ring's message size (tune())
         self._ring_scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # the ring's receive buffers
         self._acc = np.empty(kreduce.TILE, np.float32)

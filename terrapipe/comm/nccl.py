@@ -24,14 +24,13 @@ import datetime
 import os
 import socket
 
+from .. import settings
+
 __all__ = ["wanted", "process_group", "reduce_op", "NcclTransport"]
 
 
 def _setting() -> str:
-    value = os.environ.get("TERRAPIPE_CUDA_COMM", "auto").lower()
-    if value not in ("auto", "nccl", "staged"):
-        raise ValueError(f"TERRAPIPE_CUDA_COMM: expected 'auto', 'nccl' or 'staged', got {value!r}")
-    return value
+    return settings.get("TERRAPIPE_CUDA_COMM")
 
 
 def _locally_possible() -> bool:

@@ -82,7 +82,7 @@ import time
 import numba
 import numpy as np
 
-from .. import timeline
+from .. import settings, timeline
 from ..kernels import oneshot
 from ..kernels import reduce as kreduce
 from ..kernels.sync import CAN_SLEEP, publish_step, release_step, rows_equal, sleep_until, spin_until
@@ -123,17 +123,14 @@ def wait_mode() -> str:
     """How a rank waits for late peers on the board (``TERRAPIPE_WAIT``, read when a group is
     made): ``sleep`` (default; NOTE [sleeping on a counter] in kernels/sync.py) or ``spin``
     (poll and yield the core, never sleep: for ranks that each own an otherwise idle core)."""
-    mode = os.environ.get("TERRAPIPE_WAIT", "sleep").lower()
-    if mode not in ("sleep", "spin"):
-        raise ValueError(f"TERRAPIPE_WAIT: expected 'sleep' or 'spin', got {mode!r}")
-    return mode
+    return settings.get("TERRAPIPE_WAIT")
 
 
 def row_bytes(local_size: int) -> int:
     """Bytes of each rank's row for a node of ``local_size`` ranks (TERRAPIPE_SHM_ROW_BYTES
     overrides)."""
-    forced = os.environ.get("TERRAPIPE_SHM_ROW_BYTES")
-    row = int(forced) if forced else max(_MIN_ROW_BYTES, _SEGMENT_BYTES // max(local_size, 1))
+    forced = settings.get("TERRAPIPE_SHM_ROW_BYTES")
+    row = forced or max(_MIN_ROW_BYTES, _SEGMENT_BYTES // max(local_size, 1))
     return row // 64 * 64
 
 

@@ -23,18 +23,10 @@ import socket
 import torch.distributed as dist
 
 from .. import launch_env
-from ..torch_backend import BACKEND
-from ..torch_backend import register as _register
+from ..torch_backend import BACKEND, register
 from .process_group import ProcessGroupTerrapipe
 
 __all__ = ["ProcessGroupTerrapipe", "BACKEND", "register", "init_process_group"]
-
-
-
-def register() -> None:
-    """Register the backend with torch.distributed (idempotent; done on import, and by
-    ``import torch`` through the entry point)."""
-    _register()
 
 
 def init_process_group(backend: str = BACKEND, timeout: float = 300.0, mpi_comm=None) -> None:

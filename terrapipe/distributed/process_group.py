@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -51,6 +50,7 @@ from .. import launch_env
 from ..comm import allgather as _allgather
 from ..comm import allreduce as _allreduce
 from ..comm import broadcast as _broadcast
+from ..comm import forced_backend
 from ..comm import jit_allreduce as _jit_allreduce
 from ..comm import reduce as _reduce
 from ..comm import reduce_scatter as _reduce_scatter
@@ -458,7 +458,7 @@ def _mpi_group(store, rank: int, size: int, global_ranks: list[int], timeout: fl
     ranks = global_ranks or list(range(size))
     mine = False
     # TERRAPIPE_COMM_BACKEND=shm: shared memory only, the group torchrun's ranks get
-    if launch_env.mpi_launched() and os.environ.get("TERRAPIPE_COMM_BACKEND", "").lower() != "shm":
+    if launch_env.mpi_launched() and forced_backend() != "shm":
         try:
             from mpi4py import MPI
 

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .. import comm
+from .. import comm, settings
 
 __all__ = ["SPACE", "CoordinateSearch", "AutoTuner", "cache_path", "default_blocks"]
 
@@ -122,7 +122,7 @@ class CoordinateSearch:
 
 
 def cache_path() -> str:
-    return os.environ.get("TERRAPIPE_AUTOTUNE_CACHE") or os.path.join(
+    return settings.get("TERRAPIPE_AUTOTUNE_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "terrapipe", "autotune.json")
 
 
@@ -216,7 +216,7 @@ class AutoTuner:
 
     def _log_trial(self, config: Mapping[str, float], score: float) -> None:
         log.info("autotune trial %d: %s -> %.2f ms per step", len(self.trials), dict(config), 1e3 * score)
-        path = os.environ.get("TERRAPIPE_AUTOTUNE_LOG")
+        path = settings.get("TERRAPIPE_AUTOTUNE_LOG")
         if path and self.group.rank == 0:
             new = not os.path.exists(path)
             with open(path, "a", newline="") as f:

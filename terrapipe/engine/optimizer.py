@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 
-from .. import comm, timeline
+from .. import comm, settings, timeline
 from ..ps.wrapper import WrappedOptimizer
 from .autotune import AutoTuner
 from .gradients import DistributedGradients
@@ -50,7 +49,7 @@ class DistributedOptimizer(WrappedOptimizer):
                                               backward_passes_per_step=backward_passes_per_step,
                                               group=group, backend=backend)
         if autotune is None:
-            autotune = os.environ.get("TERRAPIPE_AUTOTUNE", "") not in ("", "0")
+            autotune = settings.get("TERRAPIPE_AUTOTUNE")
         tunable = autotune and self.gradients.group.size > 1
         self.autotuner = AutoTuner(self.gradients) if tunable else None
 

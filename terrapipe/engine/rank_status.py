@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from terrapipe import launch_env
+from terrapipe import launch_env, settings
 
 
 def _die_with_parent() -> None:
@@ -36,7 +36,7 @@ def main() -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, forward)
     rc = proc.wait()
-    status_dir = os.environ.get("TERRAPIPE_RUN_STATUS")
+    status_dir = settings.get("TERRAPIPE_RUN_STATUS")
     if status_dir and not os.path.exists(os.path.join(status_dir, f"rank{rank}.status")):
         tmp = os.path.join(status_dir, f".rank{rank}.tmp")
         with open(tmp, "w") as f:

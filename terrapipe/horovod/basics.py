@@ -15,6 +15,7 @@ import threading
 import numpy as np
 
 from .. import comm as _comm
+from .. import settings
 from .errors import HorovodInternalError
 from .execute import RUNNERS
 from .negotiation import Coordinator
@@ -38,10 +39,12 @@ def _stall_timeout() -> float:
     else HOROVOD_STALL_SHUTDOWN_TIME_SECONDS when set, else 300). It bounds the wait for a *name*
     (NOTE [name negotiation] 3c), never a transport wait: a 3 s stall limit must not turn a rank
     descheduled for 3 s into a dead process set (the transport waits ``_transport_timeout``)."""
-    for var in ("TERRAPIPE_HOROVOD_TIMEOUT", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
-        value = os.environ.get(var, "")
-        if value.strip() and float(value) > 0:
-            return float(value)
+    ours = settings.get("TERRAPIPE_HOROVOD_TIMEOUT")
+    if ours is not None:
+        return ours
+    value = os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "")  # Horovod's own variable
+    if value.strip() and float(value) > 0:
+        return float(value)
     return 300.0
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
+from .. import settings
 from .decode import draft_scale, scale_box
 
 __all__ = ["available", "enabled", "RoiDecoder"]
@@ -77,7 +77,7 @@ def available() -> bool:
 
 def enabled() -> bool:
     """Whether JPEGs are decoded by the shim: available and not ``TERRAPIPE_JPEG=pillow``."""
-    return _LIB is not None and os.environ.get("TERRAPIPE_JPEG", "").lower() != "pillow"
+    return _LIB is not None and settings.get("TERRAPIPE_JPEG") != "pillow"
 
 
 class RoiDecoder:

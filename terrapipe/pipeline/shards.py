@@ -42,6 +42,8 @@ from pathlib import Path
 import numpy as np
 from braceexpand import braceexpand
 
+from .. import settings
+
 __all__ = ["TarShards", "ShardError", "expand_urls", "write_shards", "IMAGE_EXTS"]
 
 INDEX_VERSION = 1
@@ -198,7 +200,7 @@ def build_index(shard: str, label: str = "cls",
 
 
 def _cache_root() -> Path:
-    base = os.environ.get("TERRAPIPE_CACHE") or os.path.join(
+    base = settings.get("TERRAPIPE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "terrapipe")
     return Path(base) / "shard-index"
 

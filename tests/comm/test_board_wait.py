@@ -89,7 +89,7 @@ def test_the_wait_setting_is_checked_and_spin_never_sleeps(monkeypatch):
     monkeypatch.setenv("TERRAPIPE_WAIT", "Spin")
     assert wait_mode() == "spin" and not _pair()[0].sleeps
     monkeypatch.setenv("TERRAPIPE_WAIT", "nap")
-    with pytest.raises(ValueError, match="TERRAPIPE_WAIT: expected 'sleep' or 'spin', got 'nap'"):
+    with pytest.raises(ValueError, match="TERRAPIPE_WAIT: expected one of 'sleep', 'spin', got 'nap'"):
         _pair()
     monkeypatch.delenv("TERRAPIPE_WAIT")
     assert _pair()[0].sleeps == CAN_SLEEP
