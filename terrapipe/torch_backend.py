@@ -21,7 +21,7 @@ DEVICES = ("cpu", "cuda")
 
 def _create(opts, backend_options=None):
     """torch's creator for ``"terrapipe"`` (extended API): the first call loads the backend."""
-    from terrapipe.distributed.process_group import create
+    from terrapipe.distributed import create
 
     return create(opts, backend_options)
 

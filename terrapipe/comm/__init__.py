@@ -32,11 +32,12 @@ from .collectives import (
     world,
 )
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
+from .store import StoreComm
 
 __all__ = [
     "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "broadcast_object",
     "clock_alignment", "finalize", "forced_backend", "gather",
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
-    "CollectiveMismatchError", "CollectiveTimeoutError", "CommError",
+    "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "StoreComm",
 ]

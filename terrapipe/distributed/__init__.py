@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from .. import launch_env
 from ..torch_backend import BACKEND, register
-from .process_group import ProcessGroupTerrapipe
+from .process_group import ProcessGroupTerrapipe, create
 
-__all__ = ["ProcessGroupTerrapipe", "BACKEND", "register", "init_process_group"]
+__all__ = ["ProcessGroupTerrapipe", "BACKEND", "create", "register", "init_process_group"]
 
 
 def init_process_group(backend: str = BACKEND, timeout: float = 300.0, mpi_comm=None) -> None:

@@ -47,15 +47,13 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from .. import launch_env
+from ..comm import Group, Handle, StoreComm, forced_backend
 from ..comm import allgather as _allgather
 from ..comm import allreduce as _allreduce
 from ..comm import broadcast as _broadcast
-from ..comm import forced_backend
 from ..comm import jit_allreduce as _jit_allreduce
 from ..comm import reduce as _reduce
 from ..comm import reduce_scatter as _reduce_scatter
-from ..comm.group import Group, Handle
-from ..comm.store import StoreComm
 
 __all__ = ["ProcessGroupTerrapipe", "create"]
 

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import torch
 
 from .. import comm, settings, timeline
-from ..ps.wrapper import WrappedOptimizer
+from ..ps import WrappedOptimizer
 from .autotune import AutoTuner
 from .gradients import DistributedGradients
 

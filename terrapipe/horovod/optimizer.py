@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from ..engine.gradients import DistributedGradients
+from ..engine import DistributedGradients
 from . import basics
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, wire_format

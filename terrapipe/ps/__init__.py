@@ -15,6 +15,7 @@ from .averaging import ModelAveraging
 from .downpour import Downpour
 from .easgd import EASGD
 from .tensor import ShardedTensor
-from .wrapper import ModeOptimizer
+from .wrapper import ModeOptimizer, WrappedOptimizer
 
-__all__ = ["Handle", "ShardedTensor", "ModeOptimizer", "Downpour", "EASGD", "ModelAveraging"]
+__all__ = ["Handle", "ShardedTensor", "ModeOptimizer", "WrappedOptimizer", "Downpour", "EASGD",
+           "ModelAveraging"]
