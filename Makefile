@@ -35,7 +35,7 @@ demo: setup
 # CI's suite (.ci/run): every test, with rank counts above 2 only where the test asks for them in
 # CI (the comm core's load and topology tests); see tests/mpi_plugin.py.
 test: setup
-	$(PY) -m pytest -m "not full"
+	$(PY) -m pytest -m "not full" --durations=20
 
 # Every test at every rank count it names (about twice as long as `make test` on two cores).
 test-full: setup
