@@ -6,7 +6,7 @@ Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 
 ``--max-mib``), interleaved, each round starting with the next case, each operand refilled
 (through NumPy) right before its sample: ``comm.jit_allreduce`` of a gradient bucket (a torch
 tensor in the node-shared array DistributedGradients allocates its buckets in, reduced in place:
-NOTE [shared arrays] in comm/shm.py), of a private bucket (NumPy's memory, 2 MiB pages: the
+NOTE [shared arrays] in comm/algorithms/shared.py), of a private bucket (NumPy's memory, 2 MiB pages: the
 buckets where there is no shared memory) and of a plain ``torch.ones`` tensor (PyTorch's
 allocator, 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1), ``comm.allreduce`` (NumPy array), our
 chunked ring over MPI point-to-point (the path ``comm.allreduce`` takes between nodes and under
@@ -16,12 +16,12 @@ time for a batch of calls. Reported: median algbw (bytes / time) and busbw (algb
 next to this machine's single-thread memory-copy bandwidth (bytes copied per second, np.copyto of
 64 MiB) measured in the same run.
 
-``--algorithms`` times instead each path ``comm.allreduce`` can take on one node, forced, with the
-signature agreement every collective pays: the shared-memory one-shot (up to its limit), the
-chunked shared-memory allreduce, the in-place one over a shared array (from 512 KiB, where it
-takes over from the one-shot), MPI's own allreduce and our ring (both through the MPI
-transport), against MPICH's ``Allreduce`` and ``comm.allreduce`` itself; it prints the fastest
-path per size, which is what NOTE [transport selection] in comm/group.py encodes.
+``--algorithms`` times instead each algorithm ``comm.allreduce`` can run on one node, pinned with
+``Group.use_algorithm`` (so each pays what a selected call pays: the signature agreement, the
+latency path where it applies): the shared-memory one-shot (up to its limit), single copy, the
+chunked segment, the in-place one over a shared array, MPI's own allreduce and our ring (both
+over the MPI transport), against MPICH's ``Allreduce`` and ``comm.allreduce`` as selected; it
+prints the fastest per size, which is what NOTE [algorithm selection] in comm/select.py encodes.
 """
 
 from __future__ import annotations
@@ -41,42 +41,29 @@ ALGORITHMS = ("shm one-shot", "shm single copy", "shm chunked", "shm shared arra
 
 
 def _algorithm_cases(a: np.ndarray, shared: np.ndarray | None, mpi, MPI) -> dict:
-    """Each path comm.allreduce can take for ``a`` (float32 sum in place), forced; ``shared``:
+    """Each algorithm comm.allreduce can run for ``a`` (float32 sum in place), pinned; ``shared``:
     an array as long as ``a`` in the node's shared array, or None."""
     import terrapipe.comm as comm
-    from terrapipe.comm.buffers import Buffer
-    from terrapipe.comm.shm import SHARED_MIN_BYTES
-    from terrapipe.comm.transport import Fused
-    from terrapipe.kernels.reduce import SUM
+    from terrapipe.comm.select import Request, able
 
     g = comm.world()
-    buf = Buffer(a)
-    fused = Fused([a])
-    sig = g._signature("allreduce", SUM, buf)
-    check = lambda sigs, ranks: None  # noqa: E731  (same calls on every rank here)
+    can = able(g, Request("allreduce", a.nbytes))
 
-    def agreed(fn):
+    def pinned(algorithm: str | None, arr: np.ndarray):
         def call():
-            g.agree("allreduce", SUM, buf)
-            fn()
+            g.use_algorithm("allreduce", algorithm)
+            comm.allreduce(arr, "sum")
         return call
 
     cases = {}
-    if a.nbytes <= g.shm.small_bytes:
-        oneshot = g.shm.oneshot_plan(a.dtype, SUM, 0, "allreduce", sig, check)
-        cases["shm one-shot"] = lambda: oneshot(a, a)
-    if g.shm.peers is not None:  # NOTE [single-copy allreduce] in comm/cma.py
-        def single_copy():
-            g.shm.post_single_copy(a, a)  # published by the agreement's release store
-            g.agree("allreduce", SUM, buf)
-            g.shm.allreduce_single_copy(a, a, SUM)
-        cases["shm single copy"] = single_copy
-    cases["shm chunked"] = agreed(lambda: g.shm.allreduce(fused, fused, SUM, a.dtype, 0))
-    if shared is not None and a.nbytes >= SHARED_MIN_BYTES:  # smaller ones take the one-shot
-        cases["shm shared array"] = lambda: comm.allreduce(shared, "sum")
-    cases["mpi transport: MPI's own"] = agreed(lambda: g.mpi.allreduce_array(a, SUM, 0, "x", ring=False))
-    cases["comm.allreduce"] = lambda: comm.allreduce(a, "sum")
-    cases["mpi transport: ring"] = agreed(lambda: g.mpi.allreduce_array(a, SUM, 0, "x", ring=True))
+    for label, algorithm in (("shm one-shot", "oneshot"), ("shm single copy", "single_copy"),
+                             ("shm chunked", "segment"), ("mpi transport: MPI's own", "mpi"),
+                             ("mpi transport: ring", "ring")):
+        if algorithm in can:
+            cases[label] = pinned(algorithm, a)
+    if shared is not None:
+        cases["shm shared array"] = pinned("shared", shared)
+    cases["comm.allreduce"] = pinned(None, a)
     cases["mpi Allreduce"] = lambda: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
     return cases
 
@@ -87,14 +74,15 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     from mpi4py import MPI
 
     import terrapipe.comm as comm
-    from terrapipe.comm.ring import CHUNK_BYTES, ring_allreduce
+    from terrapipe.comm.algorithms.ring import ring_allreduce
+    from terrapipe.comm.transports.mpi import CHUNK_BYTES
     from terrapipe.engine.gradients import bucket_buffer
     from terrapipe.kernels.reduce import SUM
 
     comm.init()
     mpi = MPI.COMM_WORLD
     ring_comm = mpi.Dup()
-    pending: list = []  # the ring's done messages (NOTE [MPI progress] in comm/ring.py)
+    pending: list = []  # the ring's done messages (NOTE [MPI progress] in comm/algorithms/ring.py)
     scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # its receive buffers, as the MPI transport keeps
     rank, p = mpi.rank, mpi.size
     port = None

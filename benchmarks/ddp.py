@@ -13,7 +13,8 @@ floor), ``terrapipe`` (DDP on the terrapipe group), ``gloo`` (DDP on the Gloo gr
 default 25 MB buckets both times. ``--detail`` adds ``ddp floor`` (DDP with a comm hook that
 communicates nothing: DDP's own copies and hooks, what any backend pays) and ``terrapipe (no
 single copy)`` (a second terrapipe group made with ``TERRAPIPE_CMA=0``: NOTE [single-copy
-allreduce] in comm/cma.py) and ``terrapipe (spin waits)`` (one made with ``TERRAPIPE_WAIT=spin``:
+allreduce] in comm/algorithms/single_copy.py) and ``terrapipe (spin waits)`` (one made with
+``TERRAPIPE_WAIT=spin``:
 waiting ranks poll and yield instead of sleeping, NOTE [sleeping on a counter] in
 kernels/sync.py). A sample is the slowest rank's mean step time. Reported per size:
 median step time, the communication overhead t - t_none in ms and as a share of the step

@@ -43,6 +43,9 @@ NOTE [one trace per job]
     4. Only a rank's main process records from the variable. A helper process it starts with
        ``multiprocessing`` (spawn or forkserver) imports this module with the same environment, and
        would otherwise write over its rank's part and mark it done early.
+
+Why one module: it is a leaf every layer imports (standard library only); recording,
+parts and the merge at exit share one file format and one clock.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """terrapipe.comm: process groups and collectives (imports kernels, never pipeline).
 
 Ranks on a node exchange through shared memory and reduce with the kernels; nodes exchange
-through MPI (mpi4py). See collectives.py for the functions, group.py for how they run,
-staging.py for CUDA tensors copied through pinned host memory and nccl.py for NCCL.
+through MPI (mpi4py). collectives.py holds the functions; group.py the groups (membership,
+topology, agreement); execution.py the order calls run in; select.py picks, per call, an
+algorithm (algorithms/) and the transport it runs over (transports/); staging.py copies CUDA
+tensors through pinned host memory.
 """
 
 from .collectives import (
@@ -14,6 +16,7 @@ from .collectives import (
     broadcast,
     broadcast_object,
     clock_alignment,
+    cuda_collectives,
     finalize,
     forced_backend,
     gather,
@@ -33,11 +36,12 @@ from .collectives import (
 )
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 from .store import StoreComm
+from .transports.shm import Segment, alive
 
 __all__ = [
     "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "broadcast_object",
-    "clock_alignment", "finalize", "forced_backend", "gather",
+    "clock_alignment", "cuda_collectives", "finalize", "forced_backend", "gather",
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
-    "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "StoreComm",
+    "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "StoreComm", "Segment", "alive",
 ]

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from ..kernels.floats import BF16, F16
+from ..kernels import BF16, F16
 
 __all__ = ["Buffer", "DTYPE_CODES", "plain_array"]
 

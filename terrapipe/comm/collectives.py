@@ -4,10 +4,15 @@ Every function takes an optional ``group`` (default: the world from :func:`init`
 ``async_op``: with ``async_op=True`` it returns a :class:`~terrapipe.comm.group.Handle` whose
 ``wait()`` gives the result; several may be outstanding and they complete in issue order.
 Arrays and tensors may be non-contiguous (results are written back) or CUDA tensors: NCCL for
-allreduce, broadcast and allgather where every rank can use it (comm/nccl.py), else copied
+allreduce, broadcast and allgather where every rank can use it (comm/transports/nccl.py), else copied
 through host memory (pinned and overlapped for jit_allreduce: comm/staging.py). Ranks must
 call collectives in the same order with matching arguments; otherwise every rank raises
-CollectiveMismatchError (see NOTE [collective ordering] in group.py).
+CollectiveMismatchError (see NOTE [collective ordering] in comm/execution.py). Each call goes
+to comm/select.py, which picks the algorithm (comm/algorithms/) and transport
+(comm/transports/) that run it.
+
+Why one module: these are the public collectives, one function each with its argument
+checks and docstring; each is a few lines that hand the call to comm/select.py.
 """
 
 from __future__ import annotations
@@ -21,18 +26,22 @@ import traceback
 import numpy as np
 
 from .. import launch_env, settings, timeline
+from ..kernels import BF16, F16
 from ..kernels import reduce as kreduce
-from ..kernels.floats import BF16, F16
-from . import clock, nccl
+from . import clock, select
 from .buffers import Buffer, plain_array
-from .group import NO_GATE, Group, Handle, force_backend, forced_backend
-from .shm import remove_stale
+from .execution import Handle
+from .group import Group, force_backend, forced_backend
+from .message import NO_GATE
+from .select import Request
+from .transports import nccl
+from .transports.shm import remove_stale
 
 __all__ = [
     "init", "finalize", "forced_backend", "world", "is_initialized", "rank", "size", "local_rank",
     "local_size",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather", "scatter",
-    "send", "recv", "barrier", "jit_allreduce", "broadcast_object",
+    "send", "recv", "barrier", "jit_allreduce", "broadcast_object", "cuda_collectives",
 ]
 
 _world: Group | None = None
@@ -49,7 +58,7 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     several nodes on one machine). ``backend`` (or ``TERRAPIPE_COMM_BACKEND``) "mpi" routes every
     collective through MPI; "shm" keeps large allreduces on one node in shared memory, where
     "auto" sends those above the one-shot's limit through the MPI ring when each rank has a core
-    (NOTE [transport selection] in group.py); "torch" joins over torch.distributed (Gloo). Also
+    (NOTE [algorithm selection] in comm/select.py); "torch" joins over torch.distributed (Gloo). Also
     exports RANK / WORLD_SIZE / LOCAL_RANK for libraries that read them (FastLoader's sharding
     defaults).
     """
@@ -184,9 +193,9 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
     # Latency path first: small sync in-place allreduces of plain arrays skip the general machinery.
     if out is None and not async_op:
         arr = plain_array(x)
-        if arr is not None and g.allreduce_small(arr, code):
+        if arr is not None and select.allreduce_small(g, arr, code):
             return x
-    if _is_cuda(x) and nccl.wanted(g):
+    if _wants_nccl(g, x, "allreduce"):
         if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):
             raise ValueError(f"out: expected {x.dtype} {tuple(x.shape)} on {x.device}, got "
                              f"{out.dtype} {tuple(out.shape)} on {out.device}")
@@ -210,7 +219,7 @@ def _allreduce_staged(g: Group, x, out, code: int):
         raise TypeError(f"allreduce: cannot reduce dtype {src.dtype_name}")
 
     def body():
-        g.allreduce_views([src.flat], [dst.flat], code, src.kind, sig_buf=src)
+        select.allreduce_views(g, [src.flat], [dst.flat], code, src.kind, sig_buf=src)
         dst.commit()
         return dst.orig
 
@@ -220,7 +229,7 @@ def _allreduce_staged(g: Group, x, out, code: int):
 def _via_nccl(g: Group, x, coll: str, code: int, root: int, on_nccl, staged, async_op: bool):
     """Run ``on_nccl(transport, x.detach())`` on the caller's current stream after the ranks agree on
     the ``nccl_<coll>`` signature, or ``staged()`` when the group decides against NCCL (see
-    comm/nccl.py). The stream is captured here, in the caller's thread: async bodies run on the
+    comm/transports/nccl.py). The stream is captured here, in the caller's thread: async bodies run on the
     group's worker thread."""
     torch = sys.modules["torch"]
     caller = torch.cuda.current_stream(x.device)
@@ -242,7 +251,7 @@ def _nccl_or_staged(g: Group, x, coll: str, code: int, root: int, on_nccl, stage
     """A collective of one input ``x``: on NCCL through :func:`_via_nccl` when this rank wants it
     for a CUDA tensor, else ``staged(Buffer(x))`` with the Buffer made here, in the caller's
     thread (and, for a CUDA tensor, on its current stream)."""
-    if _is_cuda(x) and nccl.wanted(g):
+    if _wants_nccl(g, x, coll):
         return _via_nccl(g, x, coll, code, root, on_nccl, lambda: staged(Buffer(x, "x")), async_op)
     buf = Buffer(x, "x")
     return _run(g, lambda: staged(buf), async_op, coll, x)
@@ -254,7 +263,7 @@ def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None =
     _check_root(root, g)
 
     def staged(buf: Buffer):
-        g.broadcast_flat(buf, root)
+        select.broadcast(g, buf, root)
         buf.commit()
         return buf.orig
 
@@ -271,7 +280,7 @@ def allgather(x, *, async_op: bool = False, group: Group | None = None):
 
     def staged(buf: Buffer):
         out, obuf = buf.like((g.size, *buf.shape))
-        g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size))
+        select.allgather(g, buf, obuf.flat.reshape(g.size, buf.size))
         return _like_input(out, x)
 
     def on_nccl(transport, t):
@@ -288,7 +297,7 @@ def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = No
     out, obuf = buf.like((g.size, *buf.shape))
 
     def body():
-        g.allgather_flat(buf, obuf.flat.reshape(g.size, buf.size), root=root)
+        select.allgather(g, buf, obuf.flat.reshape(g.size, buf.size), root=root)
         return _like_input(out, x) if g.rank == root else None
 
     return _run(g, body, async_op, "gather", x)
@@ -305,7 +314,7 @@ def scatter(x, root: int = 0, *, async_op: bool = False, group: Group | None = N
     out, obuf = buf.like(buf.shape[1:])
 
     def body():
-        g.scatter_flat(buf, obuf.flat, root)
+        select.scatter(g, buf, obuf.flat, root)
         return _like_input(out, x)
 
     return _run(g, body, async_op, "scatter", x)
@@ -319,7 +328,7 @@ def reduce(x, op: str = "sum", root: int = 0, *, async_op: bool = False, group: 
     buf = Buffer(x, "x")
 
     def body():
-        g.reduce_flat(buf, code, root)
+        select.reduce(g, buf, code, root)
         if g.rank == root:
             buf.commit()
         return buf.orig
@@ -338,7 +347,7 @@ def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group |
     out, obuf = buf.like((n,))
 
     def body():
-        g.reduce_scatter_flat(buf, obuf.flat, code)
+        select.reduce_scatter(g, buf, obuf.flat, code)
         return _like_input(out, x)
 
     return _run(g, body, async_op, "reduce_scatter", x)
@@ -346,14 +355,14 @@ def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group |
 
 def barrier(*, async_op: bool = False, group: Group | None = None):
     g = _g(group)
-    return _run(g, g.barrier, async_op, "barrier", None)
+    return _run(g, lambda: select.barrier(g), async_op, "barrier", None)
 
 
 def send(x, dest: int, tag: int = 0, *, group: Group | None = None) -> None:
     """Blocking point-to-point send of ``x`` to rank ``dest`` (over MPI)."""
     g = _g(group)
     _check_root(dest, g, "dest")
-    g.send(Buffer(x, "x"), dest, tag)
+    select.send(g, Buffer(x, "x"), dest, tag)
 
 
 def recv(x, source: int, tag: int = 0, *, group: Group | None = None):
@@ -361,7 +370,7 @@ def recv(x, source: int, tag: int = 0, *, group: Group | None = None):
     g = _g(group)
     _check_root(source, g, "source")
     buf = Buffer(x, "x")
-    g.recv(buf, source, tag)
+    select.recv(g, buf, source, tag)
     buf.commit()
     return x
 
@@ -419,7 +428,7 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
         # signature is the one the general path below would agree on (elements, tensor count).
         arr = plain_array(items[0])
         use_c = ckind if arr is not None and arr.dtype == np.float32 else 0
-        if arr is not None and g.allreduce_small(arr, code, "jit_allreduce", use_c, (arr.size, 1)):
+        if arr is not None and select.allreduce_small(g, arr, code, "jit_allreduce", use_c, (arr.size, 1)):
             return tensors
     # One plan per dtype: the Buffers of host tensors, or a StagedGroup when CUDA tensors are
     # among them (pinned staging overlapped with the reduction: NOTE [staging streams]).
@@ -450,8 +459,8 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
                 views, kind = [b.flat for b in members], members[0].kind
             n = sum(v.shape[0] for v in views)
             sig = _Sig(name, n, (n, len(views)))  # dtype, total elements, tensor count
-            g.allreduce_views(views, views, code, kind, use_c, coll="jit_allreduce", sig_buf=sig,
-                              gate=staged or NO_GATE)
+            select.allreduce_views(g, views, views, code, kind, use_c, coll="jit_allreduce", sig_buf=sig,
+                                   gate=staged or NO_GATE)
             if staged is not None:
                 with timeline.span("comm", "staging: copies to device queued"):
                     staged.finish()
@@ -461,6 +470,19 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
         return tensors
 
     return _run(g, body, async_op, "jit_allreduce", items)
+
+
+def cuda_collectives(group: Group | None = None) -> str:
+    """How collectives of CUDA tensors on ``group`` (default: the world) run on this rank:
+    "nccl" (NCCL's own, on the caller's stream) or "staged" (through host memory). Local; the
+    group decides collectively at its first NCCL collective, and this answers that decision
+    once made (NOTE [algorithm selection] 1 in comm/select.py)."""
+    return select.select(_g(group), Request("allreduce", cuda=True))
+
+
+def _wants_nccl(g: Group, x, coll: str) -> bool:
+    """Whether this rank asks for NCCL's own ``coll`` of ``x`` (NOTE [algorithm selection] 1)."""
+    return _is_cuda(x) and select.select(g, Request(coll, cuda=True)) == "nccl"
 
 
 def _is_cuda(x) -> bool:
@@ -479,7 +501,7 @@ def _like_input(out, x):
 
 
 class _Sig:
-    """What a signature is made of (Group._signature), without a Buffer's copy of the data."""
+    """What a signature is made of (Group.signature), without a Buffer's copy of the data."""
 
     def __init__(self, dtype_name: str, size: int, shape: tuple) -> None:
         self.dtype_name = dtype_name

@@ -16,7 +16,7 @@ NOTE [staging streams]
       piece's download event, and writes a piece of the result only after reading it. So the
       next call's downloads (which the host waits for before writing) queue behind this call's
       uploads, and one pinned buffer per device serves every call of the group; calls of one
-      group run one at a time (NOTE [collective ordering] in group.py).
+      group run one at a time (NOTE [collective ordering] in execution.py).
     - At the end the caller's stream waits on an event after the last upload, and every tensor
       is marked as used on the side stream (``record_stream``) so the caching allocator does not
       hand its memory out before the uploads finish. Work queued on the caller's stream after

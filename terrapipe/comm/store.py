@@ -3,8 +3,8 @@
 
 Shared memory needs only two things from the ranks of a node at set-up: the segment's name
 broadcast from local rank 0, and a barrier before the name is unlinked (NOTE [shm segment
-lifetime] in shm.py). :class:`StoreComm` gives exactly those, plus an all-gather of small
-strings, over any store with torch c10d's ``set`` / ``get`` / ``wait`` (values are bytes; the
+lifetime] in comm/transports/shm.py). :class:`StoreComm` gives exactly those, plus an all-gather
+of small strings, over any store with torch c10d's ``set`` / ``get`` / ``wait`` (values are bytes; the
 store is the one every rank of the job already reached). Values are plain text, never pickles.
 """
 
@@ -14,12 +14,14 @@ import datetime
 import json
 import socket
 
+from .errors import CollectiveTimeoutError
+
 __all__ = ["StoreComm", "node_of"]
 
 
 class StoreComm:
-    """The subset of an mpi4py communicator that :class:`~terrapipe.comm.shm.Segment` and
-    :class:`~terrapipe.comm.shm.ShmTransport` use: ``rank``, ``Get_rank``, ``Get_size``,
+    """The subset of an mpi4py communicator that :class:`~terrapipe.comm.transports.shm.Segment` and
+    :class:`~terrapipe.comm.transports.shm.ShmTransport` use: ``rank``, ``Get_rank``, ``Get_size``,
     ``bcast`` (str or None), ``Barrier`` and ``allgather`` (JSON values).
 
     store: a c10d Store (or anything with set/get/wait); prefix: this communicator's key space,
@@ -42,19 +44,33 @@ class StoreComm:
         self._seq += 1
         return f"{self.prefix}/{self._seq}/{what}"
 
+    def _wait(self, keys: list[str], ranks: list[int], what: str) -> None:
+        """Until every key is set; CollectiveTimeoutError naming the ranks whose key is missing
+        after the timeout (the store's own error says only that a wait timed out)."""
+        try:
+            self.store.wait(keys, self.timeout)
+        except Exception as e:  # c10d raises DistStoreError (a RuntimeError) on a timeout
+            missing = [r for k, r in zip(keys, ranks, strict=True) if not self.store.check([k])]
+            if not missing:
+                raise
+            names = ", ".join(f"rank {r}" for r in missing)
+            raise CollectiveTimeoutError(
+                f"{what} over the store ({self.prefix!r}): Timed out after "
+                f"{self.timeout.total_seconds():g}s waiting for {names}", missing) from e
+
     def allgather(self, value) -> list:
         """Every rank's ``value`` (JSON-serialisable), in rank order."""
         key = self._key("allgather")
         self.store.set(f"{key}/{self.rank}", json.dumps(value))
         keys = [f"{key}/{r}" for r in range(self.size)]
-        self.store.wait(keys, self.timeout)
+        self._wait(keys, list(range(self.size)), "set-up (allgather)")
         return [json.loads(self.store.get(k)) for k in keys]
 
     def bcast(self, value, root: int = 0):
         key = self._key("bcast")
         if self.rank == root:
             self.store.set(key, json.dumps(value))
-        self.store.wait([key], self.timeout)
+        self._wait([key], [root], "set-up (bcast)")
         return json.loads(self.store.get(key))
 
     def Barrier(self) -> None:  # noqa: N802

@@ -32,6 +32,9 @@ NOTE [the terrapipe process group]
     4. Timeouts: the group's timeout (``init_process_group(timeout=)``) bounds every wait on
        another rank; a late rank is named in the CollectiveTimeoutError, and the group is then
        unusable, as a Gloo group is after a timeout.
+
+Why one module: torch calls one ProcessGroup class; its methods are thin adapters from
+torch's option objects to terrapipe.comm, and the NOTE above ties them together.
 """
 
 from __future__ import annotations
@@ -207,7 +210,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
             fut.set_result(value)
 
         for h in handles:
-            h._future.add_done_callback(one)
+            h.future.add_done_callback(one)
         if not handles:
             fut.set_result(finish())
         return _Work(fut)

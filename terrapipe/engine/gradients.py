@@ -28,7 +28,7 @@ NOTE [gradients as bucket views]
     3. Not for the NCCL backend with compression: its bucket travels in 16 bits, so gradients are
        copied into (and back out of) a separate 16-bit device buffer.
     4. Host buckets of a group with shared memory live in one node-shared array
-       (``Group.shared_array``; NOTE [shared arrays] in comm/shm.py), so each bucket's
+       (``Group.shared_array``; NOTE [shared arrays] in comm/algorithms/shared.py), so each bucket's
        allreduce reads the peers' gradients where the hooks put them and writes the result
        into every rank's bucket in one pass: about 2 bytes moved per gradient byte instead of
        5.5. Made collectively with the buckets (construction and :meth:`rebucket`); where the
@@ -45,7 +45,6 @@ import numpy as np
 import torch
 
 from .. import comm, timeline
-from ..comm import nccl
 
 __all__ = ["DistributedGradients", "bucket_buffer"]
 
@@ -99,7 +98,7 @@ class DistributedGradients:
             where = next(p.device for p in params if not p.is_cuda)
             raise ValueError(f"backend='nccl' needs every parameter on a CUDA device; one is on {where}")
         if backend == "auto":
-            backend = "nccl" if on_cuda and nccl.wanted(self.group) else "jit"
+            backend = "nccl" if on_cuda and comm.cuda_collectives(self.group) == "nccl" else "jit"
         self.backend = backend
         self._params = params
         self._shared = None  # the node-shared array holding the buckets, if any

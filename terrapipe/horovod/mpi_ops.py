@@ -6,6 +6,9 @@ Every call becomes an Entry on its process set's Coordinator (NOTE [name negotia
 negotiation.py): matched by ``name`` across ranks, in any order. Outputs are allocated here, in
 the caller's thread; until :func:`synchronize` returns, the input (and for ``_`` forms the
 output) belongs to the collective.
+
+Why one module: ``horovod.torch.mpi_ops`` is one module in Horovod, and scripts import
+names from it directly; every function here is that API's.
 """
 
 from __future__ import annotations

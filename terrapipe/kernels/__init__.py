@@ -12,9 +12,12 @@ Modules:
   floats  float16 / bfloat16 held as uint16
   sync    step counters shared between processes: acquire loads, release stores, bounded spins
   oneshot a small allreduce through shared rows (publish, wait, check, reduce) in one call
+  shard   the parameter server's update rules applied to a shard under its lock
+  geometry the crop boxes of random-resized-crop and center crop (pure arithmetic)
 """
 
-from . import floats, image, oneshot, reduce, rng, sync
+from . import floats, geometry, image, oneshot, reduce, rng, shard, sync
+from .floats import BF16, F16, compress, decompress
 from .image import (
     alloc_resize_scratch,
     build_normalize_lut,
@@ -31,11 +34,17 @@ from .rng import fill_uniform, philox4x64, randint, random_u64, uniform
 
 __all__ = [
     "floats",
+    "geometry",
     "image",
     "oneshot",
     "reduce",
     "rng",
+    "shard",
     "sync",
+    "BF16",
+    "F16",
+    "compress",
+    "decompress",
     "alloc_resize_scratch",
     "build_normalize_lut",
     "hflip",

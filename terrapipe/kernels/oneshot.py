@@ -10,7 +10,7 @@ private scratch and are then widened or copied out.
 
 Layouts: ``rows`` is the C-contiguous ``(p, row_len)`` array of the node's rows, the message
 occupies ``rows[:, h:h+n]``; ``board`` is the ``(p, words)`` int64 table of
-``terrapipe.comm.shm.Board``: column 0 holds each process's step counter, column
+``terrapipe.comm.transports.shm.Board``: column 0 holds each process's step counter, column
 ``SLEEPERS_COL`` how many processes sleep on it (NOTE [sleeping on a counter] in sync.py),
 columns ``[sig_col, sig_col + len(sig))`` the signature slot of this step. (Few arguments on purpose:
 each array argument costs about 0.1 us of dispatch, a large part of a 4 KiB allreduce.)
@@ -21,7 +21,7 @@ Returns: ``-1`` done; ``r >= 0`` the signature of row ``r`` differs from row 0 (
 reduced); ``WAITING`` (-2) when a peer had not arrived within ``spins`` polls: the caller waits
 (looking at the clock and at its peers' liveness), checks the signatures and calls
 :func:`finish`. The row must not be written again before every peer has passed a later step
-(the caller alternates halves of the row: NOTE [row halves] in ``terrapipe.comm.shm``).
+(the caller alternates halves of the row: NOTE [row halves] in ``terrapipe.comm.transports.shm``).
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ division for integers), so a multi-step reduction rounds the average exactly onc
 
 The compiled kernels take integer op codes; :func:`reduce_into`, :func:`reduce_many_into` and
 :func:`divide` are the checked Python entry points that map dtypes and op names onto them.
+
+Why one module: the reduction kernels share the op codes, the tile size and the 16-bit
+accumulation helpers; each is short, and together they are what a collective calls.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ counters atomically (``load atomic ... acquire`` / ``store atomic ... release``)
 loads inside the loop and orders them against the data around them. On x86-64 both are plain
 ``mov`` instructions, so a poll costs what a load costs.
 
-Ordering contract (what NOTE [board protocol] in ``terrapipe.comm.shm`` builds on): every store a
+Ordering contract (what NOTE [board protocol] in ``terrapipe.comm.transports.shm`` builds on): every store a
 process makes before :func:`store_release` of a counter is visible to a process that
 :func:`load_acquire` s that counter's new value (or a later one) before it reads that data.
 
@@ -30,9 +30,9 @@ NOTE [sleeping on a counter]
        load from the cache line its counter is in. No system call.
     4. Every sleep has a timeout (the caller's), after which the caller looks at the clock, at
        its peers' liveness, and drives MPI's progress (NOTE [MPI progress] 4 in
-       ``terrapipe.comm.ring``), then sleeps again.
+       ``terrapipe.comm.algorithms.ring``), then sleeps again.
     5. ``futex(2)`` is reached through libc's ``syscall()``, resolved by symbol in the process
-       (as ``terrapipe.comm.cma`` resolves ``process_vm_readv``), so the kernels can be cached
+       (as ``terrapipe.comm.transports.cma`` resolves ``process_vm_readv``), so the kernels can be cached
        on disk. ``syscall()`` is variadic in C; the declaration here passes integers only,
        which the x86-64 and AArch64 Linux implementations read from the registers a
        fixed-argument call fills. Elsewhere ``CAN_SLEEP`` is False and waiters only yield.

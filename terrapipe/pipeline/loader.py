@@ -21,6 +21,9 @@ NOTE [batch buffer ownership]
     may be submitted, which is the first batch to reuse slot ``b % ring``. So a yielded tensor
     stays valid while the consumer holds the next batch too, and ``copy=True`` yields tensors the
     caller owns outright. Scratch (resize weights, intermediate rows) is per thread.
+
+Why one module: FastLoader and its per-epoch iterator share the slot protocol described
+above; the decode, transforms, sources and device copy live in their own modules.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ NOTE [shard index]
        archive ends with tar's end-of-archive block. ``tarfile`` silently stops at a corrupt
        header after the first member, which would drop the rest of the shard: the index checks
        what follows the last member it saw and names the shard and that member.
+
+Why one module: the tar index, its validation and the source reading by offset are one
+format; the NOTE above is their shared contract.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ NOTE [node shards]
     1. The segment holds a pid per local rank, then the lock words of every local shard's
        chunks (one cache line each, kernels/shard.py), then each local rank's shard, 64-byte
        aligned. Its lifetime is that of every shared segment (NOTE [shm segment lifetime] in
-       comm/shm.py): unlinked once mapped, so nothing outlives the job.
+       comm/transports/shm.py): unlinked once mapped, so nothing outlives the job.
     2. Every rank of the node applies its own requests to any local shard directly, under the
        chunk's lock: a push on the node costs one pass over the data and never waits for the
        owner, whatever the owner is doing (training, or blocked in a collective). Requests from
@@ -22,9 +22,8 @@ import time
 
 import numpy as np
 
-from ..comm import CollectiveTimeoutError
-from ..comm.shm import Segment, alive
-from ..kernels.shard import LOCK_STRIDE, locked_apply
+from ..comm import CollectiveTimeoutError, Segment, alive
+from ..kernels import shard as kshard
 from .layout import Layout
 
 __all__ = ["NodeShards"]
@@ -53,7 +52,7 @@ class NodeShards:
         p = len(self.node_ranks)
         nlocks = sum(layout.nchunks(r) for r in self.node_ranks)
         pid_bytes = _aligned(8 * p)
-        lock_bytes = _aligned(8 * LOCK_STRIDE * max(nlocks, 1))
+        lock_bytes = _aligned(8 * kshard.LOCK_STRIDE * max(nlocks, 1))
         offsets, pos = {}, pid_bytes + lock_bytes
         first_lock, k = {}, 0
         for r in self.node_ranks:
@@ -88,14 +87,14 @@ class NodeShards:
         src = shard if src is None else src
         out = self._empty if out is None else out
         lock = self._first_lock[r] + k
-        got = locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)
+        got = kshard.locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)
         if got == -1:
             return
         start = time.monotonic()
         tries = 0
         while True:
             os.sched_yield()
-            got = locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)
+            got = kshard.locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)
             if got == -1:
                 return
             tries += 1

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ..kernels.shard import ADD, COPY
+from ..kernels import shard as kshard
 from .layout import Layout
 from .node_shards import NodeShards
 from .wire import ACK, DATA, HEADER, HEADER_WORDS, REPLY, STOP, Peer, wait_requests
@@ -77,7 +77,7 @@ class ShardServer:
             stop = min(start + chunk, lo + n)
             m = stop - start
             src = None
-            if rule in (ADD, COPY):
+            if rule in (kshard.ADD, kshard.COPY):
                 src = self._chunk_in[:m]
                 wait_requests(MPI, [self.comm.Irecv(src, source=client, tag=DATA)], self.timeout,
                               what, peer)

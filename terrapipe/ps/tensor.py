@@ -31,7 +31,7 @@ import numpy as np
 
 from ..comm import CollectiveTimeoutError, CommError, Handle
 from ..comm import world as _world
-from ..kernels.shard import ADD, COPY, NONE, RULES
+from ..kernels import shard as kshard
 from .layout import Layout
 from .node_shards import NodeShards
 from .server import ShardServer
@@ -107,7 +107,7 @@ class ShardedTensor:
             from mpi4py import MPI
 
             self._MPI = MPI
-            node_ranks = list(group.shm.board.ranks)
+            node_ranks = group.node_ranks
             node_comm = group.comm.Split(min(node_ranks), key=self.rank)
             self.peers = [Peer(r, h, p) for r, (h, p) in
                           enumerate(group.comm.allgather((os.uname().nodename, os.getpid())))]
@@ -189,17 +189,17 @@ class ShardedTensor:
             raise CommError(f"{name}: unusable after an earlier failure: {self._failed}")
         if self._server is not None and self._server.error:
             raise CommError(f"{name}: {self._server.error}")
-        code = NONE
+        code = kshard.NONE
         if rule is not None:
-            if rule not in RULES:
-                raise ValueError(f"{name}: rule must be one of {sorted(RULES)}, got {rule!r}")
-            code = RULES[rule]
+            if rule not in kshard.RULES:
+                raise ValueError(f"{name}: rule must be one of {sorted(kshard.RULES)}, got {rule!r}")
+            code = kshard.RULES[rule]
         if self.dtype.kind == "i" and float(scale) != int(scale):
             raise ValueError(f"{name}: scale must be an integer for a {self.dtype.name} tensor, "
                              f"got {scale}")
         scale = self.dtype.type(scale)
         src = None
-        if code in (ADD, COPY):
+        if code in (kshard.ADD, kshard.COPY):
             if x is None:
                 raise ValueError(f"{name}: x is required for rule {rule!r}")
             src, _, _ = _host(x, name, "x")
@@ -287,7 +287,7 @@ class ShardedTensor:
             reqs.append(comm.Irecv(ack, source=r, tag=ACK))
         reqs.append(comm.Isend(header(rule, dst is not None, 0, n, float(scale), seq), dest=r,
                                tag=HEADER))
-        if rule in (ADD, COPY):
+        if rule in (kshard.ADD, kshard.COPY):
             for _, lo, hi in self.layout.chunks(r):
                 reqs.append(comm.Isend(src[base + lo:base + hi], dest=r, tag=DATA))
         return r, reqs, ack

@@ -11,7 +11,7 @@ NOTE [shard wire protocol]
        at a time per shard, so MPI's non-overtaking order pairs every message without matching
        sequence numbers (they are checked anyway).
     3. Neither side ever blocks in MPI: requests are polled (``wait_requests``), which keeps
-       MPI's progress engine turning for the peer (NOTE [MPI progress] in comm/ring.py), yields
+       MPI's progress engine turning for the peer (NOTE [MPI progress] in comm/algorithms/ring.py), yields
        the core between polls, and raises CollectiveTimeoutError naming the peer when it died
        (same host: its pid is gone) or after the timeout.
     4. ``close`` is collective: every rank finishes its own requests, an MPI barrier, then each
@@ -25,8 +25,7 @@ import time
 
 import numpy as np
 
-from ..comm import CollectiveTimeoutError
-from ..comm.shm import alive
+from ..comm import CollectiveTimeoutError, alive
 
 __all__ = ["HEADER", "DATA", "REPLY", "ACK", "STOP", "HEADER_WORDS", "header", "wait_requests",
            "Peer"]

@@ -32,8 +32,9 @@ SIZES = [0, 4, 28, 4 * KIB, 64 * KIB - 4, 64 * KIB, 64 * KIB + 4, 512 * KIB - 4,
          MIB - 4, MIB, MIB + 4, 2 * MIB - 4, 2 * MIB, 2 * MIB + 4, 4 * 1_000_003, 16 * MIB + 12, 64 * MIB]
 OPS = ("allreduce", "allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter", "jit_allreduce",
        "shared allreduce")
-# In-place allreduces of pieces of a node-shared array (NOTE [shared arrays] in comm/shm.py): one
-# slot per operation that can be in flight at once, each piece at most this long.
+# In-place allreduces of pieces of a node-shared array (NOTE [shared arrays] in
+# comm/algorithms/shared.py): one slot per operation that can be in flight at once, each piece
+# at most this long.
 SHARED_SLOT_BYTES = 4 * 1_000_003 + 64
 _PATTERN_PERIOD = 13
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from terrapipe.comm.shm import Board
+from terrapipe.comm.transports.shm import Board
 from terrapipe.kernels.sync import CAN_SLEEP
 
 
@@ -84,7 +84,7 @@ def test_waits_between_ranks_in_step_many_times_over():
 
 
 def test_the_wait_setting_is_checked_and_spin_never_sleeps(monkeypatch):
-    from terrapipe.comm.shm import wait_mode
+    from terrapipe.comm.transports.shm import wait_mode
 
     monkeypatch.setenv("TERRAPIPE_WAIT", "Spin")
     assert wait_mode() == "spin" and not _pair()[0].sleeps

@@ -205,7 +205,7 @@ def test_emulated_two_nodes_of_two(mpi_comm):
     comm.broadcast(x, 3)
     np.testing.assert_array_equal(x, np.arange(9.0))
     # A shared array per node: each rank's part reduced on its node, allreduced across the
-    # nodes and copied back, per 4 MiB chunk (NOTE [shared arrays] 3 in comm/shm.py).
+    # nodes and copied back, per 4 MiB chunk (NOTE [shared arrays] 3 in comm/algorithms/shared.py).
     region = g.shared_array(4 * 3_000_007)
     assert region is not None
     for n, dtype, op in ((3_000_007, np.float32, "avg"), (200_001, np.float32, "sum"),

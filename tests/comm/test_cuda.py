@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import terrapipe.comm as comm
-from terrapipe.comm import nccl
+from terrapipe.comm.transports import nccl
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank")

@@ -1,4 +1,4 @@
-"""Allreduce in place through node-shared arrays (NOTE [shared arrays] in comm/shm.py), against
+"""Allreduce in place through node-shared arrays (NOTE [shared arrays] in comm/algorithms/shared.py), against
 NumPy, over the world, a split and a duplicate of it, at 2 and 4 ranks (4 under make test-full;
 in CI the stress test, tests/comm/stress.py, runs shared-array allreduces at 4 ranks)."""
 

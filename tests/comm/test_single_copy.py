@@ -1,7 +1,7 @@
-"""The single-copy allreduce of private memory (NOTE [single-copy allreduce] in comm/cma.py):
-its kernels against NumPy in one process (reading this process's own memory), then the path
-against NumPy over the world, a split and a duplicate at 2 and 4 ranks, under load, and its
-fallbacks."""
+"""The single-copy allreduce of private memory (NOTE [single-copy allreduce] in
+comm/algorithms/single_copy.py): its kernels against NumPy in one process (reading this process's
+own memory), then the path against NumPy over the world, a split and a duplicate at 2 and 4
+ranks, under load, and its fallbacks."""
 
 import os
 import subprocess
@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import terrapipe.comm as comm
-from terrapipe.comm import cma
+from terrapipe.comm.algorithms import single_copy
 from terrapipe.comm.errors import CommError
+from terrapipe.comm.transports import cma
 from terrapipe.kernels import reduce as kreduce
 from tests.comm import stress
 
@@ -90,7 +91,7 @@ def test_an_unreadable_peer_is_named():
 
 
 # -- over ranks --------------------------------------------------------------------------------
-# float32 elements around the 2 MiB threshold (cma.MIN_BYTES), odd lengths, several tiles.
+# float32 elements around the 2 MiB threshold (single_copy.MIN_BYTES), odd lengths, several tiles.
 LENGTHS = [512 * KIB - 1, 512 * KIB, 512 * KIB + 1, 3_000_017]
 
 
@@ -99,18 +100,15 @@ def world(mpi_comm):
     return comm.init(timeout=60)
 
 
-def _counting(g, method: str = "allreduce_single_copy") -> list:
-    """The sizes of the calls ``g``'s shm transport makes to ``method`` from now on (to see the
-    path is the one taken)."""
-    calls = []
-    inner = getattr(g.shm, method)
+class _Counting:
+    """The calls of the collectives ``colls`` that ``g`` runs single-copy from now on (to see the
+    algorithm is the one selected): ``len`` counts them."""
 
-    def counted(*args):
-        calls.append(args[0].nbytes)
-        return inner(*args)
+    def __init__(self, g, colls: tuple[str, ...] = ("allreduce",)) -> None:
+        self.log, self.colls = g.record_algorithms(), colls
 
-    setattr(g.shm, method, counted)
-    return calls
+    def __len__(self) -> int:
+        return sum(1 for coll, algorithm, _ in self.log if algorithm == "single_copy" and coll in self.colls)
 
 
 def _want(op, base, p, dtype):
@@ -132,7 +130,7 @@ def test_allreduce_is_exact_over_world_split_and_duplicate(world):
         r, p = g.rank, g.size
         if p == 1:
             continue
-        calls = _counting(g)
+        calls = _Counting(g)
         for n in LENGTHS:
             base = np.arange(n) % 13
             for dtype in DTYPES:
@@ -142,7 +140,8 @@ def test_allreduce_is_exact_over_world_split_and_duplicate(world):
                     got = comm.allreduce(x, op, out=out, group=g)
                     np.testing.assert_array_equal(got if out is None else out, _want(op, base, p, dtype),
                                                   err_msg=f"{name}: n={n} {dtype} {op}")
-        expected = sum(1 for n in LENGTHS for d in DTYPES if n * np.dtype(d).itemsize >= cma.MIN_BYTES) * 5
+        least = single_copy.MIN_BYTES
+        expected = 5 * sum(1 for n in LENGTHS for d in DTYPES if n * np.dtype(d).itemsize >= least)
         assert len(calls) == (expected if available else 0), (name, len(calls))
         # an output overlapping the input one element further on: through a private copy
         n = 600_001
@@ -224,7 +223,7 @@ def test_a_path_mismatch_raises_on_every_rank(world):
     if world.shm.peers is None:
         pytest.skip("cross-memory attach is not permitted on this machine")
     n = 512 * KIB if world.rank == 0 else 512 * KIB - 1
-    with pytest.raises(CollectiveMismatchError, match="single copy") as e:
+    with pytest.raises(CollectiveMismatchError, match="by single_copy") as e:
         comm.allreduce(np.ones(n, np.float32), "sum", group=world)
     assert "rank 0" in str(e.value) and "rank 1" in str(e.value)
 
@@ -238,10 +237,11 @@ def test_reduce_scatter_allgather_and_gather_over_world_split_and_duplicate(worl
         r, p = g.rank, g.size
         if p == 1:
             continue
-        calls = {coll: _counting(g, f"{coll}_single_copy") for coll in ("allgather", "reduce_scatter")}
+        calls = {"allgather": _Counting(g, ("allgather", "gather")),
+                 "reduce_scatter": _Counting(g, ("reduce_scatter",))}
         expected = dict.fromkeys(calls, 0)
-        for n in (cma.REDUCE_SCATTER_MIN_BYTES // 8 - 1, cma.REDUCE_SCATTER_MIN_BYTES // 4,
-                  cma.MIN_BYTES // 4 - 1, cma.MIN_BYTES // 4 + 3):
+        for n in (single_copy.REDUCE_SCATTER_MIN_BYTES // 8 - 1, single_copy.REDUCE_SCATTER_MIN_BYTES // 4,
+                  single_copy.MIN_BYTES // 4 - 1, single_copy.MIN_BYTES // 4 + 3):
             for dtype in DTYPES:
                 base = np.arange(n) % 11
                 x = (base + r).astype(dtype)
@@ -256,8 +256,8 @@ def test_reduce_scatter_allgather_and_gather_over_world_split_and_duplicate(worl
                     np.testing.assert_array_equal(np.asarray(comm.reduce_scatter(x, op, group=g)), want,
                                                   err_msg=f"{name} reduce_scatter n={n} {dtype} {op}")
                 # allgather and gather from MIN_BYTES of input, reduce-scatter from 1 MiB
-                expected["allgather"] += 2 * (x.nbytes >= cma.MIN_BYTES)
-                expected["reduce_scatter"] += 3 * (x.nbytes >= cma.REDUCE_SCATTER_MIN_BYTES)
+                expected["allgather"] += 2 * (x.nbytes >= single_copy.MIN_BYTES)
+                expected["reduce_scatter"] += 3 * (x.nbytes >= single_copy.REDUCE_SCATTER_MIN_BYTES)
         taken = {coll: len(c) for coll, c in calls.items()}
         if available:
             assert taken == expected and 0 < expected["allgather"] < expected["reduce_scatter"], (name, taken)
@@ -293,7 +293,7 @@ def _fresh_tensor(nbytes: int) -> torch.Tensor:
 def test_a_buffer_reduced_again_gets_huge_pages(monkeypatch):
     """NOTE [huge pages for reused buffers]: the second sighting of a buffer advises it, the
     first does not, the bytes stay, and TERRAPIPE_HUGEPAGES=0 leaves it alone."""
-    from terrapipe.comm import hugepages
+    from terrapipe.comm.transports import hugepages
 
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

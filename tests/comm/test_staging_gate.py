@@ -1,4 +1,4 @@
-"""The staging gate (NOTE [staging gate] in comm/shm.py), checked on the host at 1, 2 and 4 ranks.
+"""The staging gate (NOTE [staging gate] in comm/message.py), checked on the host at 1, 2 and 4 ranks.
 
 A stand-in for device memory: a source element shows up in the host views only when the
 reduction asks for it with ``ready``, and the result is "copied back" exactly as it is in the
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import terrapipe.comm as comm
+from terrapipe.comm import select
 from terrapipe.comm.collectives import _Sig
 from terrapipe.kernels import reduce as kreduce
 from terrapipe.kernels.floats import BF16
@@ -56,8 +57,8 @@ def _run(g, sizes: list[int], op: str, ckind: int = 0) -> DeviceStandIn:
     r, p = g.rank, g.size
     dev = DeviceStandIn(_tensors(r, sizes))
     sig = _Sig("float32", dev.n, (dev.n, len(sizes)))
-    g.allreduce_views(dev.views, dev.views, kreduce.op_code(op), 0, ckind, coll="jit_allreduce",
-                      sig_buf=sig, gate=dev)
+    select.allreduce_views(g, dev.views, dev.views, kreduce.op_code(op), 0, ckind, coll="jit_allreduce",
+                           sig_buf=sig, gate=dev)
     assert dev.ready_calls[-1] >= dev.n and dev.wrote_calls[-1] >= dev.n
     per_rank = [_tensors(q, sizes) for q in range(p)]
     for i in range(len(sizes)):

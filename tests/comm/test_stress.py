@@ -1,7 +1,7 @@
 """Collectives under load at 2 and 4 ranks: the schedule of tests/comm/stress.py, exact results.
 
 The same body runs over the world, a split and a duplicate of it (as mpi4py's suite runs one
-body over several communicators). Regression tests for NOTE [MPI progress] (comm/ring.py): a
+body over several communicators). Regression tests for NOTE [MPI progress] (comm/algorithms/ring.py): a
 64 MiB allreduce in a loop, and many async collectives of mixed sizes outstanding, used to hang
 on one rank while the other waited in the next collective or at exit.
 """

@@ -1,6 +1,6 @@
 """A rank that waited in a collective leaves it when its peers do (NOTE [symmetric completion] in
-terrapipe/comm/shm.py): it runs nothing after the meeting that its peers skip, such as compiling
-a kernel for a dtype this process has not reduced yet."""
+terrapipe/comm/algorithms/oneshot.py): it runs nothing after the meeting that its peers skip, such
+as compiling a kernel for a dtype this process has not reduced yet."""
 
 import time
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import terrapipe.comm as comm
-from terrapipe.comm.shm import Board
+from terrapipe.comm.transports.shm import Board
 from terrapipe.kernels import oneshot
 
 

@@ -236,16 +236,15 @@ def test_ddp_equals_one_process_on_the_union_batch(mpi_comm):
 @pytest.mark.mpi(ranks=(2, 4), timeout=240, ci_ranks=(2,))
 def test_ddp_buckets_past_the_single_copy_threshold(mpi_comm):
     """DDP's default buckets of a 2.6M-parameter model (one of 1 MiB, then up to 25 MB) are
-    private torch memory reduced single-copy (NOTE [single-copy allreduce] in comm/cma.py);
-    training equals one process on the union batch, both ways DDP hands them over."""
-    from terrapipe.comm import cma
+    private torch memory reduced single-copy (NOTE [single-copy allreduce] in
+    comm/algorithms/single_copy.py); training equals one process on the union batch, both ways
+    DDP hands them over."""
+    from terrapipe.comm.algorithms import single_copy
 
     tp, _ = _init(mpi_comm)
     n = dist.get_world_size()
     shm = tp.group.shm
-    taken = []
-    inner = shm.allreduce_single_copy
-    shm.allreduce_single_copy = lambda src, dst, op: (taken.append(src.nbytes), inner(src, dst, op))
+    log = tp.group.record_algorithms()
 
     def model():
         torch.manual_seed(0)
@@ -257,8 +256,9 @@ def test_ddp_buckets_past_the_single_copy_threshold(mpi_comm):
                for _ in range(3)]
     _ddp_equals_one_process(model, batches, [{"gradient_as_bucket_view": v} for v in (False, True)],
                             {"lr": 0.05})
+    taken = [nbytes for coll, algorithm, nbytes in log if algorithm == "single_copy"]
     if shm.peers is not None:
-        assert taken and max(taken) >= cma.MIN_BYTES, taken
+        assert taken and max(taken) >= single_copy.MIN_BYTES, log
     _close()
 
 

@@ -1,5 +1,5 @@
 """The "terrapipe" torch.distributed backend on CUDA tensors: NCCL where every rank has its own
-GPU, else staged through pinned host memory (comm/nccl.py decides, together). Run for real where
+GPU, else staged through pinned host memory (comm/transports/nccl.py decides, together). Run for real where
 there is a GPU (two ranks may share one: then they stage); skipped elsewhere. Results are
 checked against Gloo's on host copies of the same tensors."""
 

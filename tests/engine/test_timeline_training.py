@@ -72,7 +72,7 @@ def test_training_trace_has_loader_comm_and_engine_rows_on_every_rank(mpi_comm):
             on_comm = {e["name"] for e in mine if e["tid"] in comm_threads and e["ph"] == "X"}
             # small buckets take the one-shot; the 3 MiB one agrees, then is reduced in place in
             # the node-shared array the buckets live in, in one pass (NOTE [shared arrays] 3 in
-            # comm/shm.py)
+            # comm/algorithms/shared.py)
             assert {"jit_allreduce", "one-shot (agreement + reduce)", "agreement"} <= on_comm, on_comm
             assert {"reduce (shared)", "wait for peers"} <= on_comm, on_comm
             begins = sorted(e["id"] for e in mine if e["ph"] == "b")

@@ -2,45 +2,7 @@
 (``process_vm_readv``) copies a peer's private memory straight into ours, with no shared segment
 in between, as MPICH and Open MPI do for large messages on a node.
 
-NOTE [single-copy allreduce]
-    1. What it is for: allreduces of private memory too large for the one-shot (DDP's buckets,
-       torch tensors, NumPy arrays: memory terrapipe did not allocate, so the in-place path over
-       a shared array (NOTE [shared arrays] in shm.py) cannot reach it). Through the segment such
-       a message is copied in, reduced and copied out, about 5.5 n bytes of memory traffic per
-       rank; the ring over MPI moves about as much. Here each rank moves about 2.5 n at two
-       ranks: it reads its part of every peer's source into a cache-sized tile and folds it into
-       its own part of the destination (reads n / p from each peer, reads and writes its own
-       part), then reads every peer's reduced part straight into its destination.
-    2. Steps. The agreement publishes, with the signature, the addresses of each rank's source
-       and destination (board words, written before the step's release store, so a peer that
-       sees the step sees them). Phase one: reduce my part (``segments(n, p)[me]``) into my
-       destination from my source and every peer's source, divided there for avg. A barrier:
-       every part is final, and nobody reads a source again. Phase two: copy every peer's part
-       from its destination into mine. A last barrier: nobody reads my destination any more, so
-       the caller may write it once the call returns. Nothing else orders the phases: during
-       phase one a rank writes only its own part of its own destination, which no peer reads
-       until phase two; during phase two it writes only the others' parts of its destination,
-       which no peer reads at all.
-    3. Same order of operations as the other paths (``kernels.reduce.allreduce_rows``): my value
-       first, then the peers' in rank order, one division for avg; every rank copies the
-       owner's bytes, so all ranks hold identical results.
-    4. Availability: the kernel allows it between processes that may ptrace each other (same
-       user, no Yama restriction, no seccomp filter against it). ``ShmTransport`` tries it on
-       every rank of the node at start-up (each reads a word of every other) and the node
-       agrees; where any rank cannot, the segment and
-       the ring carry these messages as before. ``TERRAPIPE_CMA=0`` turns it off.
-    5. Failures: a read from a rank that died fails at once (ESRCH) and is raised naming that
-       rank; the barriers time out naming late ranks, as every shared-memory wait does.
-    6. The other collectives on one node. A reduce-scatter is phase one alone, into the
-       caller's output, from ``REDUCE_SCATTER_MIN_BYTES`` (1 MiB of input), then one barrier
-       (nobody reads a source any more). An allgather (and a gather, on its root) reads each
-       peer's input into that peer's row of the output, from ``MIN_BYTES`` of input, then one
-       barrier. Interleaved against the segment (each rank's input, float32): reduce-scatter at
-       2 ranks 1 MiB 145 vs 193 us, 64 MiB 11.0 vs 26.8 ms; at 4 ranks on 2 cores a tie at
-       1 MiB, 21.3 vs 51.2 ms at 64 MiB; allgather at 2 ranks 2 MiB 526 vs 607 us, 64 MiB
-       23.3 vs 28.3 ms; at 4 ranks a tie at 2 MiB, 93 vs 123 ms at 64 MiB. A broadcast stays in
-       the segment: its chunks let root copy in while the others copy out, which is as fast
-       here (64 MiB 16.3 ms single-copy vs 15.3).
+The algorithms over it: NOTE [single-copy allreduce] in comm/algorithms/single_copy.py.
 """
 
 from __future__ import annotations
@@ -52,25 +14,18 @@ import sys
 import numpy as np
 from numba import njit, types
 
-from .. import settings
-from ..kernels import reduce as kreduce
-from .errors import CommError
+from ... import settings
+from ...kernels import reduce as kreduce
+from ..errors import CommError
 
 __all__ = ["Peers", "read", "reduce_part", "gather_parts", "read_value", "read_error", "TILE_BYTES",
-           "MIN_BYTES", "REDUCE_SCATTER_MIN_BYTES", "enabled"]
+           "enabled"]
 
 # Bytes per phase-one read: the tile and the part of the destination it folds into stay in L2
 # while every peer's tile is folded (1 MiB L2 per core here). Interleaved at 2 ranks, float32
 # sum: 4 MiB took 1.21 ms with 64 KiB tiles (a syscall each), 0.90 with 256 KiB, 0.95 with
 # 1 MiB; at 25 MiB all three within 3% (4.48, 4.40, 4.34 ms).
 TILE_BYTES = 256 << 10
-
-# The smallest allreduce (bytes) that goes single-copy; smaller ones take the one-shot
-# (NOTE [transport selection] 7 in group.py).
-MIN_BYTES = 2 << 20
-# A reduce-scatter reads only its own part of every peer's message: it gains from half the size
-# (NOTE [single-copy allreduce] 6).
-REDUCE_SCATTER_MIN_BYTES = 1 << 20
 
 # By symbol, resolved in the process (libc), so the compiled kernels can be cached on disk.
 _readv = types.ExternalFunction(

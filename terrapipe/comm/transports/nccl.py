@@ -24,7 +24,7 @@ import datetime
 import os
 import socket
 
-from .. import settings
+from ... import settings
 
 __all__ = ["wanted", "process_group", "reduce_op", "NcclTransport"]
 
@@ -82,7 +82,7 @@ def process_group(group, device) -> NcclTransport | None:
 
 class NcclTransport:
     """Allreduce, broadcast and allgather of CUDA tensors over a torch.distributed NCCL group
-    (the device-memory member of the transports listed in comm/transport.py: its operands are
+    (the device-memory member of the transports listed in comm/transports/base.py: its operands are
     tensors on the caller's current stream, not host arrays). Made by :func:`process_group`:
     under torch.distributed a ``new_group`` over its world; under MPI a torch.distributed
     world over TCP whose address rank 0 hands out (``owns_world``: torn down at close)."""
@@ -152,7 +152,7 @@ def reduce_op(op: int, is_float: bool):
     still needs its floor division after a sum)."""
     import torch.distributed as dist
 
-    from ..kernels import reduce as kreduce
+    from ...kernels import reduce as kreduce
 
     R = dist.ReduceOp
     if op == kreduce.AVG:

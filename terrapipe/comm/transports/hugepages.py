@@ -2,7 +2,8 @@
 model's gradient tensors, the staging copy of fused messages).
 
 NOTE [huge pages for reused buffers]
-    1. Why: the single-copy collectives (NOTE [single-copy allreduce] in cma.py) have the kernel
+    1. Why: the single-copy collectives (NOTE [single-copy allreduce] in
+       comm/algorithms/single_copy.py) have the kernel
        pin the peer's pages for every read, page by page. PyTorch's CPU allocator hands out 4 KiB
        pages (unless ``THP_MEM_ALLOC_ENABLE=1`` was set before torch started), and on its memory
        those reads take 1.3-1.5x as long: interleaved at 2 ranks, ``comm.allreduce`` of a
@@ -24,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-from .. import settings
+from ... import settings
 
 __all__ = ["Advisor", "HUGE"]
 

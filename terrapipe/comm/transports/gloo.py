@@ -21,17 +21,17 @@ import time
 
 import numpy as np
 
-from ..kernels import reduce as kreduce
-from .errors import CollectiveTimeoutError, CommError
-from .ring import segments
-from .transport import NO_GATE, Fused, Transport, divide
+from ...kernels import reduce as kreduce
+from ..errors import CollectiveTimeoutError, CommError
+from ..message import NO_GATE, Fused, divide, segments
+from .base import OwnCollectives
 
 __all__ = ["GlooTransport"]
 
 _SIGN_IN_SECONDS = 30.0  # the longest a failing rank looks for the others' keys
 
 
-class GlooTransport(Transport):
+class GlooTransport(OwnCollectives):
     """Collectives over the torch.distributed process group ``pg`` (None: the default group,
     initialised here over Gloo if nothing initialised it: ``owns_init``)."""
 

@@ -1,15 +1,16 @@
-"""The MPI transport: collectives over one mpi4py communicator.
+"""The MPI transport: point-to-point and MPI's own collectives over one mpi4py communicator.
 
-Used between nodes (one communicator per local rank across nodes, for the hierarchical shm
+Used between nodes (one communicator per local rank across nodes, for the hierarchical
 allreduce), for every collective when MPI is forced or nodes differ in rank count, and on one
-node for messages where MPI beats the shared segment (``Group._route``). Large allreduces run
-as our chunked ring (comm/ring.py) with the JIT reduction kernels; smaller ones as MPI's own
-allreduce, or for 16-bit formats an allgather reduced here with float32 accumulation.
+node for messages where MPI beats the shared segment (comm/select.py). It carries two
+algorithms: MPI's own collectives (comm/algorithms/native.py; for 16-bit formats an allgather
+reduced with float32 accumulation) and our chunked ring (comm/algorithms/ring.py), which runs
+on a duplicate communicator of its own (``ring_comm``) with the settings the autotuner tunes.
 
 Every request is polled, never waited on blindly: a wait that outlasts the timeout raises
-CollectiveTimeoutError naming the ranks it waits for. NOTE [MPI progress] in ring.py says why a
-rank keeps MPI's progress engine turning while it waits elsewhere, and why the transport ends
-with a barrier in which every rank progresses.
+CollectiveTimeoutError naming the ranks it waits for. NOTE [MPI progress] in
+comm/algorithms/ring.py says why a rank keeps MPI's progress engine turning while it waits
+elsewhere, and why the transport ends with a barrier in which every rank progresses.
 """
 
 from __future__ import annotations
@@ -20,24 +21,31 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import settings, timeline
-from ..kernels import reduce as kreduce
-from .errors import CollectiveTimeoutError
-from .ring import CHUNK_BYTES, ring_allreduce, segments
-from .transport import NO_GATE, Fused, Transport, divide
+from ... import settings, timeline
+from ...kernels import reduce as kreduce
+from ..errors import CollectiveTimeoutError
+from ..message import NO_GATE, Fused, divide, reduce_flat, segments
+from .base import OwnCollectives
 
-__all__ = ["MpiTransport", "RING_BYTES"]
+__all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES"]
 
 # At or above this many bytes an allreduce over MPI runs as our chunked ring (NOTE [ring
-# schedule]); below it MPI's own allreduce. Measured by benchmarks.allreduce --algorithms.
+# schedule] in comm/algorithms/ring.py); below it MPI's own allreduce (NOTE [algorithm
+# selection] 8 in comm/select.py). Measured by benchmarks.allreduce --algorithms.
 RING_BYTES = settings.SETTINGS["TERRAPIPE_RING_BYTES"].default  # without the setting or tune()
+# Per-message cost (MPICH's rendezvous handshake) outweighs cache fit: at 2 ranks here 512 KiB
+# chunks ran 10-13% faster than 256 KiB from 1 to 64 MiB, and larger ones lose the overlap of
+# receiving and reducing at 16 MiB and up (benchmarks.allreduce).
+CHUNK_BYTES = 512 << 10
 _SPINS_BEFORE_YIELD = 200
 
 
-class MpiTransport(Transport):
-    """Collectives over ``comm`` (mpi4py). ``members[i]``: the group rank of rank i of ``comm``;
+class MpiTransport(OwnCollectives):
+    """Transfers over ``comm`` (mpi4py). ``members[i]``: the group rank of rank i of ``comm``;
     ``timeout``: seconds a request may take; ``late_hint()``: (group ranks, why) known to be
-    late from elsewhere (the node's board), or None, to name in a timeout."""
+    late from elsewhere (the node's board), or None, to name in a timeout. The ring's state
+    (``ring_comm``, ``done_sends``, ``ring_scratch``, ``ring_bytes``, ``chunk_bytes``) lives
+    here, one per communicator."""
 
     name = "mpi"
 
@@ -52,10 +60,10 @@ class MpiTransport(Transport):
         self.members = members
         self.timeout = timeout
         self._late_hint = late_hint
-        self._done_sends: list = []  # the ring's done messages not known complete (NOTE [MPI progress] 3)
+        self.done_sends: list = []  # the ring's done messages not known complete (NOTE [MPI progress] 3)
         self.ring_bytes = settings.get("TERRAPIPE_RING_BYTES")  # this large or larger: the ring (tune())
         self.chunk_bytes = CHUNK_BYTES  # the ring's message size (tune())
-        self._ring_scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # the ring's receive buffers
+        self.ring_scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # the ring's receive buffers
         self._acc = np.empty(kreduce.TILE, np.float32)
 
     # -- waiting ------------------------------------------------------------------------------
@@ -99,7 +107,7 @@ class MpiTransport(Transport):
         return [r for r in self.members if r != me], "one of these never arrived"
 
     def progress(self) -> None:
-        """One turn of MPI's progress engine (NOTE [MPI progress] 4 in ring.py)."""
+        """One turn of MPI's progress engine (NOTE [MPI progress] 4 in comm/algorithms/ring.py)."""
         self.ring_comm.Iprobe(self._MPI.ANY_SOURCE, self._MPI.ANY_TAG)
 
     # -- collectives ---------------------------------------------------------------------------
@@ -110,36 +118,20 @@ class MpiTransport(Transport):
 
     def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:
         gate.ready(srcs.n)
-        out = dsts.only()
-        mine = root < 0 or root == self.members[self.rank]
-        # Reduce straight in the destination when it is one flat array this rank may overwrite.
-        direct = (out is not None and not ckind and out.dtype == np.dtype(dtype) and out.flags.c_contiguous
-                  and mine)
-        if direct:
-            buf = out
-            src = srcs.only()
-            if src is None or src.ctypes.data != out.ctypes.data:
-                srcs.read(0, srcs.n, buf)
-        else:
-            buf = np.empty(srcs.n, dtype)
-            srcs.read(0, srcs.n, buf, ckind)
-        self.allreduce_array(buf, op, kind, "allreduce")
-        if op == kreduce.AVG:
-            divide(buf, self.size, kind)
-        if not direct and mine:
-            dsts.write(0, buf, ckind)
+
+        def reduce(buf: np.ndarray) -> None:
+            self.allreduce_array(buf, op, kind, "allreduce")
+            if op == kreduce.AVG:
+                divide(buf, self.size, kind)
+
+        reduce_flat(srcs, dsts, dtype, ckind, root < 0 or root == self.members[self.rank], reduce)
         gate.wrote(srcs.n)
 
-    def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str,
-                        ring: bool | None = None) -> None:
-        """In place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``); ``avg`` sums (the
-        caller divides, by the size of the whole group when this is its cross-node part).
-        ``ring``: our ring (True) or MPI's own allreduce (False); default by ``ring_bytes``."""
-        if ring if ring is not None else buf.nbytes >= self.ring_bytes:
-            ring_allreduce(self.ring_comm, buf, op, kind,
-                           lambda req, w, peer: self.wait(req, f"{what}: {w}", peer), self._done_sends,
-                           self._ring_scratch, self.chunk_bytes)
-        elif kind:
+    def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
+        """MPI's own allreduce, in place on ``buf`` (1-D, C-contiguous; uint16 bits for
+        ``kind``: an allgather reduced with float32 accumulation); ``avg`` sums (the caller
+        divides, by the size of the whole group when this is its cross-node part)."""
+        if kind:
             gathered = np.empty((self.size, buf.shape[0]), buf.dtype)
             self.wait(self.comm.Iallgather(buf, gathered), what)
             kreduce.reduce_many_16(buf, gathered, op, 0, buf.shape[0], kind, self._acc)
@@ -157,8 +149,8 @@ class MpiTransport(Transport):
             self.ring_bytes = int(ring_bytes)
         if chunk_bytes is not None:
             self.chunk_bytes = int(chunk_bytes)
-            if self._ring_scratch.shape[0] < 2 * self.chunk_bytes:
-                self._ring_scratch = np.empty(2 * self.chunk_bytes, np.uint8)
+            if self.ring_scratch.shape[0] < 2 * self.chunk_bytes:
+                self.ring_scratch = np.empty(2 * self.chunk_bytes, np.uint8)
 
     def broadcast(self, flat, root) -> None:
         self.wait(self.comm.Ibcast(flat, root=self.members.index(root)), "broadcast")
@@ -199,7 +191,7 @@ class MpiTransport(Transport):
     def close(self) -> None:
         """Every rank progresses MPI until every rank got here (NOTE [MPI progress] 3): the done
         messages and MPI's own sends still waiting on a peer complete before MPI goes."""
-        reqs, self._done_sends = self._done_sends, []
+        reqs, self.done_sends = self.done_sends, []
         try:
             self.wait_all(reqs + [self.comm.Ibarrier()], "closing the group")
         except CollectiveTimeoutError:

@@ -1,9 +1,10 @@
-"""Chunked ring allreduce over MPI point-to-point, reducing received chunks with the JIT kernels.
+"""Chunked ring allreduce over the MPI transport's point-to-point (comm/transports/mpi.py),
+reducing received chunks with the JIT kernels.
 
-Used by the MPI transport (comm/mpi.py): for large allreduces on one node when each rank has a
-core, between nodes for the parts of the hierarchical allreduce, and whenever collectives go
-flat over MPI (NOTE [transport selection] in group.py). Bandwidth-optimal: each rank sends and
-receives 2 (p - 1) / p of the buffer, whatever p.
+Runs large allreduces on one node when each rank has a core, the cross-node parts of the
+hierarchical allreduce, and allreduces when collectives go flat over MPI (NOTE [algorithm
+selection] in comm/select.py). Bandwidth-optimal: each rank sends and receives 2 (p - 1) / p of
+the buffer, whatever p.
 
 NOTE [ring schedule]
     The buffer is cut into p segments (:func:`segments`). Reduce-scatter: at step s = 0 .. p-2, rank r
@@ -31,7 +32,7 @@ NOTE [MPI progress]
     3. A done message's own send may in turn wait for the right neighbour's progress, so it is not
        waited for here: the request goes to ``pending``, which the next ring call reaps and the
        group completes, with every rank progressing, in its closing barrier.
-    4. Waits outside MPI (the board's spin in comm/shm.py) call a progress function between spin
+    4. Waits outside MPI (the board's wait in comm/transports/shm.py) call a progress function between spin
        rounds, so MPI's own collectives (whose sends may depend on a peer in the same way) and the
        done messages complete while a rank waits on shared memory.
 """
@@ -42,26 +43,38 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .. import timeline
-from ..kernels import reduce as kreduce
+from ... import timeline
+from ...kernels import reduce as kreduce
+from ..message import NO_GATE, Fused, divide, reduce_flat, segments
+from ..transports.mpi import CHUNK_BYTES
 
-__all__ = ["RING_TAG", "DONE_TAG", "CHUNK_BYTES", "ring_allreduce", "segments"]
+__all__ = ["RING_TAG", "DONE_TAG", "allreduce", "allreduce_array", "ring_allreduce", "segments"]
 
 RING_TAG = 7201
 DONE_TAG = 7202
-# Per-message cost (MPICH's rendezvous handshake) outweighs cache fit: at 2 ranks here 512 KiB
-# chunks ran 10-13% faster than 256 KiB from 1 to 64 MiB, and larger ones lose the overlap of
-# receiving and reducing at 16 MiB and up (benchmarks.allreduce; the sweep is in the README).
-CHUNK_BYTES = 512 << 10
 _EMPTY = np.empty(0, np.uint8)  # the done message: no payload, only its arrival counts
 
 
-def segments(n: int, p: int) -> list[tuple[int, int]]:
-    """[start, end) of each of p owners' segments of n elements (np.array_split's boundaries:
-    sizes differ by at most one, the first ones larger)."""
-    q, r = divmod(n, p)
-    bounds = [i * q + min(i, r) for i in range(p + 1)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
+def allreduce(mpi, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: int = 0, root: int = -1,
+              gate=NO_GATE) -> None:
+    """``dsts`` = op over every rank's ``srcs`` through the ring over MpiTransport ``mpi`` (the
+    agreement has run); ``root`` >= 0: only that rank's ``dsts`` is written (a reduce)."""
+    gate.ready(srcs.n)
+
+    def reduce(buf: np.ndarray) -> None:
+        allreduce_array(mpi, buf, op, kind, "allreduce")
+        if op == kreduce.AVG:
+            divide(buf, mpi.size, kind)
+
+    reduce_flat(srcs, dsts, dtype, ckind, root < 0 or root == mpi.members[mpi.rank], reduce)
+    gate.wrote(srcs.n)
+
+
+def allreduce_array(mpi, buf: np.ndarray, op: int, kind: int, what: str) -> None:
+    """:func:`ring_allreduce` over MpiTransport ``mpi``'s ring communicator, with its timeout,
+    done messages, scratch and tuned chunk size: in place on ``buf``, summing for ``avg``."""
+    ring_allreduce(mpi.ring_comm, buf, op, kind, lambda req, w, peer: mpi.wait(req, f"{what}: {w}", peer),
+                   mpi.done_sends, mpi.ring_scratch, mpi.chunk_bytes)
 
 
 def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int,

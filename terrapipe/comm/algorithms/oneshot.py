@@ -1,0 +1,107 @@
+"""The one-shot allreduce: a small allreduce and its agreement in one compiled call
+(kernels/oneshot.py) over the node's shared segment. Each rank publishes its data and signature
+together in its row (one board step), and every rank reduces the whole message from every row
+into a private scratch row, never into its own shared row, which the others are still reading.
+One barrier where the other algorithms pay two or more; each rank reads p x n bytes, so it wins
+for small messages only (NOTE [algorithm selection] 5 in comm/select.py).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ...kernels import oneshot
+from ...kernels import reduce as kreduce
+from ...kernels import sync as ksync
+
+__all__ = ["allreduce", "plan", "limit", "ONESHOT_READ_BYTES"]
+
+# The one-shot allreduce (one barrier: data and signature published together, every rank reduces
+# the whole message) has each rank read p x n bytes; it beats MPICH's Allreduce and our other
+# paths while that stays within ONESHOT_READ_BYTES (measured here: at 2 ranks up to 2 MiB,
+# 279 vs 337 us, not at 4 MiB; at 4 ranks up to 1 MiB, 404 vs 619 us, not at 2 MiB).
+ONESHOT_READ_BYTES = 4 << 20
+# Polls before a one-shot allreduce leaves its compiled call to wait while yielding the core.
+_ONESHOT_SPINS = 2000
+
+
+def limit(shm) -> int:
+    """The largest allreduce (bytes as exchanged) the one-shot takes on ``shm``'s node: half a
+    row (a message fits a row half, NOTE [row halves] in comm/transports/shm.py), and at most
+    ``ONESHOT_READ_BYTES`` read per rank."""
+    return min(shm.row_bytes // 2, ONESHOT_READ_BYTES // max(shm.local_size, 1))
+
+
+def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,
+              sig: np.ndarray, check) -> None:
+    """``dst`` = op over every local rank's ``src``, with the agreement on ``sig`` (``check(sigs,
+    ranks)`` raises on a mismatch). ``src``/``dst``: 1-D, ``dtype`` (the rows' dtype), or
+    float32 over uint16 rows of 16-bit format ``kind`` (sent rounded). One node only; at most
+    :func:`limit` bytes exchanged."""
+    plan(shm, dtype, op, kind, coll, sig, check)(src, dst)
+
+
+def plan(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check):
+    """:func:`allreduce` with everything but the arrays fixed: a function ``(src, dst)``, one per
+    signature (kept on the transport for the general path and the latency path alike,
+    comm/select.py), which calls the compiled overload directly once it knows the argument
+    types (skipping Numba's per-call type dispatch)."""
+    plans = shm.plans
+    key = (dtype, op, kind, coll, sig.tobytes())
+    made = plans.get(key)
+    if made is None:
+        if len(plans) > 256:
+            plans.clear()
+        made = plans[key] = _build(shm, dtype, op, kind, coll, sig, check)
+    return made
+
+
+def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check):
+    rows, scratch = shm.rows(dtype), shm.private_row(dtype)
+    half = rows.shape[1] // 2
+    board, me, acc = shm.board, shm.local_rank, shm.acc
+    table, timeout = board.table, shm.timeout
+    divisor = shm.size if op == kreduce.AVG else 1
+    compiled = {}
+
+    def call(src: np.ndarray, dst: np.ndarray) -> None:
+        h = shm.next_half() * half
+        step, col = board.reserve()
+        args = (src, dst, rows, h, me, table, col, sig, step, op, divisor, kind, scratch, acc,
+                _ONESHOT_SPINS)
+        tail = (dst, rows, h, op, divisor, kind, scratch, acc)
+        # What Numba's type of an array depends on: dtype, layout, writeability.
+        types = (src.dtype, src.flags.c_contiguous, src.flags.writeable,
+                 dst.dtype, dst.flags.c_contiguous)
+        fns = compiled.get(types)
+        if fns is None:  # NOTE [symmetric completion]: both kernels before this rank publishes
+            fns = compiled[types] = (_entry_point(oneshot.oneshot_allreduce, args),
+                                     _entry_point(oneshot.finish, tail))
+        state = fns[0](*args)
+        if state == oneshot.WAITING:
+            board.wait(step, timeout, coll)
+            state = ksync.rows_equal(board.sigs(step))
+            if state < 0:
+                fns[1](*tail)
+        if state >= 0:
+            check(board.sigs(step), board.ranks)
+
+    return call
+
+
+def _entry_point(kernel, args: tuple):
+    """The compiled entry point of ``kernel`` for the types of ``args``, compiled (or loaded
+    from Numba's cache) now, without running it.
+
+    NOTE [symmetric completion]: a rank must not do first-call work after a collective's
+    meeting point that its peers skip. In the one-shot, only a rank that arrived early and
+    waited calls :func:`~terrapipe.kernels.oneshot.finish`; compiled lazily there (hundreds of
+    milliseconds on a cold cache, milliseconds to load from a warm one), it left the collective
+    that much later than the rank that arrived last, so a rank's next step started late and
+    Horovod's barrier test, which times a barrier from the previous collective's return on
+    each rank, measured a barrier shorter than the peer's sleep. So a plan compiles every kernel
+    it may run after the meeting before its rank publishes."""
+    key = tuple(numba.typeof(a) for a in args)
+    kernel.compile(key)
+    return kernel.overloads[key].entry_point

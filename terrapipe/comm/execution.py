@@ -1,0 +1,149 @@
+"""The order a group's collectives run in: sync calls inline, async ones on one worker thread,
+every rank in the same order; and the :class:`Handle` an async call returns.
+
+NOTE [collective ordering]
+    1. Every rank of a group issues its collectives in the same order, sync and async alike.
+    2. Async calls run on the group's single worker thread in submission order; a sync call runs
+       inline when nothing async is queued or running, else it queues behind them.
+    3. Issuing never waits for a running collective: the queue's state has its own lock
+       (``_state``), distinct from the one a running body holds (``_exec``).
+    4. Every collective starts with a signature agreement: all ranks exchange (collective, op,
+       dtype, shape, root, algorithm) over the group's control transport and compare before any
+       data moves, so a mismatch raises CollectiveMismatchError on every rank (comm/group.py).
+       Small allreduces on one node publish signature and data together (the one-shot,
+       comm/algorithms/oneshot.py).
+    5. A collective that timed out leaves the ranks' step counters out of step: the group takes
+       no further calls (CommError naming the first failure).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .. import timeline
+from .errors import CollectiveTimeoutError, CommError
+
+__all__ = ["Executor", "Handle"]
+
+
+class Handle:
+    """An outstanding async collective. ``wait()`` returns its result (or raises its error)."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None):
+        """The collective's result, once it completed (its error raised here); ``timeout``:
+        seconds to wait at most (concurrent.futures.TimeoutError after)."""
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def future(self) -> Future:
+        """The concurrent.futures.Future the handle waits on (for callbacks: a torch
+        ``Work``'s future completes from it, terrapipe.distributed)."""
+        return self._future
+
+
+class Executor:
+    """Runs one group's collective bodies in issue order (NOTE [collective ordering])."""
+
+    def __init__(self) -> None:
+        self._state = threading.Lock()  # _pending and the pool (NOTE [collective ordering] 3)
+        self._exec = threading.RLock()  # held while a collective body runs
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending = 0
+        self.failed: str | None = None  # the first failure (NOTE [collective ordering] 5)
+
+    @property
+    def pending(self) -> int:
+        """Async collectives issued and not yet completed."""
+        return self._pending
+
+    def run(self, fn, async_op: bool, label: tuple[str, int] | None = None):
+        """Run ``fn()`` in issue order: inline (its result) or on the worker thread (a Handle).
+        ``label``: (name, bytes) for the timeline, which records the body as a span and an async
+        call from issue to completion."""
+        if self.failed:
+            raise CommError(f"this group is unusable after an earlier failure: {self.failed}")
+        if label is not None and timeline.enabled():
+            fn = _traced(fn, label)
+        if async_op:
+            with self._state:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="terrapipe-comm")
+                self._pending += 1
+                fut = self._pool.submit(self._guarded, fn)
+            fut.add_done_callback(self._one_done)
+            if label is not None and timeline.enabled():
+                _trace_handle(fut, label)
+            return Handle(fut)
+        with self._state:
+            inline = self._pending == 0
+            if inline:
+                # Free: nothing is queued, and a body releases _exec before its future completes.
+                self._exec.acquire()
+        if inline:
+            try:
+                return self._guarded(fn)
+            finally:
+                self._exec.release()
+        return self.run(fn, True).wait()
+
+    def run_if_idle(self, fn) -> bool:
+        """Run ``fn()`` inline when no async collective is pending and return True; else run
+        nothing and return False (the caller queues it the ordinary way)."""
+        with self._state:
+            if self._pending:
+                return False
+            self._exec.acquire()
+        try:
+            if self.failed:
+                raise CommError(f"this group is unusable after an earlier failure: {self.failed}")
+            self._guarded(fn)
+        finally:
+            self._exec.release()
+        return True
+
+    def close(self) -> None:
+        """Wait for the queued collectives and stop the worker thread."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _one_done(self, _fut) -> None:
+        with self._state:
+            self._pending -= 1
+
+    def _guarded(self, fn):
+        with self._exec:
+            try:
+                return fn()
+            except CollectiveTimeoutError as e:
+                self.failed = str(e)  # NOTE [collective ordering] 5
+                raise
+
+
+_handle_ids = itertools.count(1)
+
+
+def _traced(fn, label: tuple[str, int]):
+    name, nbytes = label
+
+    def body():
+        with timeline.span("comm", name, args={"bytes": nbytes}):
+            return fn()
+
+    return body
+
+
+def _trace_handle(fut: Future, label: tuple[str, int]) -> None:
+    """An async collective on the timeline from issue to completion (NOTE [timeline recording] 5)."""
+    name, nbytes = label
+    ident = next(_handle_ids)
+    timeline.async_begin("comm", name, ident, {"bytes": nbytes})
+    fut.add_done_callback(lambda _f: timeline.async_end("comm", name, ident))

@@ -1,0 +1,533 @@
+"""The one place that picks how a collective runs: an algorithm (comm/algorithms/) over a
+transport (comm/transports/), for every collective, sync or async, host or CUDA.
+
+A call is described by a :class:`Request` (the collective, its bytes, its format, whether it is
+device-staged or lies in a shared array, where its tensors live). :data:`CANDIDATES` is an
+ordered list of (algorithm, when): the first row whose ``when`` holds for the group and the
+request runs it, as Horovod's OperationManager asks its ops in turn whether they apply. A group
+may pin an algorithm per collective (:meth:`Group.use_algorithm`: tests run one body over every
+algorithm that can take a request, benchmarks compare them); a pinned algorithm that cannot
+take a request raises CommError. The chosen algorithm's code goes into the signature every rank
+agrees on, so ranks that chose differently get CollectiveMismatchError, never a hang.
+
+NOTE [algorithm selection]
+    The rows of :data:`CANDIDATES`, in order; the crossovers are measured with ``python -m
+    benchmarks.allreduce --algorithms -n 2`` / ``-n 4``, the ring's by the autotuner
+    (``Group.tune``).
+    1. CUDA tensors go to NCCL's own collectives when every rank of the group can use it
+       (comm/transports/nccl.py); otherwise they are staged through host memory and take the
+       rows below like any host message (device-staged: with a gate, NOTE [staging gate] in
+       comm/message.py).
+    2. Under torchrun every collective is Gloo's own.
+    3. Under MPI, every collective is MPI's own, or our ring for allreduces from ``ring_bytes``,
+       when MPI is forced (``TERRAPIPE_COMM_BACKEND=mpi``) or nodes differ in rank count.
+    4. Across nodes: allreduce is hierarchical (the segment on each node, each part allreduced
+       between nodes by the ring or MPI's own, by size), the other collectives are MPI's own.
+    5. On one node, an allreduce of at most ``oneshot.limit`` bytes is the one-shot: one
+       barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
+       (2 MiB messages at 2 ranks, 1 MiB at 4: ``oneshot.ONESHOT_READ_BYTES``), where it beats
+       MPICH's Allreduce here (1.2-2x).
+    6. An allreduce in place on a piece of a shared array (``Group.shared_array``; NOTE
+       [shared arrays] in comm/algorithms/shared.py) takes the shared algorithm from
+       ``shared.SHARED_MIN_BYTES`` (512 KiB), before the one-shot, sync (the latency path
+       declines it) or async alike.
+    7. On one node, an allreduce of private host memory from ``single_copy.MIN_BYTES`` (2 MiB)
+       goes single-copy where the kernel lets the node's ranks read each other's memory (NOTE
+       [single-copy allreduce] in comm/algorithms/single_copy.py): each rank reads its part of
+       the peers' sources and then their reduced parts, nothing through the segment.
+       Interleaved, float32 sum in place (``benchmarks.allreduce --algorithms``), at 2 ranks:
+       2 MiB 287 us vs the one-shot's 335, 4 MiB 467 vs the ring's 564, 64 MiB 10.8 ms vs 12.0
+       (the chunked segment: 17.9); at 4 ranks on 2 cores it loses to the one-shot at 1 MiB
+       (608 vs 420 us), ties the segment at 2 MiB and leads from 4 MiB (1.7 vs 2.2 ms; 64 MiB
+       30.5 vs 33.8). Device-staged messages keep the segment (their chunks overlap the
+       copies). Allgathers and gathers go single-copy from the same size, reduce-scatters from
+       ``single_copy.REDUCE_SCATTER_MIN_BYTES``.
+    8. Larger ones that do not go single-copy go through our ring over MPI when every local
+       rank has a core of its own (MPI's own below ``ring_bytes``): one copy fewer than the
+       segment (at 2 ranks here 1.3-1.5x the chunked segment from 1 MiB, 2.4x MPICH from 32
+       MiB). When ranks outnumber the node's cores, each ring step waits for a neighbour to be
+       scheduled (at 4 ranks on 2 cores the ring took 3x the segment's time at 1 MiB), so the
+       chunked segment carries them, as it does device-staged allreduces and everything under
+       ``TERRAPIPE_COMM_BACKEND=shm``.
+    9. Everything else on one node goes through the segment.
+
+Why one module: selection and the hand-off to the chosen algorithm are one decision per
+collective; split, a reader would follow a call through two files to learn which algorithm
+ran. The algorithms themselves live in comm/algorithms/.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import timeline
+from ..kernels import F16, compress, decompress
+from .algorithms import native, oneshot, ring, segment, shared, single_copy
+from .errors import CommError
+from .message import NO_GATE, Fused
+
+__all__ = ["Request", "Candidate", "CANDIDATES", "ALGORITHMS", "select", "able", "allreduce_views",
+           "allreduce_small", "broadcast", "allgather", "scatter", "reduce_scatter", "reduce", "barrier",
+           "send", "recv", "code_of", "name_of"]
+
+_REDUCING = frozenset({"allreduce", "reduce"})
+_ALL = frozenset({"allreduce", "reduce", "broadcast", "allgather", "gather", "scatter", "reduce_scatter",
+                  "barrier"})
+
+
+@dataclass(frozen=True)
+class Request:
+    """One collective call as selection sees it. ``coll``: the collective (``allreduce``,
+    ``reduce``, ``broadcast``, ``allgather``, ``gather``, ``scatter``, ``reduce_scatter``,
+    ``barrier``); ``nbytes``: bytes each rank contributes as exchanged; ``kind``: the 16-bit
+    float format exchanged (0: native); ``staged``: host copies of device memory behind a gate;
+    ``shared``: (segment, byte offset) when in place on a piece of a shared array; ``cuda``:
+    CUDA tensors (NCCL may take them before staging)."""
+
+    coll: str
+    nbytes: int = 0
+    kind: int = 0
+    staged: bool = False
+    shared: tuple[int, int] | None = None
+    cuda: bool = False
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm: its ``name``, its ``code`` in the signature, and ``can(group, request)``:
+    whether it is able to run the request at all (what pinning needs; preference is the rows')."""
+
+    name: str
+    code: int
+    can: Callable
+
+
+def _one_node_shm(g, r: Request) -> bool:
+    return g.shm is not None and g.nnodes == 1
+
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("nccl", 1, lambda g, r: r.cuda and g.size > 1 and _nccl().wanted(g)),
+    Algorithm("gloo", 2, lambda g, r: g.gloo is not None and r.coll in _ALL),
+    Algorithm("mpi", 3, lambda g, r: g.mpi is not None and r.coll in _ALL),
+    Algorithm("ring", 4, lambda g, r: g.mpi is not None and r.coll in _REDUCING),
+    Algorithm("shared", 5, lambda g, r: r.shared is not None and r.coll == "allreduce" and g.shm is not None),
+    Algorithm("single_copy", 6, lambda g, r: (
+        r.coll in ("allreduce", "allgather", "gather", "reduce_scatter") and not r.kind and not r.staged
+        and _one_node_shm(g, r) and g.control is g.shm and g.shm.peers is not None)),
+    Algorithm("oneshot", 7, lambda g, r: (
+        r.coll == "allreduce" and _one_node_shm(g, r) and r.nbytes <= oneshot.limit(g.shm))),
+    Algorithm("segment", 8, lambda g, r: (
+        g.shm is not None and (g.nnodes == 1 or (r.coll in _REDUCING and g.uniform)) and r.coll in _ALL)),
+)}
+_BY_CODE = {a.code: a.name for a in ALGORITHMS.values()}
+
+
+def _nccl():
+    from .transports import nccl
+
+    return nccl
+
+
+def _ring_or_mpi(g, r: Request) -> str:
+    """Over MPI: our ring for reductions from the tuned ``ring_bytes``, MPI's own below."""
+    return "ring" if r.coll in _REDUCING and r.nbytes >= g.mpi.ring_bytes else "mpi"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A row of :data:`CANDIDATES`: ``pick(group, request)`` names the algorithm the row
+    chooses, or None when the row does not apply. ``clause``: of NOTE [algorithm selection]."""
+
+    clause: int
+    pick: Callable
+
+
+def _under_torchrun(g, r: Request) -> str | None:  # 2
+    return "gloo" if g.gloo is not None else None
+
+
+def _flat_over_mpi(g, r: Request) -> str | None:  # 3
+    return _ring_or_mpi(g, r) if g.mpi is not None and (g.force_mpi or not g.uniform) else None
+
+
+def _in_shared_array(g, r: Request) -> str | None:  # 6
+    fits = r.shared is not None and r.coll == "allreduce" and r.nbytes >= shared.SHARED_MIN_BYTES
+    return "shared" if fits and not g.force_mpi else None
+
+
+def _large_private(g, r: Request) -> str | None:  # 7
+    least = single_copy.REDUCE_SCATTER_MIN_BYTES if r.coll == "reduce_scatter" else single_copy.MIN_BYTES
+    fits = r.nbytes >= least and ALGORITHMS["single_copy"].can(g, r)
+    return "single_copy" if fits and not g.force_mpi else None
+
+
+def _small_allreduce(g, r: Request) -> str | None:  # 5
+    return "oneshot" if ALGORITHMS["oneshot"].can(g, r) and not g.force_mpi else None
+
+
+def _large_on_free_cores(g, r: Request) -> str | None:  # 8
+    fits = (r.coll in _REDUCING and g.mpi is not None and g.nnodes == 1 and not g.oversubscribed
+            and not r.staged and not g.force_shm)
+    return _ring_or_mpi(g, r) if fits else None
+
+
+def _through_segment(g, r: Request) -> str | None:  # 4 (hierarchical allreduce), 8, 9
+    fits = g.shm is not None and (g.mpi is None or r.coll in _REDUCING or g.nnodes == 1)
+    return "segment" if fits else None
+
+
+def _between_nodes(g, r: Request) -> str | None:  # 4
+    return "mpi" if g.mpi is not None else None
+
+
+CANDIDATES: tuple[Candidate, ...] = (
+    Candidate(2, _under_torchrun),
+    Candidate(3, _flat_over_mpi),
+    Candidate(6, _in_shared_array),
+    Candidate(7, _large_private),
+    Candidate(5, _small_allreduce),
+    Candidate(8, _large_on_free_cores),
+    Candidate(9, _through_segment),
+    Candidate(4, _between_nodes),
+)
+
+
+def select(g, r: Request) -> str:
+    """The algorithm that runs request ``r`` on group ``g``.
+
+    For CUDA tensors (``r.cuda``): "nccl", or "staged" when they go through host memory, where
+    the host request selects again (NOTE [algorithm selection] 1). For host memory: the group's
+    pinned algorithm for the collective when it has one (CommError when that one cannot take
+    ``r``), else the first row of :data:`CANDIDATES` that applies."""
+    pinned = g.pinned.get(r.coll)
+    if r.cuda:
+        if pinned in (None, "nccl") and ALGORITHMS["nccl"].can(g, r):
+            return "nccl"
+        if pinned == "nccl":
+            raise CommError(f"{r.coll}: algorithm 'nccl' (pinned with use_algorithm) cannot run this "
+                            f"call here: this group or rank has no NCCL")
+        return "staged"
+    if pinned is not None:
+        if not ALGORITHMS[pinned].can(g, r):
+            raise CommError(f"{r.coll}: algorithm {pinned!r} (pinned with use_algorithm) cannot run "
+                            f"this call here ({_describe(g, r)}); algorithms that can: {able(g, r)}")
+        return pinned
+    for row in CANDIDATES:
+        name = row.pick(g, r)
+        if name is not None:
+            return name
+    raise CommError(f"{r.coll}: no algorithm can run this call here ({_describe(g, r)})")
+
+
+def _ran(g, r: Request, name: str) -> None:
+    log = g.algorithm_log
+    if log is not None:
+        log.append((r.coll, name, r.nbytes))
+
+
+def able(g, r: Request) -> list[str]:
+    """Every algorithm able to run ``r`` on ``g`` (what a test matrix runs over)."""
+    return [a.name for a in ALGORITHMS.values() if a.can(g, r)]
+
+
+def _describe(g, r: Request) -> str:
+    where = ("Gloo" if g.gloo is not None else f"{g.nnodes} node(s)" + (", MPI" if g.mpi is not None else ""))
+    return f"{r.nbytes} bytes, {where}, {g.size} ranks"
+
+
+def code_of(name: str) -> int:
+    """The signature code of algorithm ``name``."""
+    return ALGORITHMS[name].code
+
+
+def name_of(code: int) -> str:
+    return _BY_CODE.get(int(code), "?")
+
+
+def _across(g):
+    """The cross-node allreduce of one part of a hierarchical allreduce (NOTE [algorithm
+    selection] 4): the ring from ``ring_bytes``, MPI's own below; None on one node."""
+    cross = g.cross
+    if cross is None:
+        return None
+
+    def across(buf: np.ndarray, op: int, kind: int, what: str) -> None:
+        if buf.nbytes >= cross.ring_bytes:
+            ring.allreduce_array(cross, buf, op, kind, what)
+        else:
+            cross.allreduce_array(buf, op, kind, what)
+
+    return across
+
+
+# -- allreduce ----------------------------------------------------------------------------------
+def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, kind: int, ckind: int = 0,
+                    coll: str = "allreduce", sig_buf=None, gate=NO_GATE) -> None:
+    """Allreduce the concatenation of ``srcs`` (1-D host arrays) into that of ``dsts``, on ``g``.
+
+    ``kind``: the 16-bit format of the arrays (0: native); ``ckind``: float32 sent as that
+    16-bit format; ``coll`` and ``sig_buf`` (dtype_name, size, shape) name the call in the
+    signature. ``gate`` (NOTE [staging gate] in comm/message.py): ``gate.ready(upto)`` is
+    called before any source element at fused index < ``upto`` is read, and
+    ``gate.wrote(upto)`` once the results before ``upto`` are final in ``dsts``."""
+    if g.size == 1:
+        _alone(srcs, dsts, ckind, gate)
+        return
+    fs, fd = Fused(srcs), Fused(dsts)
+    rows_dtype = np.dtype(np.uint16 if (kind or ckind) else srcs[0].dtype)
+    rkind = ckind or kind
+    nbytes = fs.n * rows_dtype.itemsize
+    where = _shared_location(g, fs, fd, ckind, gate)
+    r = Request("allreduce", nbytes, rkind, gate is not NO_GATE, where)
+    name = select(g, r)
+    _ran(g, r, name)
+    sig = g.signature(coll, op, sig_buf, algorithm=name)
+    check = functools.partial(g.mismatch, coll)
+    if name == "oneshot":
+        gate.ready(fs.n)
+        src = fs.only()
+        dst = fd.only()
+        if src is None:
+            src = np.empty(fs.n, fs.views[0].dtype)
+            fs.read(0, fs.n, src)
+        if dst is None:
+            dst = np.empty(fd.n, fd.views[0].dtype)
+        with timeline.span("comm", "one-shot (agreement + reduce)"):
+            oneshot.allreduce(g.shm, src, dst, rows_dtype, op, rkind, coll, sig, check)
+        if dst is not fd.only():
+            fd.write(0, dst)
+        gate.wrote(fs.n)
+        return
+    if name == "single_copy":
+        _allreduce_single_copy(g, fs, fd, op, rows_dtype, coll, sig, check)
+        return
+    if name == "shared":
+        sig = sig.copy()
+        sig[g.SHARED_WORD:g.SHARED_WORD + 2] = where
+        g.agree_signature(coll, sig)
+        shared.allreduce(g.shm, where[0], where[1], fs.n, op, rows_dtype, rkind, _across(g))
+        return
+    g.agree_signature(coll, sig)
+    _run_allreduce(g, name, fs, fd, op, rows_dtype, rkind, ckind, -1, gate)
+
+
+def _run_allreduce(g, name: str, fs: Fused, fd: Fused, op: int, dtype, kind: int, ckind: int, root: int,
+                   gate) -> None:
+    if name == "segment":
+        segment.allreduce(g.shm, fs, fd, op, dtype, kind, ckind, root, gate, _across(g))
+    elif name == "ring":
+        ring.allreduce(g.mpi, fs, fd, op, dtype, kind, ckind, root, gate)
+    else:
+        native.allreduce(g.mpi if name == "mpi" else g.gloo, fs, fd, op, dtype, kind, ckind, root, gate)
+
+
+def _alone(srcs, dsts, ckind: int, gate) -> None:
+    """One rank: the result is its own values (rounded as the 16-bit wire format would)."""
+    n = sum(s.shape[0] for s in srcs)
+    gate.ready(n)
+    for src, dst in zip(srcs, dsts, strict=True):
+        if ckind:  # the same 16-bit rounding as the multi-rank path
+            tmp = np.empty(src.shape[0], np.uint16)
+            compress(src, tmp, ckind)
+            decompress(tmp, dst, ckind)
+        elif dst is not src:
+            dst[...] = src
+    gate.wrote(n)
+
+
+def _allreduce_single_copy(g, fs: Fused, fd: Fused, op: int, dtype: np.dtype, coll: str, sig, check) -> None:
+    """NOTE [single-copy allreduce] in comm/algorithms/single_copy.py; a fused message (several
+    arrays) goes through one contiguous private copy."""
+    src, dst = fs.only(), fd.only()
+    if (src is None or dst is None or not (src.flags.c_contiguous and dst.flags.c_contiguous)
+            or (dst.ctypes.data != src.ctypes.data and np.may_share_memory(src, dst))):
+        # several arrays, or an output overlapping the input elsewhere than in place
+        dst = src = g.shm.staging(fs.n * dtype.itemsize).view(dtype)
+        fs.read(0, fs.n, src)
+    g.shm.post_single_copy(src, dst)
+    with timeline.span("comm", "agreement"):
+        g.control.agree(coll, sig, check)
+    single_copy.allreduce(g.shm, src, dst, op)
+    if dst is not fd.only():
+        fd.write(0, dst)
+
+
+def _shared_location(g, fs: Fused, fd: Fused, ckind: int, gate) -> tuple[int, int] | None:
+    """(segment, byte offset) when this allreduce is in place on a piece of a shared array (NOTE
+    [shared arrays] 2 in comm/algorithms/shared.py), else None."""
+    if g.shm is None or ckind or gate is not NO_GATE:  # Gloo groups have no shm
+        return None
+    src, dst = fs.only(), fd.only()
+    if src is None or dst is None:
+        return None
+    # locate first: without shared arrays it answers at once (an address costs ~3 us)
+    where = g.shm.locate(src)
+    if where is None or where[1] % src.itemsize:
+        return None
+    return where if dst is src or dst.ctypes.data == src.ctypes.data else None
+
+
+def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: int = 0,
+                    sig_shape: tuple | None = None) -> bool:
+    """The latency path of a sync, in-place allreduce of ``x`` on ``g``: True when done here,
+    False when ``x`` does not qualify (the caller takes :func:`allreduce_views`). Qualifies: a
+    C-contiguous array of a reducible dtype that the one-shot takes (and not a piece of a shared
+    array the shared algorithm takes), with no async collective pending. ``ckind``: float32 sent
+    as 16-bit; ``sig_shape``: the shape the signature names (default ``x.shape``). Same
+    signature and step accounting as the general path, so ranks may mix the two."""
+    key = (x.dtype, x.shape, op, coll, ckind, g.pinned.get("allreduce"))
+    entries = g.small_plans
+    plan = entries.get(key)
+    if plan is None:
+        if len(entries) > 1024:
+            entries.clear()
+        plan = entries[key] = _small_plan(g, x.dtype, x.size, op, coll, ckind,
+                                          x.shape if sig_shape is None else sig_shape)
+    if not plan or g.executor.pending or not x.flags.c_contiguous:
+        return False
+    if not ckind and x.nbytes >= shared.SHARED_MIN_BYTES and g.shm.locate(x) is not None:
+        return False  # the shared algorithm's, sync or async alike (NOTE [algorithm selection] 6)
+    call, as16, request = plan
+    _ran(g, request, "oneshot")
+    flat = x.reshape(-1)
+    if as16:
+        flat = flat.view(np.uint16)
+    if timeline.enabled():
+        def body():
+            with timeline.span("comm", coll, args={"bytes": x.nbytes, "path": "one-shot"}):
+                call(flat, flat)
+    else:
+        def body():
+            call(flat, flat)
+    return g.executor.run_if_idle(body)
+
+
+def _small_plan(g, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, shape: tuple):
+    """(the one-shot call with everything but the arrays fixed, whether the array is passed as
+    uint16 bits, the request), or False when such an allreduce does not take the latency path."""
+    name = dtype.name
+    kind = ckind or (F16 if name == "float16" else 0)
+    rows_dtype = np.dtype(np.uint16) if kind else dtype
+    request = Request("allreduce", size * rows_dtype.itemsize, kind)
+    if (g.size == 1 or g.pinned.get("allreduce") not in (None, "oneshot")
+            or name not in ("float32", "float64", "int32", "int64", "float16")
+            or (ckind and name != "float32") or select(g, request) != "oneshot"):
+        return False
+    sig = g.signature_of(coll, op, name, size, tuple(shape), -1, code_of("oneshot"))
+    call = oneshot.plan(g.shm, rows_dtype, op, kind, coll, sig, functools.partial(g.mismatch, coll))
+    return call, bool(kind and not ckind), request
+
+
+# -- the other collectives: the one-rank shortcut and the agreement, once; then the data -------
+def _agreed(g, coll: str, op: int, buf, root: int, r: Request) -> str:
+    """Select for ``r``, publish a single-copy call's addresses, agree; the algorithm's name."""
+    name = select(g, r)
+    if name == "single_copy":
+        flat = buf.flat
+        if not flat.flags.c_contiguous:  # not postable: every rank agrees on the path by signature
+            name = "segment"
+        else:
+            g.shm.post_single_copy(flat, flat)
+    _ran(g, r, name)
+    g.agree_signature(coll, g.signature(coll, op, buf, root, name))
+    return name
+
+
+def _own(g, name: str):
+    return g.mpi if name == "mpi" else g.gloo
+
+
+def broadcast(g, buf, root: int) -> None:
+    """``buf`` (comm/buffers.py) of ``root`` into ``buf`` of every rank of ``g``."""
+    if g.size > 1:
+        name = _agreed(g, "broadcast", 0, buf, root, Request("broadcast", buf.flat.nbytes, buf.kind))
+        if name == "segment":
+            segment.broadcast(g.shm, buf.flat, root)
+        else:
+            native.broadcast(_own(g, name), buf.flat, root)
+
+
+def allgather(g, buf, out: np.ndarray, root: int = -1) -> None:
+    """out: (size, n) flat rows; ``root`` >= 0 makes it a gather (only root fills out)."""
+    if g.size == 1:
+        out[0] = buf.flat
+        return
+    coll = "gather" if root >= 0 else "allgather"
+    name = _agreed(g, coll, 0, buf, root, Request(coll, buf.flat.nbytes, buf.kind))
+    if name == "single_copy":
+        single_copy.allgather(g.shm, buf.flat, out, root)
+    elif name == "segment":
+        segment.allgather(g.shm, buf.flat, out, root)
+    else:
+        native.allgather(_own(g, name), buf.flat, out, root)
+
+
+def scatter(g, full, out: np.ndarray, root: int) -> None:
+    """full: (size * n) on every rank (read on root only); out: this rank's n elements."""
+    if g.size == 1:
+        out[...] = full.flat[:out.shape[0]]
+        return
+    name = _agreed(g, "scatter", 0, full, root, Request("scatter", out.nbytes, full.kind))
+    if name == "segment":
+        segment.scatter(g.shm, full.flat, out, root)
+    else:
+        native.scatter(_own(g, name), full.flat, out, root)
+
+
+def reduce_scatter(g, buf, out: np.ndarray, op: int) -> None:
+    """out: this rank's part (np.array_split over ranks) of the reduced flat buffer."""
+    if g.size == 1:
+        out[...] = buf.flat
+        return
+    name = _agreed(g, "reduce_scatter", op, buf, -1, Request("reduce_scatter", buf.flat.nbytes, buf.kind))
+    if name == "single_copy":
+        single_copy.reduce_scatter(g.shm, buf.flat, out, op)
+    elif name == "segment":
+        segment.reduce_scatter(g.shm, buf.flat, out, op, buf.kind)
+    else:
+        native.reduce_scatter(_own(g, name), buf.flat, out, op, buf.kind)
+
+
+def reduce(g, buf, op: int, root: int) -> None:
+    """``buf`` of ``root`` = op over every rank's ``buf``; the others' ``buf`` is unchanged."""
+    if g.size == 1:
+        return
+    name = _agreed(g, "reduce", op, buf, root, Request("reduce", buf.flat.nbytes, buf.kind))
+    tmp = buf.flat if g.rank == root else np.empty_like(buf.flat)
+    _run_allreduce(g, name, Fused([buf.flat]), Fused([tmp]), op, buf.flat.dtype, buf.kind, 0, root, NO_GATE)
+
+
+def barrier(g) -> None:
+    """Every rank of ``g`` entered before any leaves: the agreement, then (over MPI) MPI's own."""
+    if g.size > 1:
+        name = _agreed(g, "barrier", 0, None, -1, Request("barrier"))
+        if name in ("mpi", "gloo"):
+            native.barrier(_own(g, name))
+        # segment: on one node the agreement was the barrier (every rank published, every rank
+        # waited for all); across nodes "barrier" selects MPI's own.
+
+
+
+# -- point to point: MPI's or Gloo's own ------------------------------------------------------
+def send(g, buf, dest: int, tag: int) -> None:
+    """``buf`` (comm/buffers.py) to rank ``dest`` of ``g``; blocking."""
+    _p2p(g, "send").send(buf.flat, dest, tag)
+
+
+def recv(g, buf, source: int, tag: int) -> None:
+    """Into ``buf`` from rank ``source`` of ``g``; blocking."""
+    _p2p(g, "recv").recv(buf.flat, source, tag)
+
+
+def _p2p(g, what: str):
+    if g.size == 1:
+        raise CommError(f"{what}: a lone process has no peer")
+    t = g.gloo or g.mpi
+    if t is None:
+        raise CommError(f"{what}: point-to-point needs MPI or Gloo; this group has shared memory only")
+    return t

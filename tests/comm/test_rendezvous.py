@@ -1,0 +1,130 @@
+"""Joining a world without MPI: torchrun's environment (RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT), SLURM's (SLURM_PROCID / SLURM_NTASKS with a MASTER_ADDR) and a key-value store
+(torch's FileStore and TCPStore, what a torch.distributed backend is handed). Each runs two real
+processes started here with only those variables, and checks the collectives against NumPy."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# What every rank runs once its world is up: the collectives on both sides of the one-shot's
+# limit, checked against NumPy, and a report of the world it joined.
+BODY = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import terrapipe.comm as comm
+
+    def check(g):
+        r, p = g.rank, g.size
+        for n in (5, 300_000, 1_100_000):  # one-shot, chunked / ring, single copy
+            x = (np.arange(n) % 7 + r).astype(np.float32)
+            want = sum((np.arange(n) % 7 + q).astype(np.float32) for q in range(p))
+            np.testing.assert_array_equal(comm.allreduce(x, "sum", group=g), want)
+        y = np.full(4, r, np.int64)
+        np.testing.assert_array_equal(comm.broadcast(y, root=p - 1, group=g), np.full(4, p - 1))
+        np.testing.assert_array_equal(comm.allgather(np.array([r]), group=g), np.arange(p)[:, None])
+        comm.barrier(group=g)
+        return {"rank": r, "size": p, "gloo": g.gloo is not None, "shm": g.shm is not None}
+""")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(extra: dict[str, str]) -> dict[str, str]:
+    """This environment without any launcher's variables, plus ``extra``."""
+    drop = ("PMI_", "OMPI_", "MPI_", "HYDRA_", "SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "MV2_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(extra)
+    return env
+
+
+def _launch(script: str, envs: list[dict[str, str]], timeout: float = 180) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=_clean_env(e), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for e in envs]
+    reports = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"rank failed ({p.returncode}):\n{err[-3000:]}"
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return reports
+
+
+def test_torchrun_environment_joins_over_gloo():
+    port = str(_port())
+    envs = [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for r in range(2)]
+    reports = _launch(BODY + "print(json.dumps(check(comm.init(timeout=60))))", envs)
+    assert [(d["rank"], d["size"], d["gloo"]) for d in reports] == [(0, 2, True), (1, 2, True)]
+
+
+def test_slurm_variables_with_a_master_address_join_over_gloo():
+    port = str(_port())
+    envs = [{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for r in range(2)]
+    script = BODY + textwrap.dedent("""
+        import os
+        g = comm.init(timeout=60)
+        report = check(g)
+        report["env"] = [os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]]
+        print(json.dumps(report))
+    """)
+    reports = _launch(script, envs)
+    assert [(d["rank"], d["size"], d["gloo"]) for d in reports] == [(0, 2, True), (1, 2, True)]
+    assert [d["env"] for d in reports] == [["0", "2", "0"], ["1", "2", "1"]]
+
+
+@pytest.mark.parametrize("store", ["file", "tcp"])
+def test_a_store_sets_up_a_shared_memory_group(store, tmp_path):
+    port = _port()
+    make = {
+        "file": f"dist.FileStore({str(tmp_path / 'store')!r}, 2)",
+        "tcp": f"dist.TCPStore('127.0.0.1', {port}, 2, rank == 0, timeout=datetime.timedelta(seconds=60))",
+    }[store]
+    script = BODY + textwrap.dedent(f"""
+        import datetime, os
+        import torch.distributed as dist
+        rank = int(os.environ["TEST_RANK"])
+        store = {make}
+        g = comm.Group.over_store(store, "test", rank, 2, timeout=60)
+        report = check(g)
+        g.close()
+        print(json.dumps(report))
+    """)
+    reports = _launch(script, [{"TEST_RANK": str(r)} for r in range(2)])
+    assert [(d["rank"], d["size"], d["gloo"], d["shm"]) for d in reports] == [(0, 2, False, True),
+                                                                            (1, 2, False, True)]
+
+
+def test_a_store_group_names_a_rank_that_never_came():
+    # Rank 1 of 2 never starts: rank 0's set-up through the store must end with an error that
+    # names it, not hang (c10d's own error says only that a wait timed out).
+    script = textwrap.dedent("""
+        import datetime, sys, tempfile
+        import torch.distributed as dist
+        import terrapipe.comm as comm
+        store = dist.FileStore(tempfile.mktemp(), 2)
+        try:
+            comm.Group.over_store(store, "lonely", 0, 2, timeout=3)
+        except comm.CollectiveTimeoutError as e:
+            print(f"{e.ranks} {e}")
+            sys.exit(0)
+        sys.exit("set-up returned without its peer")
+    """)
+    p = subprocess.run([sys.executable, "-c", script], env=_clean_env({}), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("[1] ") and "waiting for rank 1" in p.stdout, p.stdout
