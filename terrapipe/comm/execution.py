@@ -53,16 +53,11 @@ class Executor:
     """Runs one group's collective bodies in issue order (NOTE [collective ordering])."""
 
     def __init__(self) -> None:
-        self._state = threading.Lock()  # _pending and the pool (NOTE [collective ordering] 3)
+        self._state = threading.Lock()  # pending and the pool (NOTE [collective ordering] 3)
         self._exec = threading.RLock()  # held while a collective body runs
         self._pool: ThreadPoolExecutor | None = None
-        self._pending = 0
+        self.pending = 0  # async collectives issued and not yet completed (read-only outside)
         self.failed: str | None = None  # the first failure (NOTE [collective ordering] 5)
-
-    @property
-    def pending(self) -> int:
-        """Async collectives issued and not yet completed."""
-        return self._pending
 
     def run(self, fn, async_op: bool, label: tuple[str, int] | None = None):
         """Run ``fn()`` in issue order: inline (its result) or on the worker thread (a Handle).
@@ -76,14 +71,14 @@ class Executor:
             with self._state:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(1, thread_name_prefix="terrapipe-comm")
-                self._pending += 1
+                self.pending += 1
                 fut = self._pool.submit(self._guarded, fn)
             fut.add_done_callback(self._one_done)
             if label is not None and timeline.enabled():
                 _trace_handle(fut, label)
             return Handle(fut)
         with self._state:
-            inline = self._pending == 0
+            inline = self.pending == 0
             if inline:
                 # Free: nothing is queued, and a body releases _exec before its future completes.
                 self._exec.acquire()
@@ -94,17 +89,21 @@ class Executor:
                 self._exec.release()
         return self.run(fn, True).wait()
 
-    def run_if_idle(self, fn) -> bool:
-        """Run ``fn()`` inline when no async collective is pending and return True; else run
-        nothing and return False (the caller queues it the ordinary way)."""
+    def run_if_idle(self, fn, *args) -> bool:
+        """Run ``fn(*args)`` inline when no async collective is pending and return True; else run
+        nothing and return False (the caller queues it the ordinary way). The latency path's
+        entry: one lock, no wrapper."""
         with self._state:
-            if self._pending:
+            if self.pending:
                 return False
             self._exec.acquire()
         try:
             if self.failed:
                 raise CommError(f"this group is unusable after an earlier failure: {self.failed}")
-            self._guarded(fn)
+            fn(*args)
+        except CollectiveTimeoutError as e:
+            self.failed = str(e)  # NOTE [collective ordering] 5
+            raise
         finally:
             self._exec.release()
         return True
@@ -117,7 +116,7 @@ class Executor:
 
     def _one_done(self, _fut) -> None:
         with self._state:
-            self._pending -= 1
+            self.pending -= 1
 
     def _guarded(self, fn):
         with self._exec:

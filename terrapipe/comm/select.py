@@ -380,7 +380,7 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
     array the shared algorithm takes), with no async collective pending. ``ckind``: float32 sent
     as 16-bit; ``sig_shape``: the shape the signature names (default ``x.shape``). Same
     signature and step accounting as the general path, so ranks may mix the two."""
-    key = (x.dtype, x.shape, op, coll, ckind, g.pinned.get("allreduce"))
+    key = (x.dtype, x.shape, op, coll, ckind, g.pinned.get("allreduce") if g.pinned else None)
     entries = g.small_plans
     plan = entries.get(key)
     if plan is None:
@@ -388,23 +388,31 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
             entries.clear()
         plan = entries[key] = _small_plan(g, x.dtype, x.size, op, coll, ckind,
                                           x.shape if sig_shape is None else sig_shape)
-    if not plan or g.executor.pending or not x.flags.c_contiguous:
+    executor = g.executor
+    if not plan or executor.pending or not x.flags.c_contiguous:
         return False
     if not ckind and x.nbytes >= shared.SHARED_MIN_BYTES and g.shm.locate(x) is not None:
         return False  # the shared algorithm's, sync or async alike (NOTE [algorithm selection] 6)
     call, as16, request = plan
-    _ran(g, request, "oneshot")
     flat = x.reshape(-1)
     if as16:
         flat = flat.view(np.uint16)
+    # Every step here is paid per call by the smallest allreduces: no closure, one lock.
     if timeline.enabled():
-        def body():
-            with timeline.span("comm", coll, args={"bytes": x.nbytes, "path": "one-shot"}):
-                call(flat, flat)
-    else:
-        def body():
-            call(flat, flat)
-    return g.executor.run_if_idle(body)
+        call = _spanned(call, coll, x.nbytes)
+    if not executor.run_if_idle(call, flat, flat):
+        return False
+    if g.algorithm_log is not None:
+        _ran(g, request, "oneshot")
+    return True
+
+
+def _spanned(call, coll: str, nbytes: int):
+    def spanned(src, dst):
+        with timeline.span("comm", coll, args={"bytes": nbytes, "path": "one-shot"}):
+            call(src, dst)
+
+    return spanned
 
 
 def _small_plan(g, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, shape: tuple):
