@@ -7,8 +7,13 @@ Checks both revisions out into temporary git worktrees and runs ``python -m benc
 state; each run writes its JSON into its own tree, which is read back here. For every figure the
 two benchmarks report (allreduce: seconds per case and size; train: median step seconds per case)
 it reports each tree's median over runs and the median over runs of the per-run ratio after /
-before (a ratio is valid within one run: neighbouring runs of the two trees are paired). Saved as
-``trees_<benchmark>_<date>.json`` with both revisions, the machine and the command.
+before (a ratio is valid within one run: neighbouring runs of the two trees are paired).
+
+``--baseline CASE`` divides every figure by that case's figure of the same size in the same run
+first (``"mpi Allreduce"`` for allreduce, ``none`` for train: code neither tree changes), so a
+run that met a busier machine, which slows the baseline as much as the rest, does not read as a
+change. Saved as ``trees_<benchmark>_<date>.json`` with both revisions, the machine and the
+command.
 """
 
 from __future__ import annotations
@@ -36,6 +41,32 @@ def _figures(name: str, payload: dict) -> dict[str, float]:
     raise SystemExit(f"benchmarks.trees: no figures known for {name!r} (allreduce, train)")
 
 
+def _relative(run: dict[str, float], label: str, baseline: str | None) -> float | None:
+    """``label``'s figure in ``run``, divided by ``baseline``'s of the same size when given."""
+    value = run.get(label)
+    if value is None or baseline is None:
+        return value
+    size = label.partition(" @ ")[2]
+    ref = run.get(f"{baseline} @ {size}" if size else f"{baseline} step")
+    return value / ref if ref else None
+
+
+def compare(runs: dict[str, list[dict[str, float]]], baseline: str | None = None) -> dict:
+    """Per figure: each tree's runs, and the median over paired runs of after / before (each
+    relative to ``baseline`` first when given)."""
+    figures = {}
+    for label in runs["before"][0]:
+        b = [r[label] for r in runs["before"] if label in r]
+        a = [r[label] for r in runs["after"] if label in r]
+        pairs = [(_relative(x, label, baseline), _relative(y, label, baseline))
+                 for x, y in zip(runs["after"], runs["before"], strict=False)]
+        ratios = [x / y for x, y in pairs if x is not None and y]
+        if a and b and ratios:
+            ratio = statistics.median(ratios)
+            figures[label] = {"before_s": b, "after_s": a, "ratio_after_over_before": ratio}
+    return figures
+
+
 def _worktree(rev: str, where: Path) -> str:
     sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", rev], check=True, capture_output=True,
                          text=True).stdout.strip()
@@ -58,12 +89,14 @@ def _run(tree: Path, name: str, args: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        raise SystemExit("usage: python -m benchmarks.trees --before REV [--after REV] [--runs K] -- NAME ARGS")
+        raise SystemExit("usage: python -m benchmarks.trees --before REV [--after REV] [--runs K] "
+                         "-- NAME ARGS")
     cut = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", required=True, help="the revision to compare against")
     p.add_argument("--after", default="HEAD", help="the revision to measure (default HEAD: commit first)")
     p.add_argument("--runs", type=int, default=3, help="runs of each tree, alternated")
+    p.add_argument("--baseline", help="a case neither tree changes: figures are taken relative to it")
     args = p.parse_args(argv[:cut])
     name, bench_args = argv[cut + 1], argv[cut + 2:]
     if args.runs < 1:
@@ -84,19 +117,14 @@ def main(argv: list[str] | None = None) -> None:
             for t in trees.values():
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(t)],
                                capture_output=True)
-    rows, figures = [], {}
-    for label in runs["before"][0]:
-        b = [r[label] for r in runs["before"] if label in r]
-        a = [r[label] for r in runs["after"] if label in r]
-        if not a or not b:
-            continue
-        ratio = statistics.median(x / y for x, y in zip(a, b, strict=False) if y > 0)
-        figures[label] = {"before_s": b, "after_s": a, "ratio_after_over_before": ratio}
-        rows.append([label, f"{1e3 * statistics.median(b):.3f}", f"{1e3 * statistics.median(a):.3f}",
-                     f"{ratio:.2f}"])
-    print(format_table(["figure", "before ms", "after ms", "after/before (median of runs)"], rows))
+    figures = compare(runs, args.baseline)
+    rows = [[label, f"{1e3 * statistics.median(f['before_s']):.3f}",
+             f"{1e3 * statistics.median(f['after_s']):.3f}", f"{f['ratio_after_over_before']:.2f}"]
+            for label, f in figures.items()]
+    what = "after/before" + (f" (each relative to {args.baseline})" if args.baseline else "")
+    print(format_table(["figure", "before ms", "after ms", f"{what}, median of runs"], rows))
     result = {"compared": name, "args": bench_args, "before": revs["before"], "after": revs["after"],
-              "runs": args.runs, "inner_machine": machine, "figures": figures}
+              "runs": args.runs, "baseline": args.baseline, "inner_machine": machine, "figures": figures}
     for f in save(f"trees_{name}_{'_'.join(a.lstrip('-') for a in bench_args[:2])}", result):
         print(f"wrote {f}")
 

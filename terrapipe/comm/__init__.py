@@ -37,6 +37,7 @@ from .collectives import (
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 from .store import StoreComm
 from .transports.shm import Segment, alive
+from .wait import wait_until
 
 __all__ = [
     "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "broadcast_object",
@@ -44,4 +45,5 @@ __all__ = [
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "StoreComm", "Segment", "alive",
+    "wait_until",
 ]

@@ -18,11 +18,10 @@ NOTE [node shards]
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
-from ..comm import CollectiveTimeoutError, Segment, alive
+from ..comm import CollectiveTimeoutError, Segment, alive, wait_until
 from ..kernels import shard as kshard
 from .layout import Layout
 
@@ -87,29 +86,30 @@ class NodeShards:
         src = shard if src is None else src
         out = self._empty if out is None else out
         lock = self._first_lock[r] + k
-        got = kshard.locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)
-        if got == -1:
+        held = [kshard.locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)]
+        if held[0] == -1:
             return
-        start = time.monotonic()
-        tries = 0
-        while True:
-            os.sched_yield()
-            got = kshard.locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)
-            if got == -1:
-                return
-            tries += 1
-            if tries % 64 or got == 0:
-                continue
-            holder = int(got) - 1
+
+        def applied() -> bool:
+            held[0] = kshard.locked_apply(self.locks, lock, self.token, _SPINS, shard, src, out, rule, scale)
+            return held[0] == -1
+
+        def failure(timed_out: bool) -> Exception | None:
+            if held[0] == 0:  # free at the last try: nobody to name yet
+                return None
+            holder = int(held[0]) - 1
             pid = int(self.pids[self.node_ranks.index(holder)]) if holder in self.node_ranks else 0
             if pid and not alive(pid):
-                raise CollectiveTimeoutError(
-                    f"{what}: chunk {k} of rank {r}'s shard is locked by rank {holder} "
-                    f"(pid {pid}), which died", [holder])
-            if time.monotonic() - start > self.timeout:
-                raise CollectiveTimeoutError(
+                return CollectiveTimeoutError(f"{what}: chunk {k} of rank {r}'s shard is locked by rank "
+                                              f"{holder} (pid {pid}), which died", [holder])
+            if timed_out:
+                return CollectiveTimeoutError(
                     f"{what}: timed out after {self.timeout:g}s waiting for the lock of chunk {k} "
                     f"of rank {r}'s shard, held by rank {holder}", [holder])
+            return None
+
+        # The holder is a rank of this node applying one chunk: never sleep, yield to it.
+        wait_until(applied, self.timeout, failure, sleep_after=None, check_every=64)
 
     def close(self) -> None:
         self.shards, self.locks, self.pids = {}, None, None

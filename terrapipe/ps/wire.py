@@ -21,11 +21,10 @@ NOTE [shard wire protocol]
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
-from ..comm import CollectiveTimeoutError, alive
+from ..comm import CollectiveTimeoutError, alive, wait_until
 
 __all__ = ["HEADER", "DATA", "REPLY", "ACK", "STOP", "HEADER_WORDS", "header", "wait_requests",
            "Peer"]
@@ -53,23 +52,17 @@ class Peer:
 
 
 def wait_requests(MPI, reqs: list, timeout: float, what: str, peer: Peer) -> None:
-    """Poll ``reqs`` (mpi4py requests) until all complete (NOTE [shard wire protocol] 3)."""
+    """Poll ``reqs`` (mpi4py requests) until all complete (NOTE [shard wire protocol] 3), as
+    every wait on a peer does (terrapipe.comm.wait_until): yield, then sleep between polls."""
     if not reqs or MPI.Request.Testall(reqs):
         return
-    start = time.monotonic()
-    pause, polls = 0.0, 0
-    while not MPI.Request.Testall(reqs):
-        polls += 1
-        if polls < 64:
-            os.sched_yield()
-            continue
-        time.sleep(pause)
-        pause = min(pause * 2 + 2e-5, 1e-3)
-        if polls % 64:
-            continue
+
+    def failure(timed_out: bool) -> Exception | None:
         if peer.dead():
-            raise CollectiveTimeoutError(f"{what}: rank {peer.rank} (pid {peer.pid}) died",
-                                         [peer.rank])
-        if time.monotonic() - start > timeout:
-            raise CollectiveTimeoutError(
+            return CollectiveTimeoutError(f"{what}: rank {peer.rank} (pid {peer.pid}) died", [peer.rank])
+        if timed_out:
+            return CollectiveTimeoutError(
                 f"{what}: timed out after {timeout:g}s waiting for rank {peer.rank}", [peer.rank])
+        return None
+
+    wait_until(lambda: MPI.Request.Testall(reqs), timeout, failure, check_every=64)

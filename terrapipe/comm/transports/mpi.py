@@ -15,8 +15,6 @@ elsewhere, and why the transport ends with a barrier in which every rank progres
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -25,6 +23,7 @@ from ... import settings, timeline
 from ...kernels import reduce as kreduce
 from ..errors import CollectiveTimeoutError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
+from ..wait import wait_until
 from .base import OwnCollectives
 
 __all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES"]
@@ -74,28 +73,31 @@ class MpiTransport(OwnCollectives):
             self.wait_all([req], what, peer)
 
     def wait_all(self, reqs: list, what: str, peer: int | None = None) -> None:
+        """Poll ``reqs`` until all are done (NOTE [waiting for a peer] in comm/wait.py: never
+        asleep, for this rank's own polls drive MPI's progress), or raise CollectiveTimeoutError
+        naming the ranks waited for, after the timeout or at once when the node's board says
+        one died; the requests are then cancelled where MPI can."""
         Testall = self._MPI.Request.Testall
-        start = time.monotonic()
-        spins = 0
-        while not Testall(reqs):
-            spins += 1
-            if spins <= _SPINS_BEFORE_YIELD:
-                continue
-            os.sched_yield()  # ranks may outnumber cores
-            if spins % 256:
-                continue
-            hint = self._late_hint()
-            died = hint is not None and hint[1] == "died"  # no use waiting out the timeout
-            if died or time.monotonic() - start > self.timeout:
-                for req in reqs:
-                    try:
-                        req.Cancel()
-                    except self._MPI.Exception:
-                        pass  # a collective's request cannot be cancelled; it is abandoned
-                late, why = hint if died else self._late_ranks(peer)
-                names = ", ".join(f"rank {r}" for r in late)
-                cause = "a peer died" if died else f"Timed out after {self.timeout:g}s"
-                raise CollectiveTimeoutError(f"{what}: {cause} in MPI waiting for {names} ({why})", late)
+        for _ in range(_SPINS_BEFORE_YIELD):
+            if Testall(reqs):
+                return
+        wait_until(lambda: Testall(reqs), self.timeout,
+                   lambda timed_out: self._failure(reqs, timed_out, what, peer), sleep_after=None)
+
+    def _failure(self, reqs: list, timed_out: bool, what: str, peer: int | None) -> Exception | None:
+        hint = self._late_hint()
+        died = hint is not None and hint[1] == "died"  # no use waiting out the timeout
+        if not (died or timed_out):
+            return None
+        for req in reqs:
+            try:
+                req.Cancel()
+            except self._MPI.Exception:
+                pass  # a collective's request cannot be cancelled; it is abandoned
+        late, why = hint if died else self._late_ranks(peer)
+        names = ", ".join(f"rank {r}" for r in late)
+        cause = "a peer died" if died else f"Timed out after {self.timeout:g}s"
+        return CollectiveTimeoutError(f"{what}: {cause} in MPI waiting for {names} ({why})", late)
 
     def _late_ranks(self, peer: int | None) -> tuple[list[int], str]:
         hint = self._late_hint()

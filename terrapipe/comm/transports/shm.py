@@ -38,7 +38,6 @@ from __future__ import annotations
 import glob
 import mmap
 import os
-import time
 
 import numpy as np
 
@@ -47,6 +46,7 @@ from ...kernels import oneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from ..errors import CollectiveTimeoutError
+from ..wait import wait_until
 from . import cma, hugepages
 from .base import Transport
 
@@ -64,7 +64,8 @@ _FIRST_SPINS = 2000
 _ROUND_SPINS = 64
 # A wait that has yielded this long sleeps on the late counter instead (NOTE [sleeping on a
 # counter] in kernels/sync.py), at most _NAP_SECONDS at a time: between naps it looks at the
-# clock and its peers' liveness and drives MPI's progress (NOTE [MPI progress] 4 in comm/algorithms/ring.py).
+# clock and its peers' liveness and drives MPI's progress (NOTE [waiting for a peer] in
+# comm/wait.py).
 _SLEEP_AFTER_SECONDS = 50e-6
 _NAP_SECONDS = 1e-3
 # Each rank's row of the segment holds two halves (NOTE [row halves]), each one one-shot
@@ -206,37 +207,31 @@ class Board:
         return self.step
 
     def wait(self, step: int, timeout: float, what: str) -> None:
-        """Until every local rank's counter reaches ``step``: spin, then yield the core between
-        short rounds (ranks may outnumber cores), then sleep on the late counter (NOTE
+        """Until every local rank's counter reaches ``step``: spin, then wait as every wait does
+        (NOTE [waiting for a peer] in comm/wait.py), sleeping on the late counter (NOTE
         [sleeping on a counter] in kernels/sync.py); raises CollectiveTimeoutError naming the
         late ranks after ``timeout`` seconds, or at once when one of them died."""
         steps = self.steps
         if ksync.spin_until(steps, step, _FIRST_SPINS):
             return
-        start = time.monotonic()
-        rounds = 0
-        while not ksync.spin_until(steps, step, _ROUND_SPINS):
-            slept = self.sleeps and time.monotonic() - start > _SLEEP_AFTER_SECONDS
-            if not slept:
-                os.sched_yield()
-            elif ksync.sleep_until(steps, self.sleepers, step, self._nap):
-                return
-            self.progress()
-            rounds += 1
-            if rounds % 256 and not slept:
-                continue
-            late = [int(q) for q in np.nonzero(steps < step)[0]]
-            if not late:
-                return
-            dead = [q for q in late if not alive(int(self.pids[q]))]
-            if dead:
-                names = ", ".join(f"rank {self.ranks[q]} (pid {int(self.pids[q])})" for q in dead)
-                raise CollectiveTimeoutError(f"{what}: {names} died", [self.ranks[q] for q in dead])
-            if time.monotonic() - start > timeout:
-                names = ", ".join(f"rank {self.ranks[q]}" for q in late)
-                raise CollectiveTimeoutError(
-                    f"{what}: Timed out after {timeout:g}s waiting for {names}",
-                    [self.ranks[q] for q in late])
+        sleepers, nap = self.sleepers, self._nap
+        wait_until(lambda: ksync.spin_until(steps, step, _ROUND_SPINS), timeout,
+                   lambda timed_out: self._failure(step, timed_out, timeout, what),
+                   nap=(lambda: ksync.sleep_until(steps, sleepers, step, nap)) if self.sleeps else None,
+                   progress=self.progress, sleep_after=_SLEEP_AFTER_SECONDS if self.sleeps else None)
+
+    def _failure(self, step: int, timed_out: bool, timeout: float, what: str) -> Exception | None:
+        """The error of a wait for ``step``: a late rank died, or ``timed_out``; else None."""
+        late = [int(q) for q in np.nonzero(self.steps < step)[0]]
+        dead = [q for q in late if not alive(int(self.pids[q]))]
+        if dead:
+            names = ", ".join(f"rank {self.ranks[q]} (pid {int(self.pids[q])})" for q in dead)
+            return CollectiveTimeoutError(f"{what}: {names} died", [self.ranks[q] for q in dead])
+        if timed_out and late:
+            names = ", ".join(f"rank {self.ranks[q]}" for q in late)
+            return CollectiveTimeoutError(f"{what}: Timed out after {timeout:g}s waiting for {names}",
+                                          [self.ranks[q] for q in late])
+        return None
 
     def sigs(self, step: int) -> np.ndarray:
         """(nlocal, SIG_WORDS): every rank's signature published at ``step``."""
