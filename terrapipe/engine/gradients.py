@@ -109,7 +109,7 @@ class DistributedGradients:
         self._arrived: list[int] | None = [] if self.sized else None
         # NOTE [gradients as bucket views]
         self.as_views = not (backend == "nccl" and compression)
-        self._set_buckets(_size_buckets(self._order, first_bucket_mb, bucket_mb) if buckets is None
+        self.set_buckets(_size_buckets(self._order, first_bucket_mb, bucket_mb) if buckets is None
                           else _explicit_buckets(buckets, params))
         self._counts = {id(p): 0 for p in params}
         self._next = 0  # first bucket not yet launched
@@ -119,7 +119,7 @@ class DistributedGradients:
         self.synchronized = False  # every bucket reduced, and no backward since
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _set_buckets(self, buckets: list[list[torch.nn.Parameter]]) -> None:
+    def set_buckets(self, buckets: list[list[torch.nn.Parameter]]) -> None:
         """Make ``buckets`` current: their flat buffers, with each ``.grad`` (if any) moved into
         its view (NOTE [gradients as bucket views])."""
         self.buckets = buckets
@@ -178,20 +178,35 @@ class DistributedGradients:
                              f"{bucket_mb}, {first_bucket_mb}")
         if not self.sized:
             raise ValueError("rebucket: the buckets were given explicitly (buckets=...)")
-        if self.in_flight() or any(self._counts.values()):
+        if self.in_flight() or self.step_started():
             raise RuntimeError("rebucket() while gradient reductions are in flight or a step is half "
                                "done: call it after optimizer.step()")
         self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
-        self._set_buckets(_size_buckets(self._order, first_bucket_mb, bucket_mb))
+        self.set_buckets(_size_buckets(self._order, first_bucket_mb, bucket_mb))
+
+    @property
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this averages, in the model's order (the caller must
+        not change the list)."""
+        return self._params
+
+    def step_started(self) -> bool:
+        """Whether a backward pass produced a gradient since the last synchronize (reduced or
+        not): zero_grad or rebucket now would lose it."""
+        return any(self._counts.values())
 
     # -- hooks -------------------------------------------------------------------------------
+    # NOTE [gradient hooks for subclasses]: take_grad, bucketed, set_buckets, broadcast_order,
+    # reduce_bucket and too_many_passes are what a subclass may override to take some gradients
+    # elsewhere or route buckets through another channel (terrapipe.horovod's optimizer does:
+    # sparse gradients and name negotiation); nothing else of this class is meant to be.
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._skip:
             return
         key = id(p)
         if self._counts[key] >= self.passes_per_step:
-            self._too_many_passes()
-        self._take_grad(p, self._counts[key] + 1 == self.passes_per_step)
+            self.too_many_passes()
+        self.take_grad(p, self._counts[key] + 1 == self.passes_per_step)
         self.synchronized = False
         if self._arrived is not None and self._counts[key] == 0:
             self._arrived.append(key)
@@ -201,7 +216,7 @@ class DistributedGradients:
             self._ready[b] += 1
             self._launch_ready()
 
-    def _take_grad(self, p: torch.Tensor, last: bool) -> None:
+    def take_grad(self, p: torch.Tensor, last: bool) -> None:
         """Put ``p``'s fresh ``.grad`` where its bucket reduces it (``last``: the step's final
         backward pass for ``p``; subclasses take some gradients elsewhere: terrapipe.horovod's
         sparse gradients)."""
@@ -235,9 +250,9 @@ class DistributedGradients:
             elif p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():  # made outside the hook (no_sync)
                 view.copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
                 p.grad = view
-        self._handles.append(self._reduce_bucket(b, self._bucket_flats[b]))
+        self._handles.append(self.reduce_bucket(b, self._bucket_flats[b]))
 
-    def _reduce_bucket(self, b: int, flat: torch.Tensor):
+    def reduce_bucket(self, b: int, flat: torch.Tensor):
         """Start reducing bucket ``b``'s flat buffer in place; returns an object whose ``wait()``
         waits for it (subclasses route buckets elsewhere: terrapipe.horovod's negotiation)."""
         if self.backend == "nccl":
@@ -245,13 +260,13 @@ class DistributedGradients:
         return comm.jit_allreduce(flat, op=self.op, compression=self.compression, async_op=True,
                                   group=self.group)
 
-    def _broadcast_order(self, order: np.ndarray) -> np.ndarray:
+    def broadcast_order(self, order: np.ndarray) -> np.ndarray:
         """Rank 0's ``order`` (int64, one index per parameter) on every rank (subclasses send it
         elsewhere: terrapipe.horovod's negotiation)."""
         comm.broadcast(order, root=0, group=self.group)
         return order
 
-    def _too_many_passes(self) -> None:
+    def too_many_passes(self) -> None:
         raise RuntimeError("a parameter's gradient was computed more than backward_passes_per_step="
                            f"{self.passes_per_step} times before synchronize() (or optimizer.step()); "
                            "raise backward_passes_per_step to accumulate more passes locally")
@@ -300,14 +315,14 @@ class DistributedGradients:
         seen = set(self._arrived)
         mine = [index[k] for k in self._arrived] + [index[id(p)] for p in self._order if id(p) not in seen]
         self._arrived = None
-        order = self._broadcast_order(np.asarray(mine, np.int64))
-        ordered = self._bucketed([self._params[i] for i in order])
+        order = self.broadcast_order(np.asarray(mine, np.int64))
+        ordered = self.bucketed([self._params[i] for i in order])
         if [id(p) for p in ordered] == [id(p) for p in self._order]:
             return
         self._order = ordered
-        self._set_buckets(_size_buckets(ordered, self.first_bucket_mb, self.bucket_mb))
+        self.set_buckets(_size_buckets(ordered, self.first_bucket_mb, self.bucket_mb))
 
-    def _bucketed(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    def bucketed(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         """The parameters to keep in buckets when they are cut along the first arrivals (all of
         them; terrapipe.horovod reduces agreed sparse ones outside)."""
         return params

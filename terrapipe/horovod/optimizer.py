@@ -64,16 +64,16 @@ class _NegotiatedGradients(DistributedGradients):
         self._sparse_pending: dict[int, tuple[torch.Tensor, object]] = {}  # id: (parameter, wait)
         super().__init__(params, bucket_mb=bucket_mb, backward_passes_per_step=passes,
                          group=process_set._group, backend="jit", buckets=buckets)
-        self._by_id = {id(p): p for p in self._params}
+        self._by_id = {id(p): p for p in self.parameters}
         self.hvd_op, self.predivide = op, predivide
         self.hvd_compression = compression
 
-    def _take_grad(self, p: torch.Tensor, last: bool) -> None:
+    def take_grad(self, p: torch.Tensor, last: bool) -> None:
         key = id(p)
         if p.grad.is_sparse:
             self._sparse_dims.setdefault(key, p.grad.sparse_dim())
         if key not in self._outside and (not p.grad.is_sparse or self.sparse_as_dense):
-            return super()._take_grad(p, last)
+            return super().take_grad(p, last)
         if last:  # earlier passes of a step accumulate in the sparse .grad itself
             self._sparse_pending[key] = (p, self._sparse_reduce(p, p.grad))
             if key not in self._outside:
@@ -110,26 +110,26 @@ class _NegotiatedGradients(DistributedGradients):
     def in_flight(self) -> bool:
         return super().in_flight() or bool(self._sparse_pending)
 
-    def _bucketed(self, params):
+    def bucketed(self, params):
         return [p for p in params if id(p) not in self._outside]
 
-    def _set_buckets(self, buckets) -> None:
-        super()._set_buckets(buckets)
+    def set_buckets(self, buckets) -> None:
+        super().set_buckets(buckets)
         self.bucket_names = [self._op_name(b[0]) + (f"+{len(b) - 1}" if len(b) > 1 else "")
                              for b in self.buckets]
 
-    def _broadcast_order(self, order):
+    def broadcast_order(self, order):
         # Through the coordinator, as every hvd collective of this process set goes; with it, the
         # sparse parameters rank 0 saw (their sparse_dim, else 0), which leave the buckets.
-        dims = [0 if self.sparse_as_dense else self._sparse_dims.get(id(p), 0) for p in self._params]
+        dims = [0 if self.sparse_as_dense else self._sparse_dims.get(id(p), 0) for p in self.parameters]
         t = torch.from_numpy(np.concatenate([order, np.asarray(dims, np.int64)]))
         root = self.process_set.ranks[0] if self.process_set.ranks else 0
         synchronize(_broadcast_issue([t], [t], root, "DistributedOptimizer.bucket_order", self.process_set))
         agreed = t[len(order):].tolist()
-        self._outside = {id(p): d for p, d in zip(self._params, agreed, strict=True) if d}
+        self._outside = {id(p): d for p, d in zip(self.parameters, agreed, strict=True) if d}
         return t[:len(order)].numpy()
 
-    def _reduce_bucket(self, b: int, flat: torch.Tensor):
+    def reduce_bucket(self, b: int, flat: torch.Tensor):
         if self.hvd_op == AVERAGE:  # Horovod splits the average around the sum
             pre, post = 1.0 / self.predivide, self.predivide
         else:
@@ -143,7 +143,7 @@ class _NegotiatedGradients(DistributedGradients):
         return _Handle(_allreduce_issue([flat], [flat], self.bucket_names[b], self.hvd_op, pre, post, wire,
                                         self.process_set))
 
-    def _too_many_passes(self) -> None:
+    def too_many_passes(self) -> None:
         raise AssertionError(_TOO_MANY_PASSES)
 
 
@@ -254,7 +254,7 @@ class _DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hvd_grads is not None:
             # Horovod's rule: any gradient produced since the last synchronize (reduced or not)
-            if self._hvd_grads.in_flight() or any(self._hvd_grads._counts.values()):
+            if self._hvd_grads.in_flight() or self._hvd_grads.step_started():
                 raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
             self._hvd_grads.zero_grad(set_to_none)
         return super(self.__class__, self).zero_grad(set_to_none)
