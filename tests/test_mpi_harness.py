@@ -56,7 +56,7 @@ def test_hung_rank_is_named_and_killed(pytester, monkeypatch):
         import time
         import pytest
 
-        @pytest.mark.mpi(ranks=(2,), timeout=15)
+        @pytest.mark.mpi(ranks=(2,), timeout=8)
         def test_rank_hangs(mpi_comm):
             if mpi_comm.rank == 0:
                 time.sleep(600)
@@ -65,7 +65,7 @@ def test_hung_rank_is_named_and_killed(pytester, monkeypatch):
     result = _run(pytester, monkeypatch)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
-    assert "rank 0 of 2 never reported (timed out after 15s)" in out
+    assert "rank 0 of 2 never reported (timed out after 8s)" in out
     assert "rank 1 of 2" not in out.split("never reported")[0].splitlines()[-1]
 
 

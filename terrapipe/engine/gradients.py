@@ -34,6 +34,9 @@ NOTE [gradients as bucket views]
        5.5. Made collectively with the buckets (construction and :meth:`rebucket`); where the
        group has no shared memory, or /dev/shm is full, the buckets are private NumPy buffers
        as in 1.
+
+Why one module: DistributedGradients' bucketing, hooks and completion share one state
+(buckets, views, counts, handles); its NOTEs above are the contract between them.
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ def test_forced_shm_backend_keeps_large_messages_in_shared_memory(mpi_comm):
     _check_allreduce_paths(comm.rank(), comm.size(), [300_001, 2_000_003])
 
 
-@pytest.mark.mpi(ranks=(3,), timeout=240, ci_ranks=(3,))
+@pytest.mark.mpi(ranks=(3,), timeout=240, ci_ranks=())  # make test-full (CI time)
 def test_nodes_with_different_rank_counts_reduce_flat_over_mpi(mpi_comm):
     # Ranks 0, 1 on one emulated node and rank 2 alone: no hierarchical split fits, so
     # reductions run flat over MPI (the ring for large ones) instead of refusing.

@@ -104,6 +104,7 @@ def test_amp_on_cpu_trains_in_bfloat16_autocast():
     assert np.isfinite(history[-1]["train_loss"]) and history[-1]["val_accuracy"] > 0.5
 
 
+@pytest.mark.full  # make test-full: CI time (examples/ddp_train.py covers torchrun in make test)
 def test_example_runs_unchanged_under_torchrun(tmp_path):
     import os
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "horovod_train.py")
 
@@ -36,6 +38,7 @@ def test_unmodified_script_trains_over_mpi_and_gloo(tmp_path):
     assert not list(tmp_path.glob("timeline.json.rank*"))  # the parts were merged
 
 
+@pytest.mark.full  # make test-full: CI time (the launcher's run is checked above)
 def test_flags_and_no_shadowing():
     r = _run("--horovod", "-np", "2", "--fusion-threshold-mb", "4", sys.executable, EXAMPLE)
     assert r.returncode == 2 and "unrecognized arguments: --fusion-threshold-mb" in r.stderr
