@@ -304,7 +304,7 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         gate.wrote(fs.n)
         return
     if name == "single_copy":
-        _allreduce_single_copy(g, fs, fd, op, rows_dtype, coll, sig, check)
+        _allreduce_single_copy(g, fs, fd, op, rows_dtype, coll, sig)
         return
     if name == "shared":
         sig = sig.copy()
@@ -340,7 +340,7 @@ def _alone(srcs, dsts, ckind: int, gate) -> None:
     gate.wrote(n)
 
 
-def _allreduce_single_copy(g, fs: Fused, fd: Fused, op: int, dtype: np.dtype, coll: str, sig, check) -> None:
+def _allreduce_single_copy(g, fs: Fused, fd: Fused, op: int, dtype: np.dtype, coll: str, sig) -> None:
     """NOTE [single-copy allreduce] in comm/algorithms/single_copy.py; a fused message (several
     arrays) goes through one contiguous private copy."""
     src, dst = fs.only(), fd.only()
@@ -350,8 +350,7 @@ def _allreduce_single_copy(g, fs: Fused, fd: Fused, op: int, dtype: np.dtype, co
         dst = src = g.shm.staging(fs.n * dtype.itemsize).view(dtype)
         fs.read(0, fs.n, src)
     g.shm.post_single_copy(src, dst)
-    with timeline.span("comm", "agreement"):
-        g.control.agree(coll, sig, check)
+    g.agree_signature(coll, sig)
     single_copy.allreduce(g.shm, src, dst, op)
     if dst is not fd.only():
         fd.write(0, dst)
