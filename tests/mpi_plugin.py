@@ -4,11 +4,11 @@
     def test_allreduce(mpi_comm):
         ...
 
-The test is parametrized over ``ranks``. At 1 rank it runs in the pytest process. At N > 1 the
-pytest process launches ``mpiexec -n N python -m pytest <that one test>``; every rank runs the
-body, writes its own report, and the parent fails with the traceback of each failing rank
-(``rank 1 of 2 failed: ...``), or names the ranks that never reported (crashed or hung) once the
-timeout passes, after killing the whole job. No orphaned ranks survive a parent that times out.
+The test is parametrized over ``ranks``. At 1 rank it runs in the pytest process. At N > 1 every
+rank runs the body under ``mpiexec -n N`` and writes its own report; the parent fails with the
+traceback of each failing rank (``rank 1 of 2 failed: ...``), or names the ranks that never
+reported (crashed or hung) once the timeout passes, after killing the whole job. No orphaned
+ranks survive a parent that times out, fails or is killed.
 
 The ``mpi_comm`` fixture is ``MPI.COMM_WORLD`` of the rank running the body.
 
@@ -17,11 +17,31 @@ keep CI within its budget on two cores) unless the test names them in ``ci_ranks
 and topology tests do, so every ``make test`` still runs the comm core under load at 4 ranks.
 
     @pytest.mark.mpi(ranks=(2, 4), ci_ranks=(2, 4))
+
+NOTE [one job per module]
+
+  Starting ranks costs more than most bodies (each rank imports torch, numba and pytest, then
+  joins MPI: 2 s on two cores), so the tests of one module at one rank count share a job:
+
+  1. At the first such test the parent starts ``mpiexec -n N python -m pytest <every selected
+     test of the module at N ranks>``. Each rank holds before every test until the parent
+     releases it (a ``go`` file): one test runs at a time, in the parent's order, as if each had
+     its own job, and a test the parent skips is skipped in the job too.
+  2. After each test every rank undoes what a process exit would (``_fresh_process``: Horovod's
+     shutdown, torch.distributed's process group, terrapipe.comm's world) before reporting, so
+     the next test starts from a process as new as a fresh one in everything terrapipe keeps.
+  3. A test that hangs, crashes a rank, or fails on one rank while the others wait ends its job:
+     the parent kills it, reports that test, and the module's next test starts a new job.
+  4. Once a job's last test has passed on every rank, every rank must exit within 60 s with
+     status 0; a rank stuck at exit (a thread left running) fails that last test.
+  5. ``@pytest.mark.mpi(..., own_job=True)``: a test of process start or exit runs alone.
 """
 
 from __future__ import annotations
 
 import ast
+import atexit
+import hashlib
 import json
 import os
 import shutil
@@ -29,21 +49,26 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 from terrapipe import launch_env
 
-_CHILD_ENV = "TERRAPIPE_TEST_MPI_CHILD"  # set in every rank: the report directory
+_CHILD_ENV = "TERRAPIPE_TEST_MPI_CHILD"  # set in every rank: the job's directory
+_PARENT_ENV = "TERRAPIPE_TEST_MPI_PARENT"  # the parent's pid: a rank outliving it exits
 _DEFAULT_TIMEOUT = 120.0
+_EXIT_TIMEOUT = float(os.environ.get("TERRAPIPE_TEST_MPI_EXIT_TIMEOUT", "60"))  # clause 4
+_FAILED_GRACE = 10.0  # how long the other ranks may still report after one rank failed
+_POLL = 0.005
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "mpi(ranks=(1, 2), timeout=120, ci_ranks=None): run the test body under mpiexec at each "
-        "rank count",
+        "mpi(ranks=(1, 2), timeout=120, ci_ranks=None, own_job=False): run the test body under "
+        "mpiexec at each rank count",
     )
     config.addinivalue_line(
         "markers", "full: runs in `make test-full` only (a rank count above 2 not in ci_ranks)")
@@ -76,60 +101,190 @@ def mpiexec() -> str:
     return found
 
 
-def _run_ranks(item: pytest.Item, nranks: int, timeout: float) -> None:
-    report_dir = Path(tempfile.mkdtemp(prefix="terrapipe-mpitest-"))
-    try:
+def _key(nodeid: str) -> str:
+    return hashlib.sha1(nodeid.encode()).hexdigest()[:16]
+
+
+def _ranks_of(item: pytest.Item) -> int:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("_mpi_ranks", 1) if callspec is not None else 1
+
+
+def _own_job(item: pytest.Item) -> bool:
+    return bool(item.get_closest_marker("mpi").kwargs.get("own_job", False))
+
+
+# --- the parent ---------------------------------------------------------------------------------
+
+class _Job:
+    """One ``mpiexec -n N`` running a list of tests, each released by the parent in turn."""
+
+    def __init__(self, config: pytest.Config, nodeids: list[str], nranks: int) -> None:
+        self.nodeids = nodeids
+        self.nranks = nranks
+        self.released: set[str] = set()
+        self.failed_any = False
+        self.dir = Path(tempfile.mkdtemp(prefix="terrapipe-mpitest-"))
+        self.log_path = self.dir / "output.log"
         env = dict(os.environ)
-        env[_CHILD_ENV] = str(report_dir)
+        env[_CHILD_ENV] = str(self.dir)
+        env[_PARENT_ENV] = str(os.getpid())
         env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [
-            mpiexec(), "-n", str(nranks),
-            sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-            "--rootdir", str(item.config.rootpath), item.nodeid,
-        ]
-        # A new session, so a timeout can kill mpiexec and every rank it started.
-        proc = subprocess.Popen(
-            cmd, cwd=item.config.rootpath, env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        cmd = [mpiexec(), "-n", str(nranks), sys.executable, "-m", "pytest", "-q",
+               "-p", "no:cacheprovider", "--rootdir", str(config.rootpath), *nodeids]
+        with open(self.log_path, "wb") as log:
+            # A new session, so a timeout can kill mpiexec and every rank it started.
+            self.proc = subprocess.Popen(cmd, cwd=config.rootpath, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def release(self, nodeid: str, action: str) -> None:
+        self.released.add(nodeid)
+        tmp = self.dir / f"{_key(nodeid)}.go.tmp"
+        tmp.write_text(action)
+        os.replace(tmp, self.dir / f"{_key(nodeid)}.go")
+
+    def reports(self, nodeid: str) -> dict[int, dict]:
+        """Each rank's outcome of ``nodeid`` so far, with ``done`` once it has also cleaned up."""
+        found = {}
+        for r in range(self.nranks):
+            report = self.dir / f"{_key(nodeid)}.rank{r}.json"
+            if report.exists():
+                found[r] = json.loads(report.read_text())
+                done = self.dir / f"{_key(nodeid)}.rank{r}.done"
+                found[r]["done"] = done.read_text() if done.exists() else None
+        return found
+
+    def log_size(self) -> int:
+        return self.log_path.stat().st_size
+
+    def log_tail(self, start: int, lines: int = 40) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def kill(self) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_jobs: dict[tuple[str, int], _Job] = {}
+
+
+def _close_all_jobs() -> None:
+    for job in _jobs.values():
+        job.close()
+    _jobs.clear()
+
+
+atexit.register(_close_all_jobs)  # the parent's last word: no rank outlives it
+
+
+def _job_for(item: pytest.Item, nranks: int) -> _Job:
+    """The live job that holds ``item``, else a new one holding it and the rest of its module's
+    tests at ``nranks`` (NOTE [one job per module] clause 1)."""
+    key = (str(item.path), nranks)
+    job = _jobs.get(key)
+    if job is not None and item.nodeid in job.nodeids and item.nodeid not in job.released \
+            and job.alive():
+        return job
+    if job is not None:
+        job.close()
+        del _jobs[key]
+    if _own_job(item):
+        return _Job(item.config, [item.nodeid], nranks)
+    items = item.session.items
+    rest = [it.nodeid for it in items[items.index(item):]
+            if it.path == item.path and it.get_closest_marker("mpi") is not None
+            and _ranks_of(it) == nranks and not _own_job(it)]
+    job = _jobs[key] = _Job(item.config, rest, nranks)
+    return job
+
+
+def _run_ranks(item: pytest.Item, nranks: int, timeout: float) -> None:
+    job = _job_for(item, nranks)
+    start_log = job.log_size()
+    job.release(item.nodeid, "run")
+    start = time.monotonic()
+    failed_at = None
+    ended = timed_out = False
+    while True:
+        reports = job.reports(item.nodeid)
+        if len(reports) == nranks and all(r["done"] is not None for r in reports.values()):
+            break
+        if not job.alive():
+            ended = True
+            reports = job.reports(item.nodeid)
+            break
+        now = time.monotonic()
+        if failed_at is None and any(r["outcome"] == "failed" for r in reports.values()):
+            failed_at = now
+        if now - start > timeout or (failed_at is not None and now - failed_at > _FAILED_GRACE):
+            timed_out = now - start > timeout
+            job.kill()
+            ended = True
+            reports = job.reports(item.nodeid)
+            break
+        time.sleep(_POLL)
+    last = item.nodeid == job.nodeids[-1]
+    if not ended and last:
+        # Clause 4: the job's ranks leave once its last test is done.
         try:
-            output, _ = proc.communicate(timeout=timeout)
-            timed_out = False
+            job.proc.wait(timeout=_EXIT_TIMEOUT)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            timed_out = True
-        text = output.decode(errors="replace")
-        reports = {}
-        for r in range(nranks):
-            f = report_dir / f"rank{r}.json"
-            if f.exists():
-                reports[r] = json.loads(f.read_text())
-        problems = []
-        for r in range(nranks):
-            rep = reports.get(r)
-            if rep is None:
-                why = f"timed out after {timeout:.0f}s" if timed_out else f"exit code {proc.returncode}"
-                problems.append(f"rank {r} of {nranks} never reported ({why})")
-            elif rep["outcome"] == "failed":
-                problems.append(f"rank {r} of {nranks} failed:\n{rep['longrepr']}")
-            elif rep["outcome"] == "skipped":
-                problems.append(f"rank {r} of {nranks} skipped: {rep['longrepr']}")
-        skipped = len(reports) == nranks and all(rep["outcome"] == "skipped" for rep in reports.values())
-        reasons = {rep["longrepr"] for rep in reports.values()}
-        if skipped and len(reasons) == 1 and proc.returncode == 0:
-            # Every rank skipped for one reason (a condition only the ranks can see, such as a GPU
-            # per rank): the test is skipped. A skip on some ranks only stays a failure.
-            pytest.skip(_skip_reason(reasons.pop()))
-        if problems:
-            tail = "\n".join(text.splitlines()[-40:])
-            pytest.fail("\n\n".join(problems) + f"\n\n--- mpiexec output (tail) ---\n{tail}",
-                        pytrace=False)
-        if not timed_out and proc.returncode != 0:
-            pytest.fail(f"mpiexec exited with {proc.returncode} although every rank passed:\n{text}",
-                        pytrace=False)
-    finally:
-        shutil.rmtree(report_dir, ignore_errors=True)
+            job.kill()
+    text = job.log_tail(start_log)
+    problems = []
+    for r in range(nranks):
+        rep = reports.get(r)
+        if rep is None:
+            if timed_out:
+                why = f"timed out after {timeout:.0f}s"
+            elif failed_at is not None:
+                why = f"still running {_FAILED_GRACE:.0f}s after another rank failed"
+            else:
+                why = f"exit code {job.proc.returncode}"
+            problems.append(f"rank {r} of {nranks} never reported ({why})")
+        elif rep["outcome"] == "failed":
+            problems.append(f"rank {r} of {nranks} failed:\n{rep['longrepr']}")
+        elif rep["outcome"] == "skipped":
+            problems.append(f"rank {r} of {nranks} skipped: {rep['longrepr']}")
+        if rep is not None and rep["done"]:
+            problems.append(f"rank {r} of {nranks}: {rep['done']}")
+        elif rep is not None and rep["done"] is None and rep["outcome"] != "failed":
+            problems.append(f"rank {r} of {nranks} passed but never finished cleaning up")
+    if ended or last:
+        for key, j in list(_jobs.items()):
+            if j is job:
+                del _jobs[key]
+        job.close()
+    skipped = len(reports) == nranks and all(rep["outcome"] == "skipped" and rep["done"] == ""
+                                             for rep in reports.values())
+    reasons = {rep["longrepr"] for rep in reports.values()}
+    if skipped and len(reasons) == 1:
+        # Every rank skipped for one reason (a condition only the ranks can see, such as a GPU
+        # per rank): the test is skipped. A skip on some ranks only stays a failure.
+        pytest.skip(_skip_reason(reasons.pop()))
+    if problems:
+        job.failed_any = True
+        pytest.fail("\n\n".join(problems) + f"\n\n--- mpiexec output (tail) ---\n{text}",
+                    pytrace=False)
+    if last and not job.failed_any and job.proc.returncode != 0:
+        how = (f"did not exit within {_EXIT_TIMEOUT:.0f}s" if job.proc.returncode < 0
+               else f"exited with {job.proc.returncode}")
+        pytest.fail(f"mpiexec {how} after every rank passed its last test:\n{text}",
+                    pytrace=False)
 
 
 def _skip_reason(longrepr: str) -> str:
@@ -145,35 +300,115 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
     marker = pyfuncitem.get_closest_marker("mpi")
     if marker is None or os.environ.get(_CHILD_ENV):
         return None
-    nranks = pyfuncitem.callspec.params["_mpi_ranks"]
+    nranks = _ranks_of(pyfuncitem)
     if nranks == 1:
         return None
     _run_ranks(pyfuncitem, nranks, float(marker.kwargs.get("timeout", _DEFAULT_TIMEOUT)))
     return True
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not os.environ.get(_CHILD_ENV):
+        _close_all_jobs()
+
+
+# --- a rank of a job -----------------------------------------------------------------------------
+
+_outcomes: dict[str, tuple[str, str]] = {}
+
+
+def _parent_alive() -> bool:
+    pid = int(os.environ.get(_PARENT_ENV, "0"))
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    job_dir = os.environ.get(_CHILD_ENV)
+    if not job_dir or item.get_closest_marker("mpi") is None:
+        return
+    # Clause 1: hold until the parent releases this test.
+    go = Path(job_dir) / f"{_key(item.nodeid)}.go"
+    checked = time.monotonic()
+    while not go.exists():
+        time.sleep(_POLL)
+        if time.monotonic() - checked > 1.0:
+            checked = time.monotonic()
+            if not _parent_alive():
+                os._exit(1)
+    if go.read_text() == "skip":
+        pytest.skip("not run by the parent")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
-    report_dir = os.environ.get(_CHILD_ENV)
-    if not report_dir or item.get_closest_marker("mpi") is None:
+    if not os.environ.get(_CHILD_ENV) or item.get_closest_marker("mpi") is None:
         return
     rep = outcome.get_result()
-    # One file per rank: the worst outcome over setup / call / teardown.
-    if rep.when == "call" or rep.outcome != "passed":
-        from mpi4py import MPI
+    # One outcome per rank and test: the worst over setup / call / teardown.
+    if rep.when == "call" or rep.outcome != "passed" or item.nodeid not in _outcomes:
+        if _outcomes.get(item.nodeid, ("",))[0] != "failed":
+            _outcomes[item.nodeid] = (rep.outcome, str(rep.longrepr or ""))
 
-        rank = MPI.COMM_WORLD.Get_rank()
-        path = Path(report_dir) / f"rank{rank}.json"
-        if path.exists() and json.loads(path.read_text())["outcome"] == "failed":
-            return
-        path.write_text(json.dumps({"outcome": rep.outcome, "longrepr": str(rep.longrepr or "")}))
+
+def _fresh_process() -> None:
+    """Undo what a process exit would of what terrapipe keeps per process (clause 2)."""
+    hvd = sys.modules.get("terrapipe.horovod.basics")
+    if hvd is not None:
+        hvd.shutdown()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    collectives = sys.modules.get("terrapipe.comm.collectives")
+    if collectives is not None:
+        collectives.finalize()
+
+
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    job_dir = os.environ.get(_CHILD_ENV)
+    if not job_dir:
+        # The parent: a test it never called (skipped, or a fixture failed here) is skipped by
+        # its job too.
+        for job in _jobs.values():
+            if nodeid in job.nodeids and nodeid not in job.released and job.alive():
+                job.release(nodeid, "skip")
+        return
+    if nodeid not in _outcomes:
+        return  # not a multi-rank test
+    from mpi4py import MPI
+
+    base = f"{job_dir}/{_key(nodeid)}.rank{MPI.COMM_WORLD.Get_rank()}"
+    outcome, longrepr = _outcomes.pop(nodeid)
+    # The outcome first: a rank that fails while another still waits in a collective may wait in
+    # its clean-up too, and the parent shows this traceback, not only a timeout.
+    _write(Path(base + ".json"), json.dumps({"outcome": outcome, "longrepr": longrepr}))
+    problem = ""
+    try:
+        _fresh_process()
+    except Exception as e:  # noqa: BLE001 - the parent reports it as this test's failure
+        problem = f"cleaning up after the test: {type(e).__name__}: {e}"
+    _write(Path(base + ".done"), problem)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 @pytest.fixture
 def mpi_comm(request: pytest.FixtureRequest):
     """MPI.COMM_WORLD; its size is the test's rank count (None in a parent that only launches)."""
-    expected = request.node.callspec.params.get("_mpi_ranks", 1)
+    expected = _ranks_of(request.node)
     if expected > 1 and not os.environ.get(_CHILD_ENV):
         return None
     from mpi4py import MPI

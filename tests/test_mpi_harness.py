@@ -111,3 +111,109 @@ def test_skip_on_every_rank_skips_and_on_one_rank_fails(pytester, monkeypatch):
     out = result.stdout.str()
     assert "SKIPPED" in out and "needs a widget per rank" in out
     assert "rank 1 of 2 skipped" in out and "rank one has no widget" in out
+
+
+def test_a_module_shares_one_job_and_a_broken_test_breaks_only_itself(pytester, monkeypatch):
+    # NOTE [one job per module] in tests/mpi_plugin.py: tests of one module at one rank count run
+    # in the same rank processes, one at a time; a hang, a crash or a one-rank failure ends that
+    # job, and the next test gets a new one. The bodies record their pids to show which is which.
+    _inner_project(
+        pytester,
+        """
+        import os, time
+        import pytest
+
+        def record(mpi_comm, name):
+            with open(f"{os.environ['PIDS_DIR']}/{name}.{mpi_comm.rank}", "w") as f:
+                f.write(str(os.getpid()))
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_a_first(mpi_comm):
+            record(mpi_comm, "a")
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_b_second(mpi_comm):
+            record(mpi_comm, "b")
+            mpi_comm.Barrier()
+
+        @pytest.mark.skipif(True, reason="skipped by the parent")
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_c_skipped_in_the_parent(mpi_comm):
+            raise AssertionError("a test the parent skipped ran")
+
+        @pytest.mark.mpi(ranks=(2,), timeout=6)
+        def test_d_hangs(mpi_comm):
+            record(mpi_comm, "d")
+            if mpi_comm.rank == 0:
+                time.sleep(600)
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_e_fails_on_one_rank_while_the_other_waits(mpi_comm):
+            record(mpi_comm, "e")
+            assert mpi_comm.rank == 0, "deliberate failure on rank one"
+            mpi_comm.Barrier()
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_f_after_the_failures(mpi_comm):
+            record(mpi_comm, "f")
+            mpi_comm.Barrier()
+        """,
+    )
+    pids = pytester.mkdir("pids")
+    monkeypatch.setenv("PIDS_DIR", str(pids))
+    result = _run(pytester, monkeypatch, "-rs")
+    result.assert_outcomes(passed=3, failed=2, skipped=1)
+    out = result.stdout.str()
+    assert "rank 0 of 2 never reported (timed out after 6s)" in out
+    assert "rank 1 of 2 failed" in out and "deliberate failure on rank one" in out
+    assert "rank 0 of 2 never reported (still running 10s after another rank failed)" in out
+    pid = {p.name: p.read_text() for p in pids.iterdir()}
+    assert pid["a.0"] == pid["b.0"] == pid["d.0"] and pid["a.1"] == pid["b.1"] == pid["d.1"]
+    assert len({pid["d.0"], pid["e.0"], pid["f.0"]}) == 3  # a new job after each broken one
+    assert len({pid["a.0"], pid["a.1"]}) == 2
+
+
+def test_each_test_starts_without_the_last_ones_world(pytester, monkeypatch):
+    # Clause 2: a test that leaves terrapipe.comm initialised (with its timeout) or Horovod
+    # running does not hand them to the next test of its job.
+    _inner_project(
+        pytester,
+        """
+        import pytest
+        import terrapipe.comm as comm
+        import terrapipe.horovod.basics as hvd
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_leaves_everything_up(mpi_comm):
+            comm.init(timeout=7)
+            hvd.init()
+            assert comm.is_initialized() and hvd.is_initialized()
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_finds_nothing_up(mpi_comm):
+            assert not comm.is_initialized() and not hvd.is_initialized()
+            assert comm.init(timeout=9).timeout == 9
+        """,
+    )
+    result = _run(pytester, monkeypatch)
+    result.assert_outcomes(passed=2)
+
+
+def test_a_rank_that_cannot_exit_fails_the_jobs_last_test(pytester, monkeypatch):
+    # Clause 4: a thread left running keeps a rank from exiting; the job's last test says so.
+    _inner_project(
+        pytester,
+        """
+        import threading, time
+        import pytest
+
+        @pytest.mark.mpi(ranks=(2,), timeout=60)
+        def test_leaves_a_thread(mpi_comm):
+            threading.Thread(target=time.sleep, args=(600,)).start()
+        """,
+    )
+    monkeypatch.setenv("TERRAPIPE_TEST_MPI_EXIT_TIMEOUT", "5")
+    result = _run(pytester, monkeypatch)
+    result.assert_outcomes(failed=1)
+    assert "mpiexec did not exit within 5s after every rank passed its last test" in \
+        result.stdout.str()
