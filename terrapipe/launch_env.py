@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 __all__ = ["mpi_launched", "torch_launched", "world", "local_rank", "local_size", "mpiexec_path",
-           "MPI_RANK_VARS"]
+           "MPI_RANK_VARS", "record_exit", "first_failure"]
 
 # Set by MPI launchers in every rank they start (any one suffices).
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -89,3 +90,47 @@ def mpiexec_path() -> str | None:
     if here.exists():
         return str(here)
     return shutil.which("mpiexec")
+
+
+# NOTE [rank status]
+#
+#   How `terrapipe run` learns which rank failed first. The launcher gives every rank a folder
+#   (TERRAPIPE_RUN_STATUS); a rank's last word goes there, the launcher reads it after the job:
+#
+#   1. ``rank<r>.status`` holds "<unix time> <exit code>" (negative: killed by that signal). It
+#      is written once, by whoever sees the end first: the rank itself on an uncaught exception
+#      (comm's excepthook, right before it aborts the job), else the wrapper that started it
+#      (engine/rank_status.py) when the command exits. A later writer keeps the first.
+#   2. ``rank<r>.error`` holds the uncaught exception's last line(s), written before the status:
+#      the abort may cut the traceback short on its way through mpiexec.
+#   3. The rank that failed first is the one with the earliest nonzero status.
+
+def record_exit(status_dir: str, rank: int, code: int, error: str | None = None) -> None:
+    """Write rank ``rank``'s exit ``code`` (and its ``error`` text) into ``status_dir`` unless
+    that rank already has one (NOTE [rank status] clauses 1-2). Atomic: a reader sees a whole
+    file or none."""
+    status = os.path.join(status_dir, f"rank{rank}.status")
+    if os.path.exists(status):
+        return
+    files = ([(f"rank{rank}.error", error)] if error is not None else []) + \
+        [(f"rank{rank}.status", f"{time.time()} {code}")]
+    for name, text in files:
+        tmp = os.path.join(status_dir, f".{name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(status_dir, name))
+
+
+def first_failure(status_dir: str) -> tuple[int, int, str | None] | None:
+    """``(rank, exit code, error text or None)`` of the rank whose nonzero status is earliest in
+    ``status_dir`` (clause 3), or None when every rank that recorded one exited with 0."""
+    failures = []
+    for f in Path(status_dir).glob("rank*.status"):
+        when, code = f.read_text().split()
+        if int(code) != 0:
+            failures.append((float(when), int(f.name[4:-len(".status")]), int(code)))
+    if not failures:
+        return None
+    _, rank, code = min(failures)
+    error = Path(status_dir) / f"rank{rank}.error"
+    return rank, code, (error.read_text() if error.exists() else None)

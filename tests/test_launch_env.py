@@ -43,3 +43,17 @@ def test_slurm_variables_become_torch_names():
     assert launch_env.torch_launched(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == ("3", "8", "1", "29500")
     assert launch_env.world(env) == (3, 8) and launch_env.local_rank(env) == 1
+
+
+def test_rank_status_keeps_the_first_word_and_names_the_earliest_failure(tmp_path):
+    # NOTE [rank status] in launch_env.py: the rank's own record (its exception) wins over the
+    # wrapper's later one, and the earliest nonzero exit is the one `terrapipe run` names.
+    d = str(tmp_path)
+    assert launch_env.first_failure(d) is None
+    launch_env.record_exit(d, 0, 0)
+    launch_env.record_exit(d, 2, 1, "ValueError: bad batch\n")
+    launch_env.record_exit(d, 2, -9)  # the wrapper, after the abort: too late
+    launch_env.record_exit(d, 1, -9)
+    assert launch_env.first_failure(d) == (2, 1, "ValueError: bad batch\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.status", "rank1.status",
+                                                          "rank2.error", "rank2.status"]

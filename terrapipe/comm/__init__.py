@@ -34,7 +34,9 @@ from .collectives import (
     size,
     world,
 )
+from .dtypes import DTYPES, DType
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
+from .ops import OPS, Op
 from .store import StoreComm
 from .transports.shm import Segment, alive
 from .wait import wait_until
@@ -45,5 +47,5 @@ __all__ = [
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "StoreComm", "Segment", "alive",
-    "wait_until",
+    "wait_until", "OPS", "Op", "DTYPES", "DType",
 ]

@@ -13,14 +13,11 @@ import sys
 import numpy as np
 
 from ..kernels import BF16, F16
+from . import dtypes
 
-__all__ = ["Buffer", "DTYPE_CODES", "plain_array"]
+__all__ = ["Buffer", "plain_array"]
 
-DTYPE_CODES = {"float32": 1, "float64": 2, "float16": 3, "bfloat16": 4, "int32": 5, "int64": 6,
-               "uint8": 7, "int8": 8, "int16": 9, "uint16": 10, "bool": 11}
-
-
-_NP_NAMES = {np.dtype(n): n for n in DTYPE_CODES if n != "bfloat16"}
+_NP_NAMES = {np.dtype(n): n for n in dtypes.MOVED if n != "bfloat16"}
 
 
 def _torch():
@@ -79,7 +76,7 @@ class Buffer:
             else:
                 self.flat = flat
                 self.dtype_name = _NP_NAMES.get(flat.dtype) or str(flat.dtype)
-        if self.dtype_name not in DTYPE_CODES:
+        if self.dtype_name not in dtypes.MOVED:
             raise TypeError(f"{name}: unsupported dtype {self.dtype_name}")
         self.kind = {"float16": F16, "bfloat16": BF16}.get(self.dtype_name, 0)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import os
 import sys
-import time
 import traceback
 
 import numpy as np
@@ -115,15 +114,10 @@ def _abort_on_uncaught_exception(MPI) -> None:
         sys.stdout.flush()
         status_dir = settings.get("TERRAPIPE_RUN_STATUS")  # set by `terrapipe run`
         if status_dir:
-            # Recorded before aborting: the launcher kills every other process right after, and
-            # the abort may cut the traceback short on its way through mpiexec, so the launcher
-            # also gets the exception itself to name in its summary.
-            base = os.path.join(status_dir, f"rank{MPI.COMM_WORLD.Get_rank()}")
-            for suffix, text in ((".error", "".join(traceback.format_exception_only(kind, value))),
-                                 (".status", f"{time.time()} 1")):
-                with open(base + suffix + ".tmp", "w") as f:
-                    f.write(text)
-                os.replace(base + suffix + ".tmp", base + suffix)
+            # Before aborting: the launcher kills every other process right after
+            # (NOTE [rank status] in launch_env.py).
+            launch_env.record_exit(status_dir, MPI.COMM_WORLD.Get_rank(), 1,
+                                   "".join(traceback.format_exception_only(kind, value)))
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook

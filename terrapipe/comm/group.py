@@ -16,9 +16,7 @@ import os
 import numpy as np
 
 from .. import settings, timeline
-from ..kernels import reduce as kreduce
-from . import select
-from .buffers import DTYPE_CODES
+from . import dtypes, ops, select
 from .errors import CollectiveMismatchError
 from .execution import Executor, Handle
 from .transports.base import Transport
@@ -49,8 +47,6 @@ _COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "r
 # _ALGORITHM_WORD, the algorithm (comm/select.py's code), then SHARED_WORD, where a shared
 # array's (segment, byte offset) go (NOTE [shared arrays] 2 in comm/algorithms/shared.py).
 _ALGORITHM_WORD = SIG_WORDS - 3
-_CODE_DTYPE = {v: k for k, v in DTYPE_CODES.items()}
-_CODE_OP = {v: k for k, v in kreduce.OPS.items()}
 
 
 class Group:
@@ -321,7 +317,7 @@ class Group:
         sig = np.zeros(SIG_WORDS, np.int64)
         sig[0], sig[1], sig[3], sig[_ALGORITHM_WORD] = _COLL[coll], op, root, algorithm
         if dtype_name is not None:
-            sig[2], sig[4], sig[5] = DTYPE_CODES[dtype_name], size, len(shape)
+            sig[2], sig[4], sig[5] = dtypes.by_name(dtype_name).code, size, len(shape)
             dims = list(shape)[:_ALGORITHM_WORD - 6]
             sig[6:6 + len(dims)] = dims
         sig.flags.writeable = False
@@ -356,11 +352,13 @@ class Group:
             return
 
         def desc(s):
-            parts = [_CODE_DTYPE.get(int(s[2]), "?"), str(tuple(int(d) for d in s[6:6 + int(s[5])]))]
+            dtype = dtypes.by_code(int(s[2]))
+            parts = [dtype.name if dtype else "?", str(tuple(int(d) for d in s[6:6 + int(s[5])]))]
             if s[0] != _COLL[coll]:
                 parts.insert(0, f"in {[k for k, v in _COLL.items() if v == s[0]] or ['?']}")
             if s[1] or coll in ("allreduce", "reduce", "reduce_scatter"):
-                parts.append(f"op={_CODE_OP.get(int(s[1]), s[1])}")
+                op = int(s[1])
+                parts.append(f"op={ops.by_code(op).name if ops.by_code(op) else op}")
             if s[3] >= 0:
                 parts.append(f"root={int(s[3])}")
             shared_word = Group.SHARED_WORD

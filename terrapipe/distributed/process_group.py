@@ -50,7 +50,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from .. import launch_env
-from ..comm import Group, Handle, StoreComm, forced_backend
+from ..comm import DTYPES, OPS, Group, Handle, StoreComm, forced_backend
 from ..comm import allgather as _allgather
 from ..comm import allreduce as _allreduce
 from ..comm import broadcast as _broadcast
@@ -99,11 +99,10 @@ class _Work(dist.Work):
 
 
 _RED = dist.ReduceOp.RedOpType
-_OPS = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.MIN: "min", _RED.MAX: "max", _RED.PRODUCT: "prod"}
-# dtypes the reduction kernels cover (terrapipe.kernels.reduce); others reduce on Gloo.
-_REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
-# dtypes copies cover (terrapipe.comm.buffers.DTYPE_CODES)
-_COPYABLE = _REDUCIBLE | {torch.uint8, torch.int8, torch.int16, torch.bool}
+# What terrapipe.comm reduces (its kernels) and moves; the rest goes to Gloo.
+_REDUCIBLE = {getattr(torch, d.name) for d in DTYPES if d.reduced}
+_COPYABLE = {getattr(torch, d.name) for d in DTYPES if hasattr(torch, d.name)}
+_OPS = {getattr(_RED, op.torch): op.name for op in OPS}
 
 
 def _op_of(op) -> tuple[str | None, float | torch.Tensor | None]:

@@ -193,16 +193,10 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
 
 
 def _summarize(status_dir: str, code: int) -> int:
-    failures = []
-    for f in Path(status_dir).glob("rank*.status"):
-        rank = int(f.stem[4:])
-        when, rc = f.read_text().split()
-        if int(rc) != 0:
-            failures.append((float(when), rank, int(rc)))
-    if failures:
-        when, rank, rc = min(failures)
-        error = Path(status_dir) / f"rank{rank}.error"  # an uncaught exception, recorded by the rank
-        what = f": {error.read_text().strip().splitlines()[-1]}" if error.exists() else ""
+    failed = launch_env.first_failure(status_dir)  # NOTE [rank status] in launch_env.py
+    if failed is not None:
+        rank, rc, error = failed
+        what = f": {error.strip().splitlines()[-1]}" if error else ""
         shutil.rmtree(status_dir, ignore_errors=True)
         print(f"terrapipe run: rank {rank} failed first, with exit code {rc}{what}", file=sys.stderr)
         return rc if rc > 0 else 128 - rc

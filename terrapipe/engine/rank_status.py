@@ -1,16 +1,14 @@
 """Per-rank wrapper used by ``terrapipe run``: run the command, record how it ended.
 
-Writes ``<TERRAPIPE_RUN_STATUS>/rank<r>.status`` as "<time> <exit code>" (negative: killed by
-that signal) as soon as the command ends, then exits with the same code.
+Records the command's exit code for the launcher as soon as it ends (``launch_env.record_exit``,
+NOTE [rank status]), then exits with the same code.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import time
 
 from terrapipe import launch_env, settings
 
@@ -37,11 +35,8 @@ def main() -> int:
         signal.signal(s, forward)
     rc = proc.wait()
     status_dir = settings.get("TERRAPIPE_RUN_STATUS")
-    if status_dir and not os.path.exists(os.path.join(status_dir, f"rank{rank}.status")):
-        tmp = os.path.join(status_dir, f".rank{rank}.tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{time.time()} {rc}")
-        os.replace(tmp, os.path.join(status_dir, f"rank{rank}.status"))
+    if status_dir:
+        launch_env.record_exit(status_dir, rank, rc)  # NOTE [rank status] in launch_env.py
     return rc if rc >= 0 else 128 - rc
 
 

@@ -20,8 +20,10 @@ __all__ = ["RUNNERS", "AVERAGE", "SUM", "ADASUM", "MIN", "MAX", "PRODUCT", "OP_N
 # horovod.common ReduceOp values
 AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
 OP_NAMES = {AVERAGE: "Average", SUM: "Sum", ADASUM: "Adasum", MIN: "Min", MAX: "Max", PRODUCT: "Product"}
-_COMM_OP = {AVERAGE: "sum", SUM: "sum", MIN: "min", MAX: "max", PRODUCT: "prod"}
-_WIDEN = (torch.uint8, torch.int8, torch.int16, torch.bool)
+# Horovod's ops as terrapipe.comm's; an average is a sum here, scaled around it as Horovod does.
+_COMM_OP = {**{op.horovod: op.name for op in comm.OPS}, AVERAGE: "sum"}
+# Integer dtypes terrapipe.comm moves but does not reduce: reduced as int64, then narrowed back.
+_WIDEN = tuple(getattr(torch, d.name) for d in comm.DTYPES if not d.reduced and hasattr(torch, d.name))
 
 
 def _dtype(name: str) -> torch.dtype:

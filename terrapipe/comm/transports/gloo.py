@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from ...kernels import reduce as kreduce
+from .. import ops
 from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, segments
 from .base import OwnCollectives
@@ -98,9 +99,7 @@ class GlooTransport(OwnCollectives):
             self._call(what, self._dist.all_gather, list(self._t(gathered).unbind(0)), self._t(flat))
             kreduce.reduce_many_16(flat, gathered, op, 0, flat.shape[0], kind, self._acc)
         else:
-            R = self._dist.ReduceOp
-            rop = {kreduce.SUM: R.SUM, kreduce.AVG: R.SUM, kreduce.PROD: R.PRODUCT,
-                   kreduce.MIN: R.MIN, kreduce.MAX: R.MAX}[op]
+            rop = getattr(self._dist.ReduceOp, ops.by_code(op).gloo)
             self._call(what, self._dist.all_reduce, self._t(flat), op=rop)
         if op == kreduce.AVG:
             divide(flat, self.size, kind)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ... import settings, timeline
 from ...kernels import reduce as kreduce
+from .. import ops
 from ..errors import CollectiveTimeoutError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from ..wait import wait_until
@@ -139,8 +140,7 @@ class MpiTransport(OwnCollectives):
             kreduce.reduce_many_16(buf, gathered, op, 0, buf.shape[0], kind, self._acc)
         else:
             MPI = self._MPI
-            mop = {kreduce.SUM: MPI.SUM, kreduce.AVG: MPI.SUM, kreduce.PROD: MPI.PROD,
-                   kreduce.MIN: MPI.MIN, kreduce.MAX: MPI.MAX}[op]
+            mop = getattr(MPI, ops.by_code(op).mpi)
             with timeline.span("comm", "MPI allreduce"):
                 self.wait(self.comm.Iallreduce(MPI.IN_PLACE, buf, mop), what)
 

@@ -25,6 +25,7 @@ import os
 import socket
 
 from ... import settings
+from .. import ops
 
 __all__ = ["wanted", "process_group", "reduce_op", "NcclTransport"]
 
@@ -157,4 +158,4 @@ def reduce_op(op: int, is_float: bool):
     R = dist.ReduceOp
     if op == kreduce.AVG:
         return (R.AVG, False) if is_float else (R.SUM, True)
-    return {kreduce.SUM: R.SUM, kreduce.PROD: R.PRODUCT, kreduce.MIN: R.MIN, kreduce.MAX: R.MAX}[op], False
+    return getattr(R, ops.by_code(op).torch), False
