@@ -28,8 +28,9 @@ NOTE [one job per module]
      releases it (a ``go`` file): one test runs at a time, in the parent's order, as if each had
      its own job, and a test the parent skips is skipped in the job too.
   2. After each test every rank undoes what a process exit would (``_fresh_process``: Horovod's
-     shutdown, torch.distributed's process group, terrapipe.comm's world) before reporting, so
-     the next test starts from a process as new as a fresh one in everything terrapipe keeps.
+     shutdown, torch.distributed's process group, terrapipe.comm's world, and the environment
+     as it was when the test began) before reporting, so the next test starts from a process as
+     new as a fresh one in everything terrapipe keeps.
   3. A test that hangs, crashes a rank, or fails on one rank while the others wait ends its job:
      the parent kills it, reports that test, and the module's next test starts a new job.
   4. Once a job's last test has passed on every rank, every rank must exit within 60 s with
@@ -315,6 +316,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 # --- a rank of a job -----------------------------------------------------------------------------
 
 _outcomes: dict[str, tuple[str, str]] = {}
+_environ_before: dict[str, dict[str, str]] = {}  # os.environ as each test found it (clause 2)
 
 
 def _parent_alive() -> bool:
@@ -346,6 +348,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                 os._exit(1)
     if go.read_text() == "skip":
         pytest.skip("not run by the parent")
+    _environ_before[item.nodeid] = dict(os.environ)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -360,8 +363,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             _outcomes[item.nodeid] = (rep.outcome, str(rep.longrepr or ""))
 
 
-def _fresh_process() -> None:
-    """Undo what a process exit would of what terrapipe keeps per process (clause 2)."""
+def _fresh_process(environ: dict[str, str] | None) -> None:
+    """Undo what a process exit would of what terrapipe keeps per process, and put back
+    ``environ`` (clause 2)."""
     hvd = sys.modules.get("terrapipe.horovod.basics")
     if hvd is not None:
         hvd.shutdown()
@@ -371,6 +375,9 @@ def _fresh_process() -> None:
     collectives = sys.modules.get("terrapipe.comm.collectives")
     if collectives is not None:
         collectives.finalize()
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def pytest_runtest_logfinish(nodeid: str, location) -> None:
@@ -393,7 +400,7 @@ def pytest_runtest_logfinish(nodeid: str, location) -> None:
     _write(Path(base + ".json"), json.dumps({"outcome": outcome, "longrepr": longrepr}))
     problem = ""
     try:
-        _fresh_process()
+        _fresh_process(_environ_before.pop(nodeid, None))
     except Exception as e:  # noqa: BLE001 - the parent reports it as this test's failure
         problem = f"cleaning up after the test: {type(e).__name__}: {e}"
     _write(Path(base + ".done"), problem)

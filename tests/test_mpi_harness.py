@@ -174,17 +174,19 @@ def test_a_module_shares_one_job_and_a_broken_test_breaks_only_itself(pytester, 
 
 
 def test_each_test_starts_without_the_last_ones_world(pytester, monkeypatch):
-    # Clause 2: a test that leaves terrapipe.comm initialised (with its timeout) or Horovod
-    # running does not hand them to the next test of its job.
+    # Clause 2: a test that leaves terrapipe.comm initialised (with its timeout), Horovod running
+    # or a variable set does not hand them to the next test of its job.
     _inner_project(
         pytester,
         """
+        import os
         import pytest
         import terrapipe.comm as comm
         import terrapipe.horovod.basics as hvd
 
         @pytest.mark.mpi(ranks=(2,), timeout=60)
         def test_leaves_everything_up(mpi_comm):
+            os.environ["TERRAPIPE_NODE_SIZE"] = "1"  # read by comm.init: emulates two nodes
             comm.init(timeout=7)
             hvd.init()
             assert comm.is_initialized() and hvd.is_initialized()
@@ -192,7 +194,9 @@ def test_each_test_starts_without_the_last_ones_world(pytester, monkeypatch):
         @pytest.mark.mpi(ranks=(2,), timeout=60)
         def test_finds_nothing_up(mpi_comm):
             assert not comm.is_initialized() and not hvd.is_initialized()
-            assert comm.init(timeout=9).timeout == 9
+            assert "TERRAPIPE_NODE_SIZE" not in os.environ
+            g = comm.init(timeout=9)
+            assert g.timeout == 9 and g.nnodes == 1
         """,
     )
     result = _run(pytester, monkeypatch)
