@@ -9,6 +9,7 @@ other torch.distributed launchers (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import sys
@@ -17,7 +18,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
 __all__ = ["mpi_launched", "torch_launched", "world", "local_rank", "local_size", "mpiexec_path",
-           "MPI_RANK_VARS", "record_exit", "first_failure"]
+           "MPI_RANK_VARS", "record_exit", "first_failure", "remove_orphaned_mpi_segments"]
 
 # Set by MPI launchers in every rank they start (any one suffices).
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -134,3 +135,40 @@ def first_failure(status_dir: str) -> tuple[int, int, str | None] | None:
     _, rank, code = min(failures)
     error = Path(status_dir) / f"rank{rank}.error"
     return rank, code, (error.read_text() if error.exists() else None)
+
+
+def remove_orphaned_mpi_segments(since: float, until: float | None = None) -> list[str]:
+    """Remove MPICH's node files (``/dev/shm/mpich_shm_*``) last written between ``since`` and
+    ``until`` (``time.time()`` values; None: now) that no process maps or holds open; returns
+    their paths. MPICH unlinks its file in MPI_Finalize only, so a job whose ranks were killed
+    (a launcher ending the others after one failed, a timeout) leaves it behind; a live job's
+    ranks map theirs."""
+    paths = glob.glob("/dev/shm/mpich_shm_*")
+    if not paths:
+        return []
+    until = time.time() if until is None else until
+    candidates = set()
+    for path in paths:
+        try:
+            if since <= os.stat(path).st_mtime <= until:
+                candidates.add(path)
+        except FileNotFoundError:
+            pass
+    for proc in glob.glob("/proc/[0-9]*"):
+        if not candidates:
+            break
+        try:
+            with open(f"{proc}/maps") as f:
+                candidates -= {line.split(None, 5)[-1].strip() for line in f if "mpich_shm_" in line}
+            candidates -= {os.readlink(fd) for fd in glob.glob(f"{proc}/fd/*")
+                           if "mpich_shm_" in os.readlink(fd)}
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    removed = []
+    for path in sorted(candidates):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .. import launch_env
@@ -131,10 +132,14 @@ def _forwarding(pgids: list[int]):
 
 def _run_mpiexec(cmd: list[str], env: dict) -> int:
     print("terrapipe run:", shlex.join(cmd), file=sys.stderr, flush=True)
+    started = time.time()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     old = _forwarding([proc.pid])
     try:
-        return proc.wait()
+        code = proc.wait()
+        if code != 0:  # ranks killed before MPI_Finalize leave MPICH's node file behind
+            launch_env.remove_orphaned_mpi_segments(started)
+        return code
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -151,7 +156,6 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
     horovodrun's Gloo mode does, HOROVOD_RANK / HOROVOD_SIZE / ...); when one fails, the others
     are stopped."""
     import socket
-    import time
 
     _check(n, command)
     if hosts:

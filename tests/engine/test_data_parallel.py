@@ -1,5 +1,6 @@
 """Data-parallel SGD at 1, 2 and 4 ranks equals one process on the union of the batches."""
 
+import glob
 import subprocess
 import sys
 import textwrap
@@ -190,14 +191,22 @@ FAILING = textwrap.dedent(
 )
 
 
+def _mpich_files():
+    return set(glob.glob("/dev/shm/mpich_shm_*"))
+
+
 def test_exception_on_one_rank_ends_every_rank(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text(FAILING)
+    before = _mpich_files()
     cmd = [sys.executable, "-m", "terrapipe.cli", "run", "-n", "2", sys.executable, str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     # Named in the launcher's summary: the rank's own traceback may be cut short by the abort.
     assert "rank 1 failed first, with exit code 1: ValueError: bad batch on rank one" in out.stderr
+    # Regression: the aborted job's ranks never reached MPI_Finalize, and MPICH's node file
+    # stayed in /dev/shm after every failed run.
+    assert _mpich_files() <= before
 
 
 def test_launcher_reports_the_first_failing_rank_and_its_code():
