@@ -9,7 +9,7 @@ STAMP       := $(VENV)/.terrapipe-installed
 TORCH_SPEC  ?= torch==2.13.0
 PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 
-.PHONY: setup demo test test-full soak bench lint clean torch-suite docs
+.PHONY: setup demo test test-full test-cluster soak bench lint clean torch-suite docs
 
 setup: $(STAMP)
 
@@ -40,6 +40,11 @@ test: setup
 # Every test at every rank count it names (about twice as long as `make test` on two cores).
 test-full: setup
 	$(PY) -m pytest
+
+# The tests that run jobs across an emulated cluster (network namespaces joined by shaped links;
+# needs root, else they skip saying why). Part of make test too.
+test-cluster: setup
+	$(PY) -m pytest -m cluster
 
 # Not in CI: the collectives' stress schedule (tests/comm/stress.py) for SOAK_MINUTES at 2 and 4
 # ranks, up to 256 MiB, reporting operations run and resident memory growth per rank.

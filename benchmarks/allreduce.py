@@ -1,6 +1,7 @@
 """Allreduce bandwidth: terrapipe vs MPI (mpi4py + MPICH) vs torch.distributed Gloo.
 
     python -m benchmarks.allreduce -n 2 [--max-mib 256] [--rounds 5] [--algorithms]
+    python -m benchmarks.allreduce --cluster 2x2 --link 1gbit [--max-mib 64]   # as root
 
 Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
 ``--max-mib``), interleaved, each round starting with the next case, each operand refilled
@@ -22,6 +23,11 @@ latency path where it applies): the shared-memory one-shot (up to its limit), si
 chunked segment, the in-place one over a shared array, MPI's own allreduce and our ring (both
 over the MPI transport), against MPICH's ``Allreduce`` and ``comm.allreduce`` as selected; it
 prints the fastest per size, which is what NOTE [algorithm selection] in comm/select.py encodes.
+
+``--cluster NxK --link RATE`` runs the same cases across N emulated nodes of K ranks each, joined
+by links shaped to RATE (``terrapipe.testing.cluster``; needs root). The table adds each case's
+share of the link's bound: per node, a ring between nodes sends and receives 2(N-1)/N of the data
+over its link, so a size's time cannot be below ``2(N-1)/N * bytes / rate``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,17 @@ import time
 
 import numpy as np
 
-from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
+from terrapipe.testing.cluster import Cluster
+
+from .common import (
+    format_table,
+    link_bits_per_second,
+    rank_sweep_args,
+    report_from_rank0,
+    run_ranks,
+    save,
+    sweep_plot,
+)
 
 CASES = ("jit_allreduce", "jit (private bucket)", "jit (torch.ones)", "comm.allreduce", "ring over MPI",
          "mpi Allreduce", "gloo all_reduce")
@@ -68,7 +84,7 @@ def _algorithm_cases(a: np.ndarray, shared: np.ndarray | None, mpi, MPI) -> dict
     return cases
 
 
-def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
+def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -85,13 +101,14 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
     pending: list = []  # the ring's done messages (NOTE [MPI progress] in comm/algorithms/ring.py)
     scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # its receive buffers, as the MPI transport keeps
     rank, p = mpi.rank, mpi.size
+    addr = socket.gethostbyname(socket.gethostname()) if cluster else "127.0.0.1"  # node 0's
     port = None
     if rank == 0:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((addr, 0))
             port = s.getsockname()[1]
-    port = mpi.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
+    addr, port = mpi.bcast((addr, port), root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=p)
 
     sizes = []
     b = 4 << 10
@@ -160,13 +177,19 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = rank_sweep_args(__doc__, argv, algorithms=True)
+    args = rank_sweep_args(__doc__, argv, algorithms=True, cluster=True)
     if args.worker:
-        _worker(args.max_mib, args.rounds, args.algorithms)
+        _worker(args.max_mib, args.rounds, args.algorithms, args.cluster is not None)
         return
-    data = run_ranks("benchmarks.allreduce", args.n,
-                     ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)]
-                     + (["--algorithms"] if args.algorithms else []))
+    worker_args = (["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)]
+                   + (["--algorithms"] if args.algorithms else []))
+    if args.cluster is not None:
+        nodes, per_node = args.cluster
+        with Cluster(nodes, args.link) as c:
+            data = run_ranks("benchmarks.allreduce", nodes * per_node, worker_args + ["--cluster", "x"],
+                             launcher=c.mpiexec_args(per_node))
+    else:
+        data = run_ranks("benchmarks.allreduce", args.n, worker_args)
     if args.algorithms:
         _report_algorithms(data, args)
         return
@@ -175,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     med = {(c, b): statistics.median(v) for c, b, v in data["samples"]}
     sizes = sorted({b for _, b, _ in data["samples"]})
     factor = 2 * (nranks - 1) / nranks
+    bound = None
+    if args.cluster is not None and args.link not in (None, "none"):
+        nodes, rate = args.cluster[0], link_bits_per_second(args.link)
+
+        def bound(b: int) -> float:  # seconds: a ring between nodes over each node's link
+            return 2 * (nodes - 1) / nodes * b * 8 / rate
     rows, records = [], []
     for b in sizes:
         row = [_size(b)]
@@ -187,11 +216,19 @@ def main(argv: list[str] | None = None) -> None:
         row.append(f"{1e6 * med[('comm.allreduce', b)]:.0f}/{1e6 * med[('mpi Allreduce', b)]:.0f}")
         row.append(f"{med[('gloo all_reduce', b)] / med[('jit_allreduce', b)]:.1f}x/"
                    f"{med[('mpi Allreduce', b)] / med[('jit_allreduce', b)]:.1f}x")
+        if bound is not None:
+            row.append("/".join(f"{bound(b) / med[(c, b)]:.0%}"
+                                for c in ("comm.allreduce", "mpi Allreduce", "gloo all_reduce")))
         rows.append(row)
-    print(f"\n{nranks} ranks, float32 sum in place, median of {args.rounds} interleaved rounds;"
+    where = f"{nranks} ranks" if args.cluster is None else \
+        f"{args.cluster[0]} emulated nodes x {args.cluster[1]} ranks, {args.link} links"
+    print(f"\n{where}, float32 sum in place, median of {args.rounds} interleaved rounds;"
           f" algbw/busbw in GB/s; single-thread memcpy {copy:.1f} GB/s (bytes copied per second)")
-    print(format_table(["size", *CASES, "us comm/mpi", "jit vs gloo/mpi"], rows))
+    extra = ["of link bound comm/mpi/gloo"] if bound is not None else []
+    print(format_table(["size", *CASES, "us comm/mpi", "jit vs gloo/mpi", *extra], rows))
     result = {"ranks": nranks, "copy_gbs": copy, "records": records}
+    if args.cluster is not None:
+        result.update(nodes=args.cluster[0], ranks_per_node=args.cluster[1], link=args.link)
 
     def plot():
         busbw = {c: [next(r["busbw"] for r in records if r["case"] == c and r["bytes"] == b) for b in sizes]
@@ -199,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         return sweep_plot(sizes, busbw, "busbw GB/s", f"allreduce, {nranks} ranks",
                           ceiling=(copy, "memcpy (1 thread)"))
 
-    for f in save(f"allreduce_n{nranks}", result, plot):
+    name = f"allreduce_n{nranks}" if args.cluster is None else \
+        f"allreduce_cluster_{args.cluster[0]}x{args.cluster[1]}_{args.link}"
+    for f in save(name, result, plot):
         print(f"wrote {f}")
 
 

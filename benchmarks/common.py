@@ -166,16 +166,18 @@ def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> 
 _RESULTS_TAG = "RESULTS "
 
 
-def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] | None = None) -> dict:
+def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] | None = None,
+              launcher: list[str] | None = None) -> dict:
     """Run ``python -m <module> --worker <worker_args>`` on ``n`` ranks under the mpiexec beside
     this interpreter (the MPI wheel's), print the command, and return the JSON that rank 0
-    printed with :func:`report_from_rank0`. Exits with both output streams if the run fails."""
+    printed with :func:`report_from_rank0`. Exits with both output streams if the run fails.
+    ``launcher``: mpiexec and its arguments to use instead (an emulated cluster's)."""
     import subprocess
     import sys
 
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(n), sys.executable, "-m",
-           module, "--worker", *worker_args]
+    launcher = launcher or [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(n)]
+    cmd = [*launcher, sys.executable, "-m", module, "--worker", *worker_args]
     print(" ".join(cmd), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **(env or {})))
     # Searched for, not matched at the line's start: some mpiexecs prefix forwarded lines
@@ -217,10 +219,12 @@ def report_from_rank0(payload: dict) -> None:
     print(_RESULTS_TAG + json.dumps(payload), flush=True)
 
 
-def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = False):
+def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = False,
+                    cluster: bool = False):
     """The command line of a benchmark that sweeps message sizes over ranks: ``-n`` ranks,
     ``--max-mib``, ``--rounds`` and the hidden ``--worker`` that :func:`run_ranks` passes
-    (``algorithms``: also ``--algorithms``)."""
+    (``algorithms``: also ``--algorithms``; ``cluster``: also ``--cluster NxK`` and ``--link``,
+    an emulated cluster's shape and link rate)."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,7 +234,28 @@ def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = 
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     if algorithms:
         p.add_argument("--algorithms", action="store_true", help="time each path, forced")
+    if cluster:
+        def shape(text: str):
+            if text == "x":  # what the launcher passes its workers: "inside a cluster"
+                return (0, 0)
+            try:
+                nodes, per_node = (int(v) for v in text.lower().split("x"))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected NODESxRANKS such as 2x2, got {text!r}") from None
+            return nodes, per_node
+        p.add_argument("--cluster", type=shape, default=None,
+                       help="NODESxRANKS: run across an emulated cluster (needs root)")
+        p.add_argument("--link", default="1gbit", help="the emulated links' rate (tc syntax)")
     return p.parse_args(argv)
+
+
+def link_bits_per_second(rate: str) -> float:
+    """tc's rate syntax (``"1gbit"``, ``"100mbit"``, ``"2.5gbit"``) in bits per second."""
+    units = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"link: not a rate: {rate!r}")
 
 
 def sweep_plot(sizes: list[int], series: dict[str, list[float]], ylabel: str, title: str,

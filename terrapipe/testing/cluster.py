@@ -1,0 +1,344 @@
+"""An emulated cluster on one machine: N "nodes" joined by shaped links, one MPI job across them.
+
+    python -m terrapipe.testing.cluster run --nodes 2 --ranks-per-node 2 --link 1gbit -- \\
+        python train.py
+
+    with Cluster(nodes=2, link="1gbit") as c:
+        code = c.run(["python", "train.py"], ranks_per_node=2)
+
+Each node is a network namespace with its own address (``10.231.X.i``), hostname (``node<i>``),
+IPC namespace, ``/etc/hosts`` and private ``/dev/shm``, its ``eth0`` joined to a bridge on the
+host; the link is shaped to the rate given in both directions (``tc tbf`` on either end of the
+veth pair). To MPI and to terrapipe the nodes are separate machines: MPICH's hydra starts one
+proxy per node (through ``--launcher-exec``, which enters the node's namespaces where ``ssh``
+would log in), ranks group by node from the host they run on, and shared memory never spans
+nodes. Needs root and iproute2; :func:`available` says why not otherwise.
+
+NOTE [what an emulated cluster measures]
+
+  1. Links: each node's link runs at the rate given, both ways, with the latency of a veth
+     (tens of microseconds) plus the shaper's queue. Data between nodes crosses the kernel's
+     TCP stack as it would between machines.
+  2. Not the machines: every node shares this machine's cores and memory bandwidth. On two
+     cores, anything above 2-3 Gbit/s is bound by the CPU, not by the link, and ranks of
+     different nodes compete for the same cores.
+
+NOTE [leaving nothing behind]
+
+  Every object is named after the process that made it (``tp<pid>n<i>`` namespaces,
+  ``tp<pid>v<i>`` links, ``tp<pid>br`` the bridge). :meth:`Cluster.close` (also on an exception,
+  Ctrl-C or SIGTERM in ``run``) kills every process in each node's namespace, then deletes the
+  namespaces, which takes their links, mounts and ``/dev/shm`` with them, then the bridge. A
+  cluster whose maker died without closing is removed by the next one made (``remove_stale``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import launch_env
+
+__all__ = ["Cluster", "available", "remove_stale", "main"]
+
+_PREFIX = "tp"
+_RATE = re.compile(r"^\d+(\.\d+)?(bit|kbit|mbit|gbit|tbit)$")
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def available() -> str | None:
+    """None when a cluster can be emulated here, else why not (for a test's skip reason)."""
+    if sys.platform != "linux":
+        return "an emulated cluster needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "an emulated cluster needs root (network namespaces, veth links, tc)"
+    for tool in ("ip", "tc", "unshare", "nsenter", "mount"):
+        if shutil.which(tool) is None:
+            return f"an emulated cluster needs `{tool}` (iproute2 / util-linux)"
+    if launch_env.mpiexec_path() is None:
+        return "an emulated cluster needs mpiexec (the 'mpi' extra: mpi4py + mpich)"
+    probe = f"{_PREFIX}probe{os.getpid()}"
+    made = _sh("ip", "netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL every process in network namespace ``ns`` until none is left."""
+    for _ in range(50):
+        pids = [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+
+
+def remove_stale() -> list[str]:
+    """Remove the namespaces and bridges of clusters whose maker process is gone; returns their
+    names (NOTE [leaving nothing behind])."""
+    removed = []
+    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
+        m = re.match(rf"^({_PREFIX}(\d+)n\d+)\b", line)
+        if m and not _alive(int(m.group(2))):
+            _kill_namespace(m.group(1))
+            _sh("ip", "netns", "del", m.group(1), check=False)
+            removed.append(m.group(1))
+    for line in _sh("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        m = re.match(rf"^\d+: ({_PREFIX}(\d+)br)[:@]", line)
+        if m and not _alive(int(m.group(2))):
+            _sh("ip", "link", "del", m.group(1), check=False)
+            removed.append(m.group(1))
+    return removed
+
+
+def _free_subnet() -> str:
+    """A 10.231.X.0/24 no interface of this host uses (the cluster's bridge and nodes)."""
+    used = _sh("ip", "-o", "-4", "addr", "show", check=False).stdout
+    for x in range(256):
+        if f" 10.231.{x}." not in used:
+            return f"10.231.{x}"
+    raise RuntimeError("no free 10.231.X.0/24 subnet for an emulated cluster")
+
+
+class Cluster:
+    """``nodes`` emulated machines joined by links shaped to ``link`` (tc's rate syntax:
+    ``"1gbit"``, ``"100mbit"``; None: unshaped). A context manager: the namespaces exist between
+    ``__enter__`` and ``__exit__`` (NOTE [leaving nothing behind]).
+
+    Attributes: ``addresses`` (node i's IPv4 address), ``hostnames`` (``node<i>``),
+    ``bridge_address`` (the host's address on the cluster's bridge, where launchers listen).
+    """
+
+    def __init__(self, nodes: int, link: str | None = "1gbit") -> None:
+        if int(nodes) < 1:
+            raise ValueError(f"nodes must be at least 1, got {nodes}")
+        if link is not None and not _RATE.match(link):
+            raise ValueError(f"link: expected a rate such as '1gbit' or '100mbit', got {link!r}")
+        self.nodes = int(nodes)
+        self.link = link
+        self.name = f"{_PREFIX}{os.getpid()}"
+        self.addresses: list[str] = []
+        self.hostnames = [f"node{i}" for i in range(self.nodes)]
+        self.bridge_address = ""
+        self._holders: list[subprocess.Popen] = []
+        self._dir: Path | None = None
+        self._made: list[str] = []  # namespaces made so far, for close()
+        self._bridge = False
+
+    # -- set-up and teardown -------------------------------------------------------------------
+    def __enter__(self) -> Cluster:
+        why = available()
+        if why is not None:
+            raise RuntimeError(why)
+        remove_stale()
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ns(self, i: int) -> str:
+        return f"{self.name}n{i}"
+
+    def _open(self) -> None:
+        subnet = _free_subnet()
+        self.bridge_address = f"{subnet}.254"
+        self.addresses = [f"{subnet}.{i + 1}" for i in range(self.nodes)]
+        self._dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-cluster-"))
+        hosts = self._dir / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(
+            f"{a} {h}\n" for a, h in zip(self.addresses, self.hostnames, strict=True)))
+        br = f"{self.name}br"
+        _sh("ip", "link", "add", br, "type", "bridge")
+        self._bridge = True
+        _sh("ip", "addr", "add", f"{self.bridge_address}/24", "dev", br)
+        _sh("ip", "link", "set", br, "up")
+        for i in range(self.nodes):
+            ns, veth = self._ns(i), f"{self.name}v{i}"
+            _sh("ip", "netns", "add", ns)
+            self._made.append(ns)
+            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _sh("ip", "link", "set", veth, "master", br, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.link is not None:
+                # Both ends' egress: what leaves the host side is the node's download, what
+                # leaves eth0 its upload. A burst of 1 ms at the rate (at least 64 KiB) lets TCP
+                # reach the rate without a standing queue.
+                shaper = ["root", "tbf", "rate", self.link, "burst", "256kb", "latency", "20ms"]
+                _sh("tc", "qdisc", "add", "dev", veth, *shaper)
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *shaper)
+            # The node's holder: a process in the node's network, IPC, UTS and mount namespaces
+            # (its own hostname, /etc/hosts and /dev/shm) that everything run on the node enters.
+            setup = (f"hostname {self.hostnames[i]} && mount -t tmpfs -o mode=1777 tmpfs /dev/shm"
+                     f" && mount --bind {shlex.quote(str(hosts))} /etc/hosts && echo ready"
+                     " && exec sleep infinity")
+            holder = subprocess.Popen(
+                ["ip", "netns", "exec", ns, "unshare", "--ipc", "--uts", "--mount",
+                 "--propagation", "private", "sh", "-c", setup],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            self._holders.append(holder)
+            line = holder.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"node {i}: could not set up its namespaces: "
+                                   f"{holder.stderr.read().strip()}")
+
+    def close(self) -> None:
+        """Kill everything on every node and remove the namespaces, links and bridge
+        (idempotent)."""
+        for ns in self._made:
+            _kill_namespace(ns)
+        for holder in self._holders:
+            holder.wait()
+            for f in (holder.stdout, holder.stderr):
+                if f is not None:
+                    f.close()
+        self._holders = []
+        for ns in self._made:
+            _sh("ip", "netns", "del", ns, check=False)
+        self._made = []
+        if self._bridge:
+            _sh("ip", "link", "del", f"{self.name}br", check=False)
+            self._bridge = False
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    # -- running on the nodes ------------------------------------------------------------------
+    def enter(self, node: int) -> list[str]:
+        """The command prefix that runs a command on ``node`` (nsenter into its holder's
+        namespaces; the environment and working directory are this process's)."""
+        if not 0 <= node < len(self._holders):
+            raise ValueError(f"node: expected 0..{len(self._holders) - 1}, got {node}")
+        return ["nsenter", "-t", str(self._holders[node].pid), "-n", "-i", "-u", "-m",
+                f"--wd={os.getcwd()}"]
+
+    def mpiexec_args(self, ranks_per_node: int) -> list[str]:
+        """``mpiexec`` and its arguments for one job of ``nodes * ranks_per_node`` ranks,
+        ``ranks_per_node`` on each node in rank order; append the command."""
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
+        exec_script = self._dir / "enter-node"
+        table = " ".join(f"{a}:{h.pid}" for a, h in zip(self.addresses, self._holders, strict=True))
+        exec_script.write_text(
+            f"#!{sys.executable}\n"
+            "import sys\n"
+            "from terrapipe.testing.cluster import _launcher_exec\n"
+            f"sys.exit(_launcher_exec({table!r}, sys.argv[1:]))\n")
+        exec_script.chmod(0o755)
+        return [launch_env.mpiexec_path(), "-launcher", "ssh", "-launcher-exec", str(exec_script),
+                "-localhost", self.bridge_address, "-hosts", ",".join(self.addresses),
+                "-ppn", str(ranks_per_node), "-n", str(self.nodes * ranks_per_node)]
+
+    def run(self, command: Sequence[str], ranks_per_node: int = 1, env: dict | None = None,
+            timeout: float | None = None) -> int:
+        """Run ``command`` as one MPI job across the nodes and return its exit code (the
+        job is killed after ``timeout`` seconds: returns -9)."""
+        proc = subprocess.Popen([*self.mpiexec_args(ranks_per_node), *command],
+                                env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return -signal.SIGKILL
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+
+
+def _launcher_exec(table: str, argv: list[str]) -> int:
+    """What hydra runs in place of ``ssh [options] host command...``: the command, in the
+    namespaces of the node whose address is ``host``. ``table``: "address:holder_pid ..."."""
+    holders = dict(entry.split(":") for entry in table.split())
+    args = list(argv)
+    while args and args[0].startswith("-"):  # ssh's options (hydra passes -x)
+        args.pop(0)
+    if len(args) < 2 or args[0] not in holders:
+        print(f"terrapipe.testing.cluster: no node at {args[:1]} (nodes: {sorted(holders)})",
+              file=sys.stderr)
+        return 255
+    host, command = args[0], " ".join(args[1:])
+    enter = ["nsenter", "-t", holders[host], "-n", "-i", "-u", "-m", f"--wd={os.getcwd()}"]
+    return subprocess.call([*enter, "sh", "-c", command])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m terrapipe.testing.cluster",
+        description="Emulate a cluster on this machine (network namespaces joined by shaped "
+                    "links) and run one MPI job across it.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    run = sub.add_parser("run", help="run a command as one job across emulated nodes")
+    run.add_argument("--nodes", type=int, required=True)
+    run.add_argument("--ranks-per-node", type=int, default=1)
+    run.add_argument("--link", default="1gbit",
+                     help="each node's link rate, both ways (tc syntax: 1gbit, 100mbit; "
+                          "'none': unshaped)")
+    run.add_argument("command", nargs=argparse.REMAINDER)
+    sub.add_parser("clean", help="remove what clusters whose maker died left behind")
+    args = parser.parse_args(argv)
+    if args.action == "clean":
+        for name in remove_stale():
+            print("removed", name)
+        return 0
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("run: give the command after --")
+    link = None if args.link == "none" else args.link
+
+    def stop(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        with Cluster(args.nodes, link) as cluster:
+            code = cluster.run(command, args.ranks_per_node)
+    except KeyboardInterrupt:
+        return 130
+    except (RuntimeError, ValueError) as e:
+        print(f"terrapipe.testing.cluster: {e}", file=sys.stderr)
+        return 2
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

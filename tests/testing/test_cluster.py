@@ -1,0 +1,142 @@
+"""terrapipe.testing.cluster: emulated nodes that MPI and terrapipe take for separate machines,
+one job across them, its exit code passed through, and nothing left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from terrapipe.testing import cluster as tc
+
+pytest_plugins = ["terrapipe.testing.fixtures"]
+pytestmark = pytest.mark.cluster
+
+WHOAMI = textwrap.dedent("""
+    import json, os, socket, sys
+    import numpy as np
+    import terrapipe.comm as comm
+    g = comm.init(timeout=60)
+    r, n = comm.rank(), comm.size()
+    # Sizes on both sides of the one-shot limit, the ring's crossover and a segment chunk.
+    ok = True
+    for size in (1, 1000, 70_000, 300_001, 2_000_003):
+        x = np.full(size, r + 1, np.float32)
+        comm.allreduce(x)
+        ok &= bool(np.all(x == n * (n + 1) / 2))
+    across = g.split(g.local_rank)  # one rank per node: a communicator spanning the nodes
+    y = np.ones(3)
+    comm.allreduce(y, group=across)
+    report = {"rank": r, "host": socket.gethostname(), "local": [comm.local_rank(),
+              comm.local_size()], "nnodes": g.nnodes, "ok": ok, "across": [across.size, y[0]],
+              "shm": sorted(os.listdir("/dev/shm"))}
+    open(f"{sys.argv[2]}/rank{r}.json", "w").write(json.dumps(report))
+    comm.finalize()
+    sys.exit(int(sys.argv[1]) if r == n - 1 else 0)
+""")
+
+
+def _ours():
+    return [line for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                            text=True).stdout.splitlines()
+            if line.startswith(f"tp{os.getpid()}")]
+
+
+def _run_cli(tmp_path, nodes, per_node, code, **kw):
+    script = tmp_path / "whoami.py"
+    script.write_text(WHOAMI)
+    return subprocess.run([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes",
+                           str(nodes), "--ranks-per-node", str(per_node), "--link", "1gbit", "--",
+                           sys.executable, str(script), str(code), str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, **kw)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_ranks_find_their_hosts_and_the_jobs_exit_code_passes_through(tmp_path, nodes, per_node):
+    if tc.available():
+        pytest.skip(tc.available())
+    p = _run_cli(tmp_path, nodes, per_node, 7)
+    assert p.returncode == 7, p.stderr[-3000:]
+    reports = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
+                     key=lambda d: d["rank"])
+    assert [d["rank"] for d in reports] == list(range(nodes * per_node)), p.stderr[-3000:]
+    for d in reports:
+        assert d["host"] == f"node{d['rank'] // per_node}"
+        assert d["local"] == [d["rank"] % per_node, per_node] and d["nnodes"] == nodes
+        assert d["ok"] and d["across"] == [nodes, nodes]
+        # A node's /dev/shm is its own: only its own ranks' segments, none of the host's.
+        assert not any(name.startswith("terrapipe_") for name in d["shm"]), d["shm"]
+    assert _leftovers() == []
+
+
+def _leftovers():
+    """Namespaces and bridges of emulated clusters on this host (none between tests)."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True,
+                           text=True).stdout
+    return [n for n in names if n.startswith("tp") and "n" in n[2:]] + \
+        [w.rstrip(":") for w in links.split() if w.startswith("tp") and w.rstrip(":").endswith("br")]
+
+
+def test_ctrl_c_mid_job_tears_everything_down(tmp_path):
+    if tc.available():
+        pytest.skip(tc.available())
+    proc = subprocess.Popen([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes",
+                             "2", "--", "sleep", "600"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.startswith(f"tp{proc.pid}n") for p in _leftovers()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    time.sleep(1.0)  # the job's ranks are up on both nodes
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    assert _leftovers() == []
+    assert subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True).returncode == 1
+
+
+def test_a_cluster_whose_maker_was_killed_is_removed_by_the_next(tmp_path):
+    if tc.available():
+        pytest.skip(tc.available())
+    maker = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from terrapipe.testing.cluster import Cluster
+        c = Cluster(2, link=None).__enter__()
+        print("up", flush=True)
+        time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert maker.stdout.readline().strip() == "up"
+    maker.kill()
+    maker.wait()
+    stale = [n for n in _leftovers() if n.startswith(f"tp{maker.pid}")]
+    assert len(stale) == 3  # two namespaces and the bridge
+    removed = tc.remove_stale()
+    assert sorted(removed) == sorted(stale)
+    assert _leftovers() == []
+
+
+def test_the_fixture_runs_a_job_across_nodes_and_closes(emulated_cluster, tmp_path):
+    c = emulated_cluster(2, link="100mbit")
+    script = tmp_path / "hosts.py"
+    script.write_text("import socket, sys\nfrom mpi4py import MPI\n"
+                      "open(f'{sys.argv[1]}/rank{MPI.COMM_WORLD.rank}', 'w').write(socket.gethostname())\n")
+    out = subprocess.run([*c.mpiexec_args(1), sys.executable, str(script), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["node0", "node1"]
+    assert len(_ours()) == 2
+
+
+def test_without_root_it_refuses_naming_why():
+    if os.geteuid() != 0:
+        assert "root" in tc.available()
+        return
+    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes", "2",
+                        "--", "true"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "HOME": "/tmp"})
+    assert p.returncode == 2 and "needs root" in p.stderr, p.stderr
