@@ -155,7 +155,6 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
     """``--gloo``: N ranks on this machine, each told its place as torchrun tells it (and as
     horovodrun's Gloo mode does, HOROVOD_RANK / HOROVOD_SIZE / ...); when one fails, the others
     are stopped."""
-    import socket
 
     _check(n, command)
     if hosts:
@@ -163,13 +162,20 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
         if away:
             raise SystemExit(f"terrapipe run: --gloo starts ranks on this machine only; {away} are other "
                              "hosts (launch across hosts with MPI: drop --gloo)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The job's store is hosted here for as long as the job runs, as torchrun's agent hosts it:
+    # every rank's env:// rendezvous connects to it as a client (TORCHELASTIC_USE_AGENT_STORE).
+    # A port picked free and then left for rank 0 to bind can be taken in between (EADDRINUSE).
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=300))
     procs = []
     for r in range(n):
         renv = dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HOROVOD_RANK=str(r), HOROVOD_SIZE=str(n),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                    TORCHELASTIC_USE_AGENT_STORE="True", HOROVOD_RANK=str(r), HOROVOD_SIZE=str(n),
                     HOROVOD_LOCAL_RANK=str(r), HOROVOD_LOCAL_SIZE=str(n), HOROVOD_CROSS_RANK="0",
                     HOROVOD_CROSS_SIZE="1")
         cmd = [sys.executable, "-m", "terrapipe.engine.rank_status", *command]
@@ -192,6 +198,7 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
             p.wait()
         return code or next((p.returncode for p in procs if p.returncode), 0)
     finally:
+        del store
         for s, h in old.items():
             signal.signal(s, h)
 

@@ -38,6 +38,18 @@ def test_unmodified_script_trains_over_mpi_and_gloo(tmp_path):
     assert not list(tmp_path.glob("timeline.json.rank*"))  # the parts were merged
 
 
+def test_gloo_ranks_find_the_jobs_store_already_listening():
+    # Regression: --gloo picked a free port, closed it, and left it for rank 0 to bind; another
+    # process took it in between and rank 0 failed with EADDRINUSE (seen in a CI run). The
+    # launcher now hosts the store for the whole job, as torchrun's agent does.
+    code = ("import os, socket; socket.create_connection((os.environ['MASTER_ADDR'], "
+            "int(os.environ['MASTER_PORT'])), timeout=5).close(); "
+            "import torch.distributed as dist; dist.init_process_group('gloo'); "
+            "assert dist.get_world_size() == 2; dist.barrier(); dist.destroy_process_group()")
+    r = _run("--gloo", "-np", "2", sys.executable, "-c", code, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.full  # make test-full: CI time (the launcher's run is checked above)
 def test_flags_and_no_shadowing():
     r = _run("--horovod", "-np", "2", "--fusion-threshold-mb", "4", sys.executable, EXAMPLE)
