@@ -37,7 +37,7 @@ from .collectives import (
 from .dtypes import DTYPES, DType
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
 from .ops import OPS, Op
-from .store import StoreComm
+from .store import StoreComm, hosted_tcp_store
 from .transports.shm import Segment, alive
 from .wait import wait_until
 
@@ -47,5 +47,5 @@ __all__ = [
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "StoreComm", "Segment", "alive",
-    "wait_until", "OPS", "Op", "DTYPES", "DType",
+    "wait_until", "hosted_tcp_store", "OPS", "Op", "DTYPES", "DType",
 ]

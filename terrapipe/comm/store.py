@@ -16,7 +16,7 @@ import socket
 
 from .errors import CollectiveTimeoutError
 
-__all__ = ["StoreComm", "node_of"]
+__all__ = ["StoreComm", "node_of", "hosted_tcp_store"]
 
 
 class StoreComm:
@@ -88,3 +88,28 @@ def node_of() -> str:
     except OSError:
         pass
     return f"{socket.gethostname()}/{boot}"
+
+
+def hosted_tcp_store(rank: int, size: int, share, timeout: float):
+    """A torch c10d ``TCPStore`` for ``size`` ranks, hosted by rank 0 on a port the kernel gives
+    it and reached by the others; returns the store (pass it to ``init_process_group(store=)``).
+
+    ``share(value)``: rank 0's value on every rank (a broadcast over a group that already
+    exists, MPI's for instance); called once on every rank. The address is ``MASTER_ADDR`` or
+    rank 0's hostname. Rank 0 binds the port itself: a port picked free, closed, and then handed
+    to the store can be taken in between (EADDRINUSE).
+    """
+    import os
+
+    from torch.distributed import TCPStore
+
+    td = datetime.timedelta(seconds=float(timeout))
+    store = where = None
+    if rank == 0:
+        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+        store = TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=td)
+        where = (host, store.port)
+    host, port = share(where)
+    if rank != 0:
+        store = TCPStore(host, port, size, is_master=False, timeout=td)
+    return store

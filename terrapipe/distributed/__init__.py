@@ -17,12 +17,11 @@ See NOTE [the terrapipe process group] in process_group.py for how calls are ser
 from __future__ import annotations
 
 import datetime
-import os
-import socket
 
 import torch.distributed as dist
 
 from .. import launch_env
+from ..comm import hosted_tcp_store
 from ..torch_backend import BACKEND, register
 from .process_group import ProcessGroupTerrapipe, create
 
@@ -49,15 +48,9 @@ def init_process_group(backend: str = BACKEND, timeout: float = 300.0, mpi_comm=
         from mpi4py import MPI
 
         mpi_comm = MPI.COMM_WORLD
-    url = None
-    if mpi_comm.Get_rank() == 0:
-        host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            url = f"tcp://{host}:{s.getsockname()[1]}"
-    url = mpi_comm.bcast(url, root=0)
-    dist.init_process_group(backend, init_method=url, rank=mpi_comm.Get_rank(),
-                            world_size=mpi_comm.Get_size(), timeout=td)
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    store = hosted_tcp_store(rank, size, lambda where: mpi_comm.bcast(where, root=0), timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=td)
 
 
 register()

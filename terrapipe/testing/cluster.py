@@ -2,6 +2,8 @@
 
     python -m terrapipe.testing.cluster run --nodes 2 --ranks-per-node 2 --link 1gbit -- \\
         python train.py
+    python -m terrapipe.testing.cluster run --nodes 2 --ranks-per-node 2 --launcher torchrun -- \\
+        python train_ddp.py
 
     with Cluster(nodes=2, link="1gbit") as c:
         code = c.run(["python", "train.py"], ranks_per_node=2)
@@ -267,22 +269,48 @@ class Cluster:
                 "-localhost", self.bridge_address, "-hosts", ",".join(self.addresses),
                 "-ppn", str(ranks_per_node), "-n", str(self.nodes * ranks_per_node)]
 
+    def torchrun_args(self, node: int, ranks_per_node: int, port: int = 29400) -> list[str]:
+        """The command that starts node ``node``'s share of a torchrun job (``nodes`` torchruns,
+        ``ranks_per_node`` ranks each, meeting through c10d rendezvous on node 0's address);
+        append the whole command (``python train.py``, not ``train.py``). Run it on that node
+        (:meth:`enter`)."""
+        if ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
+        return [*self.enter(node), sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={self.nodes}", f"--nproc-per-node={ranks_per_node}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addresses[0]}:{port}",
+                f"--rdzv-id={self.name}", f"--local-addr={self.addresses[node]}",
+                "--no-python"]  # the command is whole ("python train.py"), as under mpiexec
+
     def run(self, command: Sequence[str], ranks_per_node: int = 1, env: dict | None = None,
-            timeout: float | None = None) -> int:
-        """Run ``command`` as one MPI job across the nodes and return its exit code (the
-        job is killed after ``timeout`` seconds: returns -9)."""
-        proc = subprocess.Popen([*self.mpiexec_args(ranks_per_node), *command],
-                                env=env, start_new_session=True)
+            timeout: float | None = None, launcher: str = "mpi") -> int:
+        """Run ``command`` as one job across the nodes and return its exit code (the job is
+        killed after ``timeout`` seconds: returns -9). ``launcher``: ``"mpi"`` (one mpiexec,
+        hydra's proxies on the nodes) or ``"torchrun"`` (one torchrun per node); with torchrun
+        the first node's nonzero exit code is the job's, and the other nodes are stopped."""
+        if launcher == "mpi":
+            procs = [subprocess.Popen([*self.mpiexec_args(ranks_per_node), *command],
+                                      env=env, start_new_session=True)]
+        elif launcher == "torchrun":
+            procs = [subprocess.Popen([*self.torchrun_args(i, ranks_per_node), *command],
+                                      env=env, start_new_session=True) for i in range(self.nodes)]
+        else:
+            raise ValueError(f"launcher: expected 'mpi' or 'torchrun', got {launcher!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return -signal.SIGKILL
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed or all(c == 0 for c in codes):
+                    return failed[0] if failed else 0
+                if deadline is not None and time.monotonic() > deadline:
+                    return -signal.SIGKILL
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
 
 def _launcher_exec(table: str, argv: list[str]) -> int:
@@ -310,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = sub.add_parser("run", help="run a command as one job across emulated nodes")
     run.add_argument("--nodes", type=int, required=True)
     run.add_argument("--ranks-per-node", type=int, default=1)
+    run.add_argument("--launcher", choices=("mpi", "torchrun"), default="mpi",
+                     help="one mpiexec across the nodes, or one torchrun per node")
     run.add_argument("--link", default="1gbit",
                      help="each node's link rate, both ways (tc syntax: 1gbit, 100mbit; "
                           "'none': unshaped)")
@@ -331,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         with Cluster(args.nodes, link) as cluster:
-            code = cluster.run(command, args.ranks_per_node)
+            code = cluster.run(command, args.ranks_per_node, launcher=args.launcher)
     except KeyboardInterrupt:
         return 130
     except (RuntimeError, ValueError) as e:

@@ -128,3 +128,29 @@ def test_a_store_group_names_a_rank_that_never_came():
                        timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.startswith("[1] ") and "waiting for rank 1" in p.stdout, p.stdout
+
+
+def test_a_hosted_tcp_store_holds_the_port_it_shares(monkeypatch):
+    # Regression: rank 0 picked a free port, closed it and shared it for the store to bind
+    # later; anything could take it in between (EADDRINUSE, seen under `terrapipe run --gloo`).
+    # Here a thief tries to bind the port while it is being shared, and must fail.
+    import terrapipe.comm as comm
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    stolen, shared = [], []
+
+    def share(where):
+        with socket.socket() as thief:
+            try:
+                thief.bind(("", where[1]))
+                stolen.append(where)
+            except OSError:
+                pass
+        shared.append(where)
+        return where
+
+    store0 = comm.hosted_tcp_store(0, 2, share, timeout=30)
+    assert shared and not stolen, stolen
+    store1 = comm.hosted_tcp_store(1, 2, lambda _none: shared[0], timeout=30)
+    store1.set("from rank 1", b"hello")
+    assert store0.get("from rank 1") == b"hello"

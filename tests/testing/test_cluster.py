@@ -140,3 +140,36 @@ def test_without_root_it_refuses_naming_why():
                         "--", "true"], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "HOME": "/tmp"})
     assert p.returncode == 2 and "needs root" in p.stderr, p.stderr
+
+
+TORCHRUN = textwrap.dedent("""
+    import json, os, socket, sys
+    import numpy as np, torch
+    import torch.distributed as dist
+    import terrapipe.comm as comm
+    g = comm.init(timeout=60)  # under torchrun: over torch.distributed (Gloo)
+    r, n = comm.rank(), comm.size()
+    x = np.full(300_001, r + 1, np.float32)
+    comm.allreduce(x)
+    t = torch.full((5,), float(r))
+    dist.all_reduce(t)
+    report = {"rank": r, "host": socket.gethostname(), "local": [comm.local_rank(), comm.local_size()],
+              "nnodes": g.nnodes, "ok": bool(np.all(x == n * (n + 1) / 2)) and t[0].item() == n * (n - 1) / 2}
+    open(f"{sys.argv[1]}/rank{r}.json", "w").write(json.dumps(report))
+""")
+
+
+def test_torchrun_per_node_crosses_the_same_links(tmp_path):
+    if tc.available():
+        pytest.skip(tc.available())
+    script = tmp_path / "torchrun_whoami.py"
+    script.write_text(TORCHRUN)
+    p = subprocess.run([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes", "2",
+                        "--ranks-per-node", "2", "--launcher", "torchrun", "--", sys.executable,
+                        str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    reports = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
+                     key=lambda d: d["rank"])
+    assert [(d["rank"], d["host"], d["local"], d["nnodes"], d["ok"]) for d in reports] == [
+        (r, f"node{r // 2}", [r % 2, 2], 2, True) for r in range(4)], p.stderr[-3000:]
+    assert _leftovers() == []

@@ -21,11 +21,11 @@ makes its absence an error.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 
 from ... import settings
 from .. import ops
+from ..store import hosted_tcp_store
 
 __all__ = ["wanted", "process_group", "reduce_op", "NcclTransport"]
 
@@ -103,15 +103,10 @@ class NcclTransport:
             # torchrun's world (or one the user made): a NCCL group over all of its ranks.
             self.pg = dist.new_group(backend="nccl", timeout=timeout)
             return
-        addr = port = None
-        if group.rank == 0:
-            addr = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-        addr, port = group.exchange_objects((addr, port))[0]
-        dist.init_process_group("nccl", init_method=f"tcp://{addr}:{port}", rank=group.rank,
-                                world_size=group.size, timeout=timeout)
+        store = hosted_tcp_store(group.rank, group.size,
+                                 lambda where: group.exchange_objects(where)[0], group.timeout)
+        dist.init_process_group("nccl", store=store, rank=group.rank, world_size=group.size,
+                                timeout=timeout)
         self.owns_world = True
         self.pg = dist.group.WORLD
 
