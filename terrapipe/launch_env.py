@@ -14,11 +14,11 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 __all__ = ["mpi_launched", "torch_launched", "world", "local_rank", "local_size", "mpiexec_path",
-           "MPI_RANK_VARS", "record_exit", "first_failure", "end_job",
+           "MPI_RANK_VARS", "record_exit", "first_failure", "alive", "kill_until_gone", "end_job",
            "remove_orphaned_mpi_segments"]
 
 # Set by MPI launchers in every rank they start (any one suffices).
@@ -138,17 +138,44 @@ def first_failure(status_dir: str) -> tuple[int, int, str | None] | None:
     return rank, code, (error.read_text() if error.exists() else None)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this machine; one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def kill_until_gone(find: Callable[[], list[int]], timeout: float, interval: float = 0.01) -> None:
+    """SIGKILL the processes ``find()`` lists, again and again every ``interval`` s, until it
+    lists none or ``timeout`` s have passed (a process can start another while being killed)."""
+    import signal
+
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = find()
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(interval)
+
+
 def end_job(variable: str, value: str, timeout: float = 10.0) -> None:
     """SIGKILL every process whose environment holds ``variable=value`` (a job's mark, such as
     the status folder ``terrapipe run`` gives each rank) and wait, up to ``timeout`` s, until
     none is left alive (zombies count as gone: their memory is released). MPI launchers start
     each rank in a session of its own, and a killed rank dies after its launcher returned."""
-    import signal
-
     mark = f"{variable}={value}".encode()
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
+
+    def marked() -> list[int]:
+        pids = []
         for proc in glob.glob("/proc/[0-9]*"):
             try:
                 with open(f"{proc}/environ", "rb") as f:
@@ -159,15 +186,10 @@ def end_job(variable: str, value: str, timeout: float = 10.0) -> None:
                         continue
             except OSError:  # gone, or not ours to read
                 continue
-            alive.append(int(proc[6:]))
-        if not alive or time.monotonic() > deadline:
-            return
-        for pid in alive:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
+            pids.append(int(proc[6:]))
+        return pids
+
+    kill_until_gone(marked, timeout)
 
 
 def remove_orphaned_mpi_segments(since: float, settle: float = 1.0) -> list[str]:

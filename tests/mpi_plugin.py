@@ -145,9 +145,7 @@ class _Job:
 
     def release(self, nodeid: str, action: str) -> None:
         self.released.add(nodeid)
-        tmp = self.dir / f"{_key(nodeid)}.go.tmp"
-        tmp.write_text(action)
-        os.replace(tmp, self.dir / f"{_key(nodeid)}.go")
+        _write(self.dir / f"{_key(nodeid)}.go", action)
 
     def reports(self, nodeid: str) -> dict[int, dict]:
         """Each rank's outcome of ``nodeid`` so far, with ``done`` once it has also cleaned up."""
@@ -328,15 +326,7 @@ _environ_before: dict[str, dict[str, str]] = {}  # os.environ as each test found
 
 def _parent_alive() -> bool:
     pid = int(os.environ.get(_PARENT_ENV, "0"))
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return pid <= 0 or launch_env.alive(pid)
 
 
 @pytest.hookimpl(tryfirst=True)

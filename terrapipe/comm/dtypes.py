@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DType", "DTYPES", "by_name", "by_code", "REDUCED", "MOVED"]
+__all__ = ["DType", "DTYPES", "by_name", "by_code", "MOVED"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,6 @@ DTYPES = (
 )
 _BY_NAME = {d.name: d for d in DTYPES}
 _BY_CODE = {d.code: d for d in DTYPES}
-REDUCED = frozenset(d.name for d in DTYPES if d.reduced)  # names the kernels reduce
 MOVED = frozenset(_BY_NAME)  # names every collective moves
 
 

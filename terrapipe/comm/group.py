@@ -357,8 +357,8 @@ class Group:
             if s[0] != _COLL[coll]:
                 parts.insert(0, f"in {[k for k, v in _COLL.items() if v == s[0]] or ['?']}")
             if s[1] or coll in ("allreduce", "reduce", "reduce_scatter"):
-                op = int(s[1])
-                parts.append(f"op={ops.by_code(op).name if ops.by_code(op) else op}")
+                op = ops.by_code(int(s[1]))
+                parts.append(f"op={op.name if op else int(s[1])}")
             if s[3] >= 0:
                 parts.append(f"root={int(s[3])}")
             shared_word = Group.SHARED_WORD

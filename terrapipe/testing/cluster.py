@@ -83,28 +83,11 @@ def available() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_namespace(ns: str) -> None:
     """SIGKILL every process in network namespace ``ns`` until none is left."""
-    for _ in range(50):
-        pids = [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.02)
+    launch_env.kill_until_gone(
+        lambda: [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()],
+        timeout=2.0, interval=0.02)
 
 
 def remove_stale() -> list[str]:
@@ -113,13 +96,13 @@ def remove_stale() -> list[str]:
     removed = []
     for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
         m = re.match(rf"^({_PREFIX}(\d+)n\d+)\b", line)
-        if m and not _alive(int(m.group(2))):
+        if m and not launch_env.alive(int(m.group(2))):
             _kill_namespace(m.group(1))
             _sh("ip", "netns", "del", m.group(1), check=False)
             removed.append(m.group(1))
     for line in _sh("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
         m = re.match(rf"^\d+: ({_PREFIX}(\d+)br)[:@]", line)
-        if m and not _alive(int(m.group(2))):
+        if m and not launch_env.alive(int(m.group(2))):
             _sh("ip", "link", "del", m.group(1), check=False)
             removed.append(m.group(1))
     return removed

@@ -45,6 +45,7 @@ from ... import settings
 from ...kernels import oneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
+from ...launch_env import alive
 from ..errors import CollectiveTimeoutError
 from ..wait import wait_until
 from . import cma, hugepages
@@ -104,17 +105,6 @@ def remove_stale() -> list[str]:
             except FileNotFoundError:
                 pass
     return removed
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (on this node)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Segment:
