@@ -41,10 +41,14 @@ test: setup
 test-full: setup
 	$(PY) -m pytest
 
-# The tests that run jobs across an emulated cluster (network namespaces joined by shaped links;
-# needs root, else they skip saying why). Part of make test too.
+# Not in CI (about an hour on two cores): the tests that run jobs across an emulated cluster
+# (network namespaces joined by shaped links; root, else they skip saying why; part of make test
+# too), then every multi-rank suite with its jobs across emulated nodes, at 2 nodes of 1 and of
+# 2 ranks, then at 4 nodes of 1 (NOTE [jobs across an emulated cluster] in tests/mpi_plugin.py).
 test-cluster: setup
 	$(PY) -m pytest -m cluster
+	$(PY) -m pytest --mpi-cluster 2x1,2x2
+	$(PY) -m pytest --mpi-cluster 4x1
 
 # Not in CI: the collectives' stress schedule (tests/comm/stress.py) for SOAK_MINUTES at 2 and 4
 # ranks, up to 256 MiB, reporting operations run and resident memory growth per rank.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 __all__ = ["mpi_launched", "torch_launched", "world", "local_rank", "local_size", "mpiexec_path",
            "MPI_RANK_VARS", "record_exit", "first_failure", "alive", "kill_until_gone", "end_job",
-           "remove_orphaned_mpi_segments"]
+           "remove_orphaned_mpi_segments", "unlink_own_mpi_segments"]
 
 # Set by MPI launchers in every rank they start (any one suffices).
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -240,3 +240,24 @@ def _sweep_mpi_segments(since: float) -> tuple[list[str], int]:
         except FileNotFoundError:
             pass
     return removed, len(candidates & held)
+
+
+def unlink_own_mpi_segments() -> list[str]:
+    """Unlink the names of the MPICH node files this process maps; returns them. For a rank
+    about to end its job with MPI_Abort: the launcher kills the node's other ranks, none reaches
+    MPI_Finalize (which alone unlinks the file), and nothing else would remove it on a node
+    the launcher does not sweep. The mappings stay valid; MPICH opens the file by name at
+    MPI_Init only."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[-1].strip() for line in f if "/mpich_shm_" in line}
+    except OSError:
+        return []
+    removed = []
+    for path in sorted(paths):
+        try:
+            os.unlink(path.removesuffix(" (deleted)"))
+            removed.append(path)
+        except OSError:
+            pass  # already unlinked by a peer of the node
+    return removed

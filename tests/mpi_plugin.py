@@ -36,6 +36,21 @@ NOTE [one job per module]
   4. Once a job's last test has passed on every rank, every rank must exit within 60 s with
      status 0; a rank stuck at exit (a thread left running) fails that last test.
   5. ``@pytest.mark.mpi(..., own_job=True)``: a test of process start or exit runs alone.
+
+NOTE [jobs across an emulated cluster]
+
+  ``pytest --mpi-cluster 2x1,2x2`` (``make test-cluster``) runs every multi-rank job across
+  emulated nodes (terrapipe.testing.cluster) instead of on this host:
+
+  1. A job of N ranks runs on the layout of N ranks given (``2x2``: 2 nodes of 2 ranks); a test
+     at a rank count with no layout given, or at 1 rank, is deselected.
+  2. A test of something that exists on one node only (a shared segment, a single copy between
+     processes, the node's board) says so, ``@pytest.mark.mpi(..., one_node=True)``, and is
+     deselected: across nodes it would test nothing it claims.
+  3. One cluster per layout lives for the session, its links shaped to ``--mpi-link`` (10gbit
+     by default: the suites check results, and on two cores a faster link only moves the
+     bottleneck to the CPU). Jobs on it are started, released and killed as on one host; the job
+     directory is on the host's filesystem, which every node shares.
 """
 
 from __future__ import annotations
@@ -66,11 +81,39 @@ _FAILED_GRACE = float(os.environ.get("TERRAPIPE_TEST_MPI_FAILED_GRACE", "10"))
 _POLL = 0.005
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("mpi", "multi-rank tests (tests/mpi_plugin.py)")
+    group.addoption("--mpi-cluster", default=None, metavar="LAYOUTS",
+                    help="run multi-rank jobs across an emulated cluster, one layout per rank "
+                         "count: comma-separated NODESxRANKS, e.g. 2x1,2x2 (NOTE [jobs across an "
+                         "emulated cluster])")
+    group.addoption("--mpi-link", default="10gbit", metavar="RATE",
+                    help="the emulated cluster's link rate (tc syntax; default 10gbit)")
+
+
+def _layouts(config: pytest.Config) -> dict[int, tuple[int, int]]:
+    """--mpi-cluster as {ranks: (nodes, ranks per node)}; empty on one host."""
+    given = config.getoption("--mpi-cluster", None)
+    if not given:
+        return {}
+    layouts = {}
+    for text in given.split(","):
+        try:
+            nodes, per_node = (int(x) for x in text.strip().lower().split("x"))
+        except ValueError:
+            raise pytest.UsageError(
+                f"--mpi-cluster: expected layouts such as 2x1,2x2, got {text!r}") from None
+        if nodes < 1 or per_node < 1 or nodes * per_node in layouts:
+            raise pytest.UsageError(f"--mpi-cluster: {text!r} is empty or repeats a rank count")
+        layouts[nodes * per_node] = (nodes, per_node)
+    return layouts
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "mpi(ranks=(1, 2), timeout=120, ci_ranks=None, own_job=False): run the test body under "
-        "mpiexec at each rank count",
+        "mpi(ranks=(1, 2), timeout=120, ci_ranks=None, own_job=False, one_node=False): run the "
+        "test body under mpiexec at each rank count",
     )
     config.addinivalue_line(
         "markers", "full: runs in `make test-full` only (a rank count above 2 not in ci_ranks)")
@@ -93,6 +136,46 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.fixturenames.append("_mpi_ranks")
     metafunc.parametrize("_mpi_ranks", [
         pytest.param(n, id=f"np{n}", marks=() if n in ci else (pytest.mark.full,)) for n in ranks])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    layouts = _layouts(config)
+    if not layouts or os.environ.get(_CHILD_ENV):
+        return
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("mpi")
+        across = (marker is not None and _ranks_of(item) in layouts
+                  and not marker.kwargs.get("one_node", False))
+        (keep if across else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+_clusters: dict[int, object] = {}  # ranks -> the emulated cluster its jobs run on (clause 3)
+
+
+def _launch(config: pytest.Config, nranks: int) -> list[str]:
+    """The launcher and its arguments for a job of ``nranks`` ranks."""
+    layout = _layouts(config).get(nranks)
+    if layout is None:
+        return [mpiexec(), "-n", str(nranks)]
+    from terrapipe.testing import cluster as tc
+
+    nodes, per_node = layout
+    if nranks not in _clusters:
+        why = tc.available()
+        if why is not None:
+            raise pytest.UsageError(f"--mpi-cluster: {why}")
+        _clusters[nranks] = tc.Cluster(nodes, config.getoption("--mpi-link")).__enter__()
+    return _clusters[nranks].mpiexec_args(per_node)
+
+
+def _close_clusters() -> None:
+    for cluster in _clusters.values():
+        cluster.close()
+    _clusters.clear()
 
 
 def mpiexec() -> str:
@@ -133,7 +216,7 @@ class _Job:
         env[_CHILD_ENV] = str(self.dir)
         env[_PARENT_ENV] = str(os.getpid())
         env.setdefault("PYTHONUNBUFFERED", "1")
-        cmd = [mpiexec(), "-n", str(nranks), sys.executable, "-m", "pytest", "-q",
+        cmd = [*_launch(config, nranks), sys.executable, "-m", "pytest", "-q",
                "-p", "no:cacheprovider", "--rootdir", str(config.rootpath), *nodeids]
         with open(self.log_path, "wb") as log:
             # A new session, so a timeout can kill mpiexec and every rank it started.
@@ -192,6 +275,7 @@ def _close_all_jobs() -> None:
     for job in _jobs.values():
         job.close()
     _jobs.clear()
+    _close_clusters()
 
 
 atexit.register(_close_all_jobs)  # the parent's last word: no rank outlives it

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import traceback
 
@@ -27,7 +28,7 @@ import numpy as np
 from .. import launch_env, settings, timeline
 from ..kernels import BF16, F16
 from ..kernels import reduce as kreduce
-from . import clock, select
+from . import clock, execution, select
 from .buffers import Buffer, plain_array
 from .execution import Handle
 from .group import Group, force_backend, forced_backend
@@ -92,7 +93,7 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     os.environ["LOCAL_RANK"] = str(_world.local_rank)
     global _clock
     _clock = clock.align(_world)  # the timeline's one clock across nodes
-    atexit.register(finalize)
+    atexit.register(_at_exit)
     return _world
 
 
@@ -118,19 +119,51 @@ def _abort_on_uncaught_exception(MPI) -> None:
             # (NOTE [rank status] in launch_env.py).
             launch_env.record_exit(status_dir, MPI.COMM_WORLD.Get_rank(), 1,
                                    "".join(traceback.format_exception_only(kind, value)))
-        MPI.COMM_WORLD.Abort(1)
+        _abort(MPI)
 
     sys.excepthook = hook
 
 
 def finalize() -> None:
     """Release the world's shared memory and threads (also runs at exit); a later :func:`init`
-    starts afresh (its ``backend=`` too)."""
+    starts afresh (its ``backend=`` too, and forgets earlier failures)."""
     global _world
     if _world is not None:
         _world.close()
         _world = None
     force_backend(None)
+    execution.forget_failures()
+
+
+def _at_exit() -> None:
+    """:func:`finalize` at exit; after a failed collective, end the job instead (NOTE
+    [collective ordering] 6 in comm/execution.py)."""
+    failure = execution.first_failure()
+    if failure is not None and _world is not None and _world.comm is not None and _world.size > 1:
+        from mpi4py import MPI
+
+        print(f"terrapipe.comm: rank {_world.rank} ends the job (MPI_Abort) at exit after a "
+              f"failed collective, as MPI_Finalize would wait for ranks that cannot come: "
+              f"{failure}", file=sys.stderr, flush=True)
+        _abort(MPI)
+    finalize()
+
+
+_ABORT_GRACE = 5  # seconds MPI_Abort may take before the rank exits by itself (_abort)
+
+
+def _abort(MPI) -> None:
+    """MPI_Abort(COMM_WORLD, 1): the launcher ends every rank of the job; first this rank
+    removes the name of MPICH's node file, which no killed rank would. A rank cut off from
+    its launcher (its node's link down) is never answered and would wait in MPI_Abort for ever:
+    it ends by itself (SIGALRM) after ``_ABORT_GRACE`` seconds, so no rank outlives the job it
+    failed."""
+    launch_env.unlink_own_mpi_segments()  # the node's other ranks are about to be killed
+    # The kernel's timer, not a thread: MPI_Abort waits on its launcher holding the GIL, and
+    # SIGALRM's default action ends the process with no Python code to run.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(_ABORT_GRACE)
+    MPI.COMM_WORLD.Abort(1)
 
 
 def is_initialized() -> bool:

@@ -11,9 +11,17 @@ NOTE [collective ordering]
        dtype, shape, root, algorithm) over the group's control transport and compare before any
        data moves, so a mismatch raises CollectiveMismatchError on every rank (comm/group.py).
        Small allreduces on one node publish signature and data together (the one-shot,
-       comm/algorithms/oneshot.py).
+       comm/algorithms/oneshot.py). Across nodes each node's table of signatures travels in
+       the exchange between nodes, so every rank checks every rank's signature and all raise
+       alike: a node's ranks raising before that exchange would leave the other nodes' ranks
+       one agreement behind, each later collective compared with the wrong one
+       (ShmTransport.agree).
     5. A collective that timed out leaves the ranks' step counters out of step: the group takes
        no further calls (CommError naming the first failure).
+    6. Nor can the process leave through MPI_Finalize, which waits for every rank of the job,
+       the unreachable and the stuck too: the first failure of any group is kept for the process
+       (:func:`first_failure`), and comm's exit hook ends the job with MPI_Abort instead
+       (comm/collectives.py). ``comm.finalize()`` called by the program forgets it.
 """
 
 from __future__ import annotations
@@ -25,7 +33,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .. import timeline
 from .errors import CollectiveTimeoutError, CommError
 
-__all__ = ["Executor", "Handle"]
+__all__ = ["Executor", "Handle", "first_failure", "forget_failures"]
+
+_process_failure: list[str] = []  # the first failure of any group in this process (clause 6)
+
+
+def first_failure() -> str | None:
+    """The first collective failure of any group in this process since the last
+    :func:`forget_failures`, or None (NOTE [collective ordering] 6)."""
+    return _process_failure[0] if _process_failure else None
+
+
+def forget_failures() -> None:
+    _process_failure.clear()
+
+
+def _failed(executor: Executor, error: Exception) -> None:
+    executor.failed = str(error)  # NOTE [collective ordering] 5
+    if not _process_failure:
+        _process_failure.append(executor.failed)  # clause 6
 
 
 class Handle:
@@ -102,7 +128,7 @@ class Executor:
                 raise CommError(f"this group is unusable after an earlier failure: {self.failed}")
             fn(*args)
         except CollectiveTimeoutError as e:
-            self.failed = str(e)  # NOTE [collective ordering] 5
+            _failed(self, e)
             raise
         finally:
             self._exec.release()
@@ -123,7 +149,7 @@ class Executor:
             try:
                 return fn()
             except CollectiveTimeoutError as e:
-                self.failed = str(e)  # NOTE [collective ordering] 5
+                _failed(self, e)
                 raise
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 
 import numpy as np
 
@@ -97,13 +98,17 @@ class Group:
         self.nnodes = len(set(colors))
         self.uniform = len({colors.count(c) for c in set(colors)}) == 1
         late = lambda: self.shm.late() if self.shm is not None else None  # noqa: E731
-        self.mpi = MpiTransport(mpi_comm, list(range(self.size)), self.timeout, late)
+        hosts = mpi_comm.allgather(socket.gethostname()) if self.nnodes > 1 else None
+        self.mpi = MpiTransport(mpi_comm, list(range(self.size)), self.timeout, late, hosts)
         cross_mpi = None
         if self.nnodes > 1:
-            cross_mpi = MpiTransport(cross, cross.allgather(self.rank), self.timeout, late)
+            cross_mpi = MpiTransport(cross, cross.allgather(self.rank), self.timeout, late, hosts)
         self.cross = cross_mpi
         self.shm = ShmTransport(node, self.rank, self.size, node.allgather(self.rank), self.timeout,
                                 cross_mpi)
+        if cross_mpi is not None:  # NOTE [a peer lost across nodes] in transports/shm.py
+            for mpi in (self.mpi, cross_mpi):
+                mpi.on_lost, mpi.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
         self.shm.board.progress = self.mpi.progress  # NOTE [MPI progress] 4 in comm/algorithms/ring.py
         if cross_mpi is None:
             cross.Free()

@@ -312,8 +312,24 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         g.agree_signature(coll, sig)
         shared.allreduce(g.shm, where[0], where[1], fs.n, op, rows_dtype, rkind, _across(g))
         return
+    if gate is NO_GATE and _overlapping(fs, fd):
+        # The algorithms write results while later input is still unread.
+        private = np.empty(fs.n, fs.views[0].dtype)
+        fs.read(0, fs.n, private)
+        fs = Fused([private])
     g.agree_signature(coll, sig)
     _run_allreduce(g, name, fs, fd, op, rows_dtype, rkind, ckind, -1, gate)
+
+
+def _overlapping(fs: Fused, fd: Fused) -> bool:
+    """Whether an output array overlaps its input other than exactly in place (checked array by
+    array: a fused message's i-th output against its i-th input)."""
+    for src, dst in zip(fs.views, fd.views, strict=False):
+        if src is dst or (src.ctypes.data == dst.ctypes.data and src.strides == dst.strides):
+            continue
+        if np.may_share_memory(src, dst):
+            return True
+    return False
 
 
 def _run_allreduce(g, name: str, fs: Fused, fd: Fused, op: int, dtype, kind: int, ckind: int, root: int,

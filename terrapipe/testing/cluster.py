@@ -27,11 +27,20 @@ NOTE [what an emulated cluster measures]
 
 NOTE [leaving nothing behind]
 
-  Every object is named after the process that made it (``tp<pid>n<i>`` namespaces,
-  ``tp<pid>v<i>`` links, ``tp<pid>br`` the bridge). :meth:`Cluster.close` (also on an exception,
-  Ctrl-C or SIGTERM in ``run``) kills every process in each node's namespace, then deletes the
-  namespaces, which takes their links, mounts and ``/dev/shm`` with them, then the bridge. A
-  cluster whose maker died without closing is removed by the next one made (``remove_stale``).
+  1. Every object is named after the process that made it and its count of clusters made
+     (``tp<pid>c<k>n<i>`` namespaces, ``tp<pid>c<k>v<i>`` links, ``tp<pid>c<k>br`` the
+     bridge). :meth:`Cluster.close` (also on an exception, Ctrl-C or SIGTERM in ``run``) kills
+     every process in each node's namespace, then deletes the namespaces, which takes their
+     mounts and ``/dev/shm`` with them, then the bridge. The links are deleted by name first: a
+     node's namespace whose kernel sockets outlive it (TCP connections cut off by a link taken
+     down retry for minutes) lingers, nameless, with its link, after ``ip netns del``. A
+     cluster whose maker died without closing is removed by the next one made
+     (``remove_stale``).
+  2. Between jobs the nodes live on, so each job's end is cleaned up on each node as a resource
+     manager's epilogue does (:meth:`Cluster.run`): processes the job left are killed (mpiexec
+     exits at once when a node's proxy is lost, and the other nodes' proxies and ranks would
+     outlive it), and after a failed job MPICH's node files are swept from each node's
+     ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -83,11 +92,19 @@ def available() -> str | None:
     return None
 
 
-def _kill_namespace(ns: str) -> None:
-    """SIGKILL every process in network namespace ``ns`` until none is left."""
-    launch_env.kill_until_gone(
-        lambda: [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()],
-        timeout=2.0, interval=0.02)
+def _pids(ns: str) -> list[int]:
+    return [int(p) for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+
+
+def _kill_namespace(ns: str, spare: int | None = None) -> None:
+    """SIGKILL every process in network namespace ``ns`` but ``spare`` until none is left."""
+    launch_env.kill_until_gone(lambda: [p for p in _pids(ns) if p != spare], timeout=2.0,
+                               interval=0.02)
+
+
+# Run on a node after a failed job: MPICH's node files its killed ranks left in the node's /dev/shm.
+_SWEEP = ("import sys; from terrapipe import launch_env; "
+          "launch_env.remove_orphaned_mpi_segments(float(sys.argv[1]))")
 
 
 def remove_stale() -> list[str]:
@@ -95,13 +112,15 @@ def remove_stale() -> list[str]:
     names (NOTE [leaving nothing behind])."""
     removed = []
     for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
-        m = re.match(rf"^({_PREFIX}(\d+)n\d+)\b", line)
+        m = re.match(rf"^({_PREFIX}(\d+)c\d+n\d+)\b", line)
         if m and not launch_env.alive(int(m.group(2))):
             _kill_namespace(m.group(1))
             _sh("ip", "netns", "del", m.group(1), check=False)
             removed.append(m.group(1))
-    for line in _sh("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
-        m = re.match(rf"^\d+: ({_PREFIX}(\d+)br)[:@]", line)
+    for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        # Bridges, and host ends of links (a node's namespace outlives its deletion while the
+        # kernel still holds its sockets: TCP ones cut off by a link taken down, for minutes).
+        m = re.match(rf"^\d+: ({_PREFIX}(\d+)c\d+(br|v\d+))[:@]", line)
         if m and not launch_env.alive(int(m.group(2))):
             _sh("ip", "link", "del", m.group(1), check=False)
             removed.append(m.group(1))
@@ -126,6 +145,8 @@ class Cluster:
     ``bridge_address`` (the host's address on the cluster's bridge, where launchers listen).
     """
 
+    _made_here = 0
+
     def __init__(self, nodes: int, link: str | None = "1gbit") -> None:
         if int(nodes) < 1:
             raise ValueError(f"nodes must be at least 1, got {nodes}")
@@ -133,7 +154,8 @@ class Cluster:
             raise ValueError(f"link: expected a rate such as '1gbit' or '100mbit', got {link!r}")
         self.nodes = int(nodes)
         self.link = link
-        self.name = f"{_PREFIX}{os.getpid()}"
+        Cluster._made_here += 1  # several clusters of one process may be open together
+        self.name = f"{_PREFIX}{os.getpid()}c{Cluster._made_here}"
         self.addresses: list[str] = []
         self.hostnames = [f"node{i}" for i in range(self.nodes)]
         self.bridge_address = ""
@@ -162,6 +184,12 @@ class Cluster:
         return f"{self.name}n{i}"
 
     def _open(self) -> None:
+        # A dead process with this pid may have left links of these names (remove_stale cannot
+        # tell them from this process's own).
+        for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+            m = re.match(rf"^\d+: ({self.name}(br|v\d+))[:@]", line)
+            if m:
+                _sh("ip", "link", "del", m.group(1), check=False)
         subnet = _free_subnet()
         self.bridge_address = f"{subnet}.254"
         self.addresses = [f"{subnet}.{i + 1}" for i in range(self.nodes)]
@@ -216,7 +244,10 @@ class Cluster:
                 if f is not None:
                     f.close()
         self._holders = []
-        for ns in self._made:
+        for i, ns in enumerate(self._made):
+            # The link first: deleting the namespace takes it only once the kernel lets the
+            # namespace go (NOTE [leaving nothing behind] 1).
+            _sh("ip", "link", "del", f"{self.name}v{i}", check=False)
             _sh("ip", "netns", "del", ns, check=False)
         self._made = []
         if self._bridge:
@@ -279,21 +310,37 @@ class Cluster:
                                       env=env, start_new_session=True) for i in range(self.nodes)]
         else:
             raise ValueError(f"launcher: expected 'mpi' or 'torchrun', got {launcher!r}")
+        started = time.time()
         deadline = None if timeout is None else time.monotonic() + timeout
+        code = -signal.SIGKILL
         try:
             while True:
                 codes = [p.poll() for p in procs]
                 failed = [c for c in codes if c not in (None, 0)]
                 if failed or all(c == 0 for c in codes):
-                    return failed[0] if failed else 0
+                    code = failed[0] if failed else 0
+                    return code
                 if deadline is not None and time.monotonic() > deadline:
-                    return -signal.SIGKILL
+                    return code
                 time.sleep(0.05)
         finally:
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+            self._epilogue(started, failed=code != 0)
+
+    def _epilogue(self, started: float, failed: bool) -> None:
+        """What a cluster's resource manager does on every node when a job ends (NOTE [leaving
+        nothing behind] 2): a launcher that dies with its job (mpiexec on losing a node's
+        proxy) leaves the other nodes' proxies and ranks running; they are killed. After a
+        failed job, MPICH's node files its killed ranks left in each node's ``/dev/shm`` are
+        removed (``launch_env.remove_orphaned_mpi_segments``, run on the node)."""
+        for i, holder in enumerate(self._holders):
+            _kill_namespace(self._ns(i), spare=holder.pid)
+            if failed:
+                subprocess.run([*self.enter(i), sys.executable, "-c", _SWEEP, str(started)],
+                               capture_output=True, timeout=30)
 
 
 def _launcher_exec(table: str, argv: list[str]) -> int:

@@ -187,6 +187,23 @@ def test_latency_path_and_general_path_mix_across_ranks(world):
 
 
 @pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,))
+def test_a_mismatch_within_one_node_raises_on_every_node(mpi_comm):
+    # Regression: the node whose ranks differed raised before the exchange between nodes, and
+    # the other node's ranks then compared each later collective with the one before it.
+    os.environ["TERRAPIPE_NODE_SIZE"] = "2"
+    g = comm.init(timeout=30)
+    assert g.nnodes == 2
+    r = comm.rank()
+    for _ in range(3):
+        with pytest.raises(comm.CollectiveMismatchError) as e:
+            comm.allreduce(np.zeros(4 if r == 1 else 3, np.float32))
+        assert "rank 1: float32 (4,)" in str(e.value) and "rank 2: float32 (3,)" in str(e.value)
+        x = np.full(1000, r + 1.0)
+        comm.allreduce(x)
+        assert np.all(x == 10)
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,))
 def test_emulated_two_nodes_of_two(mpi_comm):
     os.environ["TERRAPIPE_NODE_SIZE"] = "2"
     g = comm.init(timeout=60)

@@ -89,7 +89,7 @@ def test_ctrl_c_mid_job_tears_everything_down(tmp_path):
                              "2", "--", "sleep", "600"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not any(p.startswith(f"tp{proc.pid}n") for p in _leftovers()):
+    while not any(p.startswith(f"tp{proc.pid}c") for p in _leftovers()):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     time.sleep(1.0)  # the job's ranks are up on both nodes

@@ -43,14 +43,20 @@ _SPINS_BEFORE_YIELD = 200
 class MpiTransport(OwnCollectives):
     """Transfers over ``comm`` (mpi4py). ``members[i]``: the group rank of rank i of ``comm``;
     ``timeout``: seconds a request may take; ``late_hint()``: (group ranks, why) known to be
-    late from elsewhere (the node's board), or None, to name in a timeout. The ring's state
+    late from elsewhere (the node's board), or None, to name in a timeout; ``hosts``: each
+    group rank's host name, to name a rank on another node by its host. Settable:
+    ``on_waiting(True/False)`` is told when a wait for peers begins to take long and when it
+    ends, ``on_lost(rank)`` the peer a transfer timed out on, before the error is raised (the
+    node's board passes both on to the ranks waiting for this one, NOTE [a peer lost across
+    nodes] in comm/transports/shm.py). The ring's state
     (``ring_comm``, ``done_sends``, ``ring_scratch``, ``ring_bytes``, ``chunk_bytes``) lives
     here, one per communicator."""
 
     name = "mpi"
 
     def __init__(self, comm, members: list[int], timeout: float,
-                 late_hint: Callable[[], tuple[list[int], str] | None] = lambda: None) -> None:
+                 late_hint: Callable[[], tuple[list[int], str] | None] = lambda: None,
+                 hosts: list[str] | None = None) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -60,6 +66,9 @@ class MpiTransport(OwnCollectives):
         self.members = members
         self.timeout = timeout
         self._late_hint = late_hint
+        self._hosts = hosts
+        self.on_lost: Callable[[int], None] = lambda rank: None
+        self.on_waiting: Callable[[bool], None] = lambda waiting: None
         self.done_sends: list = []  # the ring's done messages not known complete (NOTE [MPI progress] 3)
         self.ring_bytes = settings.get("TERRAPIPE_RING_BYTES")  # this large or larger: the ring (tune())
         self.chunk_bytes = CHUNK_BYTES  # the ring's message size (tune())
@@ -82,8 +91,10 @@ class MpiTransport(OwnCollectives):
         for _ in range(_SPINS_BEFORE_YIELD):
             if Testall(reqs):
                 return
+        self.on_waiting(True)
         wait_until(lambda: Testall(reqs), self.timeout,
                    lambda timed_out: self._failure(reqs, timed_out, what, peer), sleep_after=None)
+        self.on_waiting(False)
 
     def _failure(self, reqs: list, timed_out: bool, what: str, peer: int | None) -> Exception | None:
         hint = self._late_hint()
@@ -96,9 +107,20 @@ class MpiTransport(OwnCollectives):
             except self._MPI.Exception:
                 pass  # a collective's request cannot be cancelled; it is abandoned
         late, why = hint if died else self._late_ranks(peer)
-        names = ", ".join(f"rank {r}" for r in late)
+        if not died and len(late) == 1:
+            self.on_lost(late[0])
+        else:
+            self.on_waiting(False)  # waiters on this rank time out by themselves
+        names = ", ".join(self.describe(r) for r in late)
         cause = "a peer died" if died else f"Timed out after {self.timeout:g}s"
         return CollectiveTimeoutError(f"{what}: {cause} in MPI waiting for {names} ({why})", late)
+
+    def describe(self, rank: int) -> str:
+        """Group rank ``rank`` for a message: "rank 2", or "rank 2 on node1" where the ranks
+        span hosts."""
+        if self._hosts is None or len(set(self._hosts)) < 2:
+            return f"rank {rank}"
+        return f"rank {rank} on {self._hosts[rank]}"
 
     def _late_ranks(self, peer: int | None) -> tuple[list[int], str]:
         hint = self._late_hint()
@@ -107,7 +129,9 @@ class MpiTransport(OwnCollectives):
         if peer is not None:
             return [self.members[peer]], "its peer in this transfer"
         me = self.members[self.rank]
-        return [r for r in self.members if r != me], "one of these never arrived"
+        others = [r for r in self.members if r != me]
+        return others, ("the one other rank of this communicator" if len(others) == 1
+                        else "one of these never arrived")
 
     def progress(self) -> None:
         """One turn of MPI's progress engine (NOTE [MPI progress] 4 in comm/algorithms/ring.py)."""
@@ -118,6 +142,18 @@ class MpiTransport(OwnCollectives):
         sigs = np.empty((self.size, sig.shape[0]), np.int64)
         self.wait(self.comm.Iallgather(sig, sigs), coll)
         check(sigs, self.members)
+
+    def agree_tables(self, coll, table: np.ndarray, check) -> None:
+        """Exchange ``table`` (rows, words + 1; int64): the signatures of this rank's node, each
+        row ending in its group rank, -1 for padding rows), and call ``check(sigs, ranks)`` on
+        every rank's row of every node, in rank order, where any differ."""
+        gathered = np.empty((self.size, *table.shape), np.int64)
+        self.wait(self.comm.Iallgather(table, gathered), coll)
+        rows = gathered.reshape(-1, table.shape[1])
+        rows = rows[rows[:, -1] >= 0]
+        rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
+        if (rows[:, :-1] != rows[0, :-1]).any():
+            check(rows[:, :-1], [int(r) for r in rows[:, -1]])
 
     def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:
         gate.ready(srcs.n)

@@ -27,6 +27,23 @@ NOTE [row halves]
     barrier of chunk k + 1, which every rank publishes after finishing its reads of chunk k: so
     one barrier per chunk suffices for copies, two for reductions (data in, reduced parts ready).
 
+NOTE [a peer lost across nodes]
+    A rank that moves data between nodes (a node's leader in the hierarchical allreduce, or
+    every local rank in the per-local-rank exchange) can time out on a peer of another node,
+    unreachable or stopped, while its node's ranks wait on the board for it.
+    1. While its wait on peers of other nodes takes long, its board column ``lost`` holds -1
+       (MpiTransport.on_waiting -> Board.mark_waiting), 0 again once done.
+    2. Before raising, it writes that peer's group rank + 1 there (MpiTransport.on_lost ->
+       Board.mark_lost).
+    3. A rank waiting on the board for it reads that column at each failure check: a peer lost
+       (> 0) makes it raise at once, naming the far rank and its host, not the local rank it
+       was waiting for; a local rank still waiting across nodes (-1) does not make it time out,
+       for that rank's own timeout ends its wait, and a waiter timing out first would name the
+       wrong rank (they start waiting together). Every surviving rank names the one it cannot
+       reach, within the collective's timeout. A late rank that died is named at once as ever.
+    4. The column is not cleared after a loss: the group takes no further collectives (NOTE
+       [collective ordering] 5 in comm/execution.py).
+
 NOTE [shared segment reservation]
     A shared array's segment (:meth:`ShmTransport.alloc_shared`) is reserved when it is made
     (``posix_fallocate``), so a full ``/dev/shm`` refuses at once, with OSError on every rank of
@@ -38,6 +55,7 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -156,7 +174,8 @@ class Segment:
 class Board:
     """Per-node step counters, signatures and pids in a segment's first bytes."""
 
-    def __init__(self, words: np.ndarray, nlocal: int, me: int, ranks: list[int]) -> None:
+    def __init__(self, words: np.ndarray, nlocal: int, me: int, ranks: list[int],
+                 describe: Callable[[int], str] = "rank {}".format) -> None:
         self.table = words[: nlocal * _SLOT].reshape(nlocal, _SLOT)
         self.steps = self.table[:, 0]
         self.sleepers = self.table[:, oneshot.SLEEPERS_COL]  # NOTE [sleeping on a counter] 2
@@ -164,6 +183,10 @@ class Board:
         self._nap = np.array([0, int(_NAP_SECONDS * 1e9)], np.int64)  # a struct timespec
         self._sig_slots = tuple(self.table[:, c : c + SIG_WORDS] for c in _SIG_COLS)
         self.pids = self.table[:, 60]
+        # The group rank + 1 of a peer on another node this rank's transfer timed out on, -1
+        # while it waits long on other nodes, else 0 (NOTE [a peer lost across nodes]).
+        self.lost = self.table[:, 61]
+        self.describe = describe
         # Each rank's source and destination addresses for a single-copy collective, written
         # before the agreement's release store (NOTE [single-copy allreduce] 2 in
         # comm/algorithms/single_copy.py).
@@ -217,11 +240,28 @@ class Board:
         if dead:
             names = ", ".join(f"rank {self.ranks[q]} (pid {int(self.pids[q])})" for q in dead)
             return CollectiveTimeoutError(f"{what}: {names} died", [self.ranks[q] for q in dead])
-        if timed_out and late:
+        lost = [q for q in late if self.lost[q] > 0]
+        if lost:  # NOTE [a peer lost across nodes] 3
+            q = lost[0]
+            far = int(self.lost[q]) - 1
+            return CollectiveTimeoutError(
+                f"{what}: rank {self.ranks[q]} of this node timed out waiting for {self.describe(far)}"
+                f" across nodes (unreachable, or stopped)", [far])
+        if timed_out and late and not all(self.lost[q] < 0 for q in late):
             names = ", ".join(f"rank {self.ranks[q]}" for q in late)
             return CollectiveTimeoutError(f"{what}: Timed out after {timeout:g}s waiting for {names}",
                                           [self.ranks[q] for q in late])
         return None
+
+    def mark_waiting(self, waiting: bool) -> None:
+        """Tell this node's ranks that this one waits long on other nodes, or no longer (NOTE [a
+        peer lost across nodes] 1)."""
+        self.lost[self.me] = -1 if waiting else 0
+
+    def mark_lost(self, rank: int) -> None:
+        """Tell this node's ranks that this one lost group rank ``rank`` on another node (NOTE
+        [a peer lost across nodes])."""
+        self.lost[self.me] = rank + 1
 
     def sigs(self, step: int) -> np.ndarray:
         """(nlocal, SIG_WORDS): every rank's signature published at ``step``."""
@@ -255,7 +295,8 @@ class ShmTransport(Transport):
         row = self.row_bytes = row_bytes(p)
         board_bytes = Board.nbytes(p)
         self.segment = Segment(node_comm, board_bytes + p * row)
-        self.board = Board(self.segment.buf[:board_bytes].view(np.int64), p, self.local_rank, node_ranks)
+        self.board = Board(self.segment.buf[:board_bytes].view(np.int64), p, self.local_rank, node_ranks,
+                           cross.describe if cross is not None else "rank {}".format)
         self._rows_u8 = self.segment.buf[board_bytes:board_bytes + p * row].reshape(p, row)
         self._private_u8 = np.empty(row, np.uint8)
         self.acc = np.empty(kreduce.TILE, np.float32)  # float32 scratch of the 16-bit kernels
@@ -267,6 +308,11 @@ class ShmTransport(Transport):
         # NOTE [single-copy allreduce] 4 (algorithms/single_copy.py): None where the node cannot
         self.peers = self._probe_single_copy() if cross is None and p > 1 and cma.enabled() else None
         self._staging = np.empty(0, np.uint8)  # contiguous copies of fused messages (single copy)
+        if cross is not None:  # agree()'s table: signature and group rank per row; rank -1 pads
+            from mpi4py import MPI
+
+            rows = cross.comm.allreduce(p, op=MPI.MAX)
+            self._node_table = np.full((rows, SIG_WORDS + 1), -1, np.int64)
         self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
 
     def late(self) -> tuple[list[int], str] | None:
@@ -286,10 +332,18 @@ class ShmTransport(Transport):
     def agree(self, coll, sig, check) -> None:
         step = self.board.barrier(self.timeout, coll, sig)
         sigs = self.board.sigs(step)
-        if ksync.rows_equal(sigs) >= 0:
-            check(sigs, self.board.ranks)
-        if self.cross is not None:
-            self.cross.agree(coll, sig, check)
+        if self.cross is None:
+            if ksync.rows_equal(sigs) >= 0:
+                check(sigs, self.board.ranks)
+            return
+        # Across nodes every rank checks every rank's signature: a rank raising on its node's
+        # mismatch before the exchange would leave the other nodes' ranks one agreement behind.
+        # The node's table (padded to the largest node of the exchange) travels whole.
+        table = self._node_table
+        p, words = self.local_size, sigs.shape[1]
+        table[:p, :words] = sigs
+        table[:p, words] = self.board.ranks
+        self.cross.agree_tables(coll, table, check)
 
     def barrier(self) -> None:
         self.board.barrier(self.timeout, "barrier")
