@@ -106,7 +106,7 @@ class Group:
         self.cross = cross_mpi
         self.shm = ShmTransport(node, self.rank, self.size, node.allgather(self.rank), self.timeout,
                                 cross_mpi)
-        if cross_mpi is not None:  # NOTE [a peer lost across nodes] in transports/shm.py
+        if cross_mpi is not None:  # NOTE [a peer lost across nodes] in transports/board.py
             for mpi in (self.mpi, cross_mpi):
                 mpi.on_lost, mpi.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
         self.shm.board.progress = self.mpi.progress  # NOTE [MPI progress] 4 in comm/algorithms/ring.py

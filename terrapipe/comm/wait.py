@@ -1,7 +1,7 @@
 """The one way a rank waits for other ranks: poll, yield the core, then sleep; name who is late.
 
 Every wait on a peer goes through :func:`wait_until`: the shared-memory board's step counters
-(comm/transports/shm.py), MPI requests (comm/transports/mpi.py, the parameter server's wire) and
+(comm/transports/board.py), MPI requests (comm/transports/mpi.py, the parameter server's wire) and
 a shard's chunk locks (terrapipe.ps). What differs between them is only what is polled, how a
 rank sleeps when it has waited long, and how the late ranks are found and named.
 

@@ -10,7 +10,7 @@ private scratch and are then widened or copied out.
 
 Layouts: ``rows`` is the C-contiguous ``(p, row_len)`` array of the node's rows, the message
 occupies ``rows[:, h:h+n]``; ``board`` is the ``(p, words)`` int64 table of
-``terrapipe.comm.transports.shm.Board``: column 0 holds each process's step counter, column
+``terrapipe.comm.transports.board.Board``: column 0 holds each process's step counter, column
 ``SLEEPERS_COL`` how many processes sleep on it (NOTE [sleeping on a counter] in sync.py),
 columns ``[sig_col, sig_col + len(sig))`` the signature slot of this step. (Few arguments on purpose:
 each array argument costs about 0.1 us of dispatch, a large part of a 4 KiB allreduce.)

@@ -7,7 +7,7 @@ counters atomically (``load atomic ... acquire`` / ``store atomic ... release``)
 loads inside the loop and orders them against the data around them. On x86-64 both are plain
 ``mov`` instructions, so a poll costs what a load costs.
 
-Ordering contract (what NOTE [board protocol] in ``terrapipe.comm.transports.shm`` builds on): every store a
+Ordering contract (what NOTE [board protocol] in ``terrapipe.comm.transports.board`` builds on): every store a
 process makes before :func:`store_release` of a counter is visible to a process that
 :func:`load_acquire` s that counter's new value (or a later one) before it reads that data.
 

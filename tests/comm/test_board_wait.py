@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from terrapipe.comm.transports.shm import Board
+from terrapipe.comm.transports.board import Board
 from terrapipe.kernels.sync import CAN_SLEEP
 
 

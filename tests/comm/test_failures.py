@@ -77,7 +77,7 @@ def test_board_names_a_dead_peer_without_waiting_for_the_timeout():
     import pytest
 
     from terrapipe.comm import CollectiveTimeoutError
-    from terrapipe.comm.transports.shm import Board
+    from terrapipe.comm.transports.board import Board
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import terrapipe.comm as comm
-from terrapipe.comm.transports.shm import Board
+from terrapipe.comm.transports.board import Board
 from terrapipe.kernels import oneshot
 
 

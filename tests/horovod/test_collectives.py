@@ -23,7 +23,13 @@ def _input(r, shape, dtype, salt=0):
 
 def _check_collectives_match_numpy(mpi_comm):
     r, n = hvd.rank(), hvd.size()
-    assert (r, n) == (mpi_comm.rank, mpi_comm.size) and hvd.local_size() == n and hvd.cross_size() == 1
+    from mpi4py import MPI
+
+    node = mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)  # this host's ranks (one, or an emulated node)
+    assert (r, n) == (mpi_comm.rank, mpi_comm.size)
+    assert (hvd.local_rank(), hvd.local_size()) == (node.rank, node.size)
+    assert hvd.cross_size() == n // node.size
+    node.Free()
     assert hvd.is_initialized() and hvd.mpi_built() and (hvd.mpi_enabled() or n == 1)
     for salt, (dtype, shape) in enumerate((d, s) for d in DTYPES for s in [(17,), (5, 7), (3, 4, 5)]):
         xs = [_input(q, shape, dtype, salt).double().numpy() for q in range(n)]

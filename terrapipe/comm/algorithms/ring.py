@@ -32,7 +32,7 @@ NOTE [MPI progress]
     3. A done message's own send may in turn wait for the right neighbour's progress, so it is not
        waited for here: the request goes to ``pending``, which the next ring call reaps and the
        group completes, with every rank progressing, in its closing barrier.
-    4. Waits outside MPI (the board's wait in comm/transports/shm.py) call a progress function between spin
+    4. Waits outside MPI (the board's wait in comm/transports/board.py) call a progress function between spin
        rounds, so MPI's own collectives (whose sends may depend on a peer in the same way) and the
        done messages complete while a rank waits on shared memory.
 """

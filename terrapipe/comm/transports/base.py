@@ -7,8 +7,8 @@ decided in comm/select.py. The transports:
 =========  ==================================================  ===========================
 transport  moves bytes through                                 module
 =========  ==================================================  ===========================
-shm        the node's shared segment: rows per rank, a board   comm/transports/shm.py
-           of step counters and signatures
+shm        the node's shared segment: rows per rank, a board   comm/transports/shm.py,
+           of step counters and signatures                     comm/transports/board.py
 cma        the peers' own memory (``process_vm_readv``)        comm/transports/cma.py
 mpi        MPI point-to-point and MPI's own collectives        comm/transports/mpi.py
 gloo       torch.distributed's Gloo and its collectives        comm/transports/gloo.py

@@ -48,7 +48,7 @@ class MpiTransport(OwnCollectives):
     ``on_waiting(True/False)`` is told when a wait for peers begins to take long and when it
     ends, ``on_lost(rank)`` the peer a transfer timed out on, before the error is raised (the
     node's board passes both on to the ranks waiting for this one, NOTE [a peer lost across
-    nodes] in comm/transports/shm.py). The ring's state
+    nodes] in comm/transports/board.py). The ring's state
     (``ring_comm``, ``done_sends``, ``ring_scratch``, ``ring_bytes``, ``chunk_bytes``) lives
     here, one per communicator."""
 
