@@ -44,9 +44,9 @@ NOTE [jobs across an emulated cluster]
 
   1. A job of N ranks runs on the layout of N ranks given (``2x2``: 2 nodes of 2 ranks); a test
      at a rank count with no layout given, or at 1 rank, is deselected.
-  2. A test of something that exists on one node only (a shared segment, a single copy between
-     processes, the node's board) says so, ``@pytest.mark.mpi(..., one_node=True)``, and is
-     deselected: across nodes it would test nothing it claims.
+  2. A test of something that exists on one host only says so, ``@pytest.mark.mpi(...,
+     one_node=True)``, and is deselected: the tests that emulate nodes on one host
+     (TERRAPIPE_NODE_SIZE), whose emulated nodes would span real ones.
   3. One cluster per layout lives for the session, its links shaped to ``--mpi-link`` (10gbit
      by default: the suites check results, and on two cores a faster link only moves the
      bottleneck to the CPU). Jobs on it are started, released and killed as on one host; the job

@@ -186,7 +186,7 @@ def test_latency_path_and_general_path_mix_across_ranks(world):
     assert np.all(y == p)
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,))
+@pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,), one_node=True)
 def test_a_mismatch_within_one_node_raises_on_every_node(mpi_comm):
     # Regression: the node whose ranks differed raised before the exchange between nodes, and
     # the other node's ranks then compared each later collective with the one before it.
@@ -203,7 +203,7 @@ def test_a_mismatch_within_one_node_raises_on_every_node(mpi_comm):
         assert np.all(x == 10)
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,))
+@pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,), one_node=True)
 def test_emulated_two_nodes_of_two(mpi_comm):
     os.environ["TERRAPIPE_NODE_SIZE"] = "2"
     g = comm.init(timeout=60)

@@ -89,7 +89,7 @@ def test_gate_on_the_mpi_path(mpi_comm):
     _run(g, [5, 1_500_003, 3], "avg")
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=240, ci_ranks=())  # make test-full (CI time)
+@pytest.mark.mpi(ranks=(4,), timeout=240, ci_ranks=(), one_node=True)  # make test-full (CI time)
 def test_gate_across_emulated_nodes(mpi_comm):
     os.environ["TERRAPIPE_NODE_SIZE"] = "2"
     g = comm.init(timeout=60)
