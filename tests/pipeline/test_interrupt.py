@@ -49,10 +49,17 @@ CHILD = textwrap.dedent(
 )
 
 
+def as_at_a_terminal() -> None:
+    """In the child before it starts: SIGINT at its default, as for a program run at a terminal.
+    A suite started in the background by a shell inherits SIGINT ignored (bash does that to
+    asynchronous commands), and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("kind", ["arrays", "jpeg"])
 def test_ctrl_c_mid_epoch_leaves_no_threads(kind):
     proc = subprocess.Popen([sys.executable, "-c", CHILD, kind], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_at_a_terminal,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         line = proc.stdout.readline()

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from terrapipe.testing import cluster as tc
+from tests.pipeline.test_interrupt import as_at_a_terminal
 
 pytest_plugins = ["terrapipe.testing.fixtures"]
 pytestmark = pytest.mark.cluster
@@ -88,14 +89,19 @@ def test_ctrl_c_mid_job_tears_everything_down(tmp_path):
         pytest.skip(tc.available())
     proc = subprocess.Popen([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes",
                              "2", "--", "sleep", "600"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not any(p.startswith(f"tp{proc.pid}c") for p in _leftovers()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    time.sleep(1.0)  # the job's ranks are up on both nodes
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 130
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_at_a_terminal)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(p.startswith(f"tp{proc.pid}c") for p in _leftovers()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1.0)  # the job's ranks are up on both nodes
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:  # a failed test leaves no cluster to the next ones
+            proc.terminate()
+            proc.wait(timeout=60)
     assert _leftovers() == []
     assert subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True).returncode == 1
 

@@ -151,8 +151,11 @@ class Board:
 
     def mark_waiting(self, waiting: bool) -> None:
         """Tell this node's ranks that this one waits long on other nodes, or no longer (NOTE [a
-        peer lost across nodes] 1)."""
-        self.lost[self.me] = -1 if waiting else 0
+        peer lost across nodes] 1); a peer marked lost stays marked."""
+        if waiting:
+            self.lost[self.me] = -1
+        elif self.lost[self.me] < 0:
+            self.lost[self.me] = 0
 
     def mark_lost(self, rank: int) -> None:
         """Tell this node's ranks that this one lost group rank ``rank`` on another node (NOTE

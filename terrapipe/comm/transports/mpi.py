@@ -92,9 +92,11 @@ class MpiTransport(OwnCollectives):
             if Testall(reqs):
                 return
         self.on_waiting(True)
-        wait_until(lambda: Testall(reqs), self.timeout,
-                   lambda timed_out: self._failure(reqs, timed_out, what, peer), sleep_after=None)
-        self.on_waiting(False)
+        try:
+            wait_until(lambda: Testall(reqs), self.timeout,
+                       lambda timed_out: self._failure(reqs, timed_out, what, peer), sleep_after=None)
+        finally:
+            self.on_waiting(False)  # a peer marked lost stays marked
 
     def _failure(self, reqs: list, timed_out: bool, what: str, peer: int | None) -> Exception | None:
         hint = self._late_hint()
@@ -107,10 +109,10 @@ class MpiTransport(OwnCollectives):
             except self._MPI.Exception:
                 pass  # a collective's request cannot be cancelled; it is abandoned
         late, why = hint if died else self._late_ranks(peer)
-        if not died and len(late) == 1:
-            self.on_lost(late[0])
-        else:
-            self.on_waiting(False)  # waiters on this rank time out by themselves
+        me = self.members[self.rank]
+        if not died and len(late) == 1 and self._hosts is not None \
+                and self._hosts[late[0]] != self._hosts[me]:
+            self.on_lost(late[0])  # one peer, on another node
         names = ", ".join(self.describe(r) for r in late)
         cause = "a peer died" if died else f"Timed out after {self.timeout:g}s"
         return CollectiveTimeoutError(f"{what}: {cause} in MPI waiting for {names} ({why})", late)
