@@ -55,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import launch_env
@@ -102,6 +102,18 @@ def _kill_namespace(ns: str, spare: int | None = None) -> None:
                                interval=0.02)
 
 
+def _delete_links(name: str, stale: Callable[[re.Match], bool]) -> list[str]:
+    """Delete the bridges and host-side link ends whose name matches ``name`` (a regex, whole
+    name) and that ``stale(match)`` says to; returns their names."""
+    deleted = []
+    for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        m = re.match(rf"^\d+: ({name})[:@]", line)
+        if m and stale(m):
+            _sh("ip", "link", "del", m.group(1), check=False)
+            deleted.append(m.group(1))
+    return deleted
+
+
 # Run on a node after a failed job: MPICH's node files its killed ranks left in the node's /dev/shm.
 _SWEEP = ("import sys; from terrapipe import launch_env; "
           "launch_env.remove_orphaned_mpi_segments(float(sys.argv[1]))")
@@ -117,13 +129,10 @@ def remove_stale() -> list[str]:
             _kill_namespace(m.group(1))
             _sh("ip", "netns", "del", m.group(1), check=False)
             removed.append(m.group(1))
-    for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
-        # Bridges, and host ends of links (a node's namespace outlives its deletion while the
-        # kernel still holds its sockets: TCP ones cut off by a link taken down, for minutes).
-        m = re.match(rf"^\d+: ({_PREFIX}(\d+)c\d+(br|v\d+))[:@]", line)
-        if m and not launch_env.alive(int(m.group(2))):
-            _sh("ip", "link", "del", m.group(1), check=False)
-            removed.append(m.group(1))
+    # Bridges, and host ends of links (a node's namespace outlives its deletion while the
+    # kernel still holds its sockets: TCP ones cut off by a link taken down, for minutes).
+    removed += _delete_links(rf"{_PREFIX}(\d+)c\d+(br|v\d+)",
+                             lambda m: not launch_env.alive(int(m.group(2))))
     return removed
 
 
@@ -186,10 +195,7 @@ class Cluster:
     def _open(self) -> None:
         # A dead process with this pid may have left links of these names (remove_stale cannot
         # tell them from this process's own).
-        for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
-            m = re.match(rf"^\d+: ({self.name}(br|v\d+))[:@]", line)
-            if m:
-                _sh("ip", "link", "del", m.group(1), check=False)
+        _delete_links(rf"{self.name}(br|v\d+)", lambda m: True)
         subnet = _free_subnet()
         self.bridge_address = f"{subnet}.254"
         self.addresses = [f"{subnet}.{i + 1}" for i in range(self.nodes)]
@@ -265,6 +271,12 @@ class Cluster:
             raise ValueError(f"node: expected 0..{len(self._holders) - 1}, got {node}")
         return ["nsenter", "-t", str(self._holders[node].pid), "-n", "-i", "-u", "-m",
                 f"--wd={os.getcwd()}"]
+
+    def processes(self, node: int) -> list[int]:
+        """The pids of what runs on ``node`` now: every process in its namespaces but the one
+        that holds them (nothing between jobs, NOTE [leaving nothing behind] 2)."""
+        self.enter(node)  # checks node
+        return [p for p in _pids(self._ns(node)) if p != self._holders[node].pid]
 
     def mpiexec_args(self, ranks_per_node: int) -> list[str]:
         """``mpiexec`` and its arguments for one job of ``nodes * ranks_per_node`` ranks,

@@ -59,17 +59,14 @@ def _wait_started(tmp_path, nranks, proc, limit=120.0):
 
 
 def _left_on(cluster, node):
-    """(processes other than the node's holder, files in the node's /dev/shm)."""
-    ns = f"{cluster.name}n{node}"
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-    holder = cluster._holders[node].pid
+    """(commands of the processes on the node, files in the node's /dev/shm)."""
     procs = []
-    for pid in pids:
+    for pid in cluster.processes(node):
         try:
             cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ").strip()
         except OSError:
             continue
-        if int(pid) != holder and cmd:
+        if cmd:
             procs.append(cmd[:120])
     shm = subprocess.run([*cluster.enter(node), "ls", "/dev/shm"], capture_output=True,
                          text=True).stdout.split()
@@ -135,12 +132,10 @@ def test_a_node_lost_mid_allreduce_ends_the_job_and_leaves_nothing(emulated_clus
     runner.start()
     try:
         _wait_started(tmp_path, 4, lambda: None if runner.is_alive() else result.get("code"))
-        ns = f"{cluster.name}n1"
-        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                  text=True).stdout.split():
+        for pid in cluster.processes(1):
             cmd = open(f"/proc/{pid}/cmdline").read()
-            if int(pid) != cluster._holders[1].pid and (what == "node" or "job.py" in cmd):
-                os.kill(int(pid), 9)
+            if what == "node" or "job.py" in cmd:
+                os.kill(pid, 9)
         lost = time.monotonic()
         runner.join(timeout=TIMEOUT + 30)
         assert not runner.is_alive(), "the job hung after a node was lost"
