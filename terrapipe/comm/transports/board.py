@@ -29,6 +29,10 @@ NOTE [a peer lost across nodes]
        reach, within the collective's timeout. A late rank that died is named at once as ever.
     4. The column is not cleared after a loss: the group takes no further collectives (NOTE
        [collective ordering] 5 in comm/execution.py).
+    5. A rank of the node waiting in MPI itself (each local rank's own exchange across nodes)
+       reads the column too (ShmTransport.late): it raises as soon as a node peer marks a far
+       rank lost, not at its own timeout, which may come after the first rank's exit hook has
+       ended the job (NOTE [collective ordering] 6 in comm/execution.py).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from ...launch_env import alive
 from ..errors import CollectiveTimeoutError
 from ..wait import wait_until
 
-__all__ = ["Board", "SIG_WORDS", "wait_mode"]
+__all__ = ["Board", "LOST", "SIG_WORDS", "wait_mode"]
+
+LOST = "lost across nodes by a rank of this node"  # ShmTransport.late()'s why (clause 5)
 
 _SLOT = 64  # int64 words per rank on the board: one cache line for the counter, then the rest
 SIG_WORDS = 24

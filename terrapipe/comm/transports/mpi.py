@@ -26,6 +26,7 @@ from ..errors import CollectiveTimeoutError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from ..wait import wait_until
 from .base import OwnCollectives
+from .board import LOST
 
 __all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES"]
 
@@ -100,7 +101,8 @@ class MpiTransport(OwnCollectives):
 
     def _failure(self, reqs: list, timed_out: bool, what: str, peer: int | None) -> Exception | None:
         hint = self._late_hint()
-        died = hint is not None and hint[1] == "died"  # no use waiting out the timeout
+        lost = hint is not None and hint[1] == LOST
+        died = hint is not None and hint[1] == "died" or lost  # no use waiting out the timeout
         if not (died or timed_out):
             return None
         for req in reqs:
@@ -114,7 +116,8 @@ class MpiTransport(OwnCollectives):
                 and self._hosts[late[0]] != self._hosts[me]:
             self.on_lost(late[0])  # one peer, on another node
         names = ", ".join(self.describe(r) for r in late)
-        cause = "a peer died" if died else f"Timed out after {self.timeout:g}s"
+        cause = ("a rank of this node lost a peer" if lost else "a peer died" if died
+                 else f"Timed out after {self.timeout:g}s")
         return CollectiveTimeoutError(f"{what}: {cause} in MPI waiting for {names} ({why})", late)
 
     def describe(self, rank: int) -> str:

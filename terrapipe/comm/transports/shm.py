@@ -37,7 +37,7 @@ from ...kernels import sync as ksync
 from ...launch_env import alive
 from . import cma, hugepages
 from .base import Transport
-from .board import SIG_WORDS, Board, wait_mode
+from .board import LOST, SIG_WORDS, Board, wait_mode
 
 __all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "row_bytes", "wait_mode",
            "SIG_WORDS"]
@@ -164,13 +164,17 @@ class ShmTransport(Transport):
         self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
 
     def late(self) -> tuple[list[int], str] | None:
-        """Group ranks of this node that died or have not reached this rank's step, or None."""
+        """(group ranks, why) of this node that died, else the far rank one of them lost
+        (``why``: LOST), else those that have not reached this rank's step; or None."""
         board = self.board
         if board is None:
             return None
         dead = [board.ranks[q] for q in range(self.local_size) if not alive(int(board.pids[q]))]
         if dead:
             return dead, "died"
+        lost = [int(board.lost[q]) - 1 for q in range(self.local_size) if board.lost[q] > 0]
+        if lost:  # NOTE [a peer lost across nodes] in board.py
+            return lost[:1], LOST
         behind = [board.ranks[q] for q in range(self.local_size) if board.steps[q] < board.step]
         if behind:
             return behind, "not arrived at this collective"
