@@ -9,13 +9,14 @@ All arrays may be arbitrary strided views, which is how the loader fuses steps f
 
 Resampling uses Pillow's ``Image.resize(size, BILINEAR, box=...)`` filter: a separable triangle
 filter whose support widens by the scale factor when downscaling (antialiasing), with Pillow's
-22-bit fixed-point weights. The passes run in the other order than Pillow's, 8 output rows at a
-time: vertical first, as a contiguous (vectorized) loop over whole interleaved source rows of the
-crop, into a 16-bit intermediate with 8 fractional bits stored row-interleaved; then horizontal
-on only the output rows, where each tap multiplies the 8 rows x channels of one pixel as one
-contiguous vector (14-bit weights, so the int32 sum is exact). Rounding happens once, at the end,
-so results stay within one level of Pillow's (which rounds twice) and of pillow-simd's, at a
-fraction of the cost of a horizontal pass over every source row.
+22-bit fixed-point weights. The passes run in the other order than Pillow's, R output rows at a
+time: vertical first, over whole interleaved source rows of the crop, into a 16-bit intermediate
+with 8 fractional bits; then horizontal on only the output rows, where each tap multiplies the R
+rows of one channel of one pixel as one vector (14-bit weights, so the int32 sum is exact).
+Rounding happens once, at the end, so results stay within one level of Pillow's (which rounds
+twice) and of pillow-simd's. The passes are LLVM IR emitted at the CPU's vector width (R = 8
+int32 lanes on AVX2, 16 on AVX-512): :mod:`terrapipe.kernels.resample_ir`; the filter's
+coefficients and the checks are here, in Numba.
 
 Scratch memory is the caller's: weights from :func:`alloc_resize_scratch`, reused across calls.
 """
@@ -26,6 +27,8 @@ import math
 
 import numpy as np
 from numba import njit
+
+from . import resample_ir
 
 __all__ = [
     "PRECISION_BITS",
@@ -50,9 +53,6 @@ _VSHIFT = PRECISION_BITS - _FRAC
 # Horizontal weights: 16-bit value x 14-bit weight, summed over weights totalling 2**14, fits int32.
 _HBITS = 14
 _HSHIFT = _HBITS + _FRAC
-# Output rows resampled together: the horizontal pass's vector width (8 x int32 = one AVX2 lane set
-# per channel).
-_ROWS = 8
 
 
 def max_taps(in_len: float, out_len: int) -> int:
@@ -62,31 +62,33 @@ def max_taps(in_len: float, out_len: int) -> int:
 
 
 def alloc_resize_scratch(
-    max_src_h: int, max_src_w: int, out_h: int, out_w: int, channels: int
+    max_src_h: int, max_src_w: int, out_h: int, out_w: int, channels: int, lanes: int | None = None
 ) -> tuple[np.ndarray, ...]:
     """Scratch for :func:`resize_crop_bilinear` covering any box within a ``max_src_h x max_src_w``
-    source: ``(block, acc, hacc, xbounds, xweights, ybounds, yweights)``.
+    source: ``(block, xbounds, xweights, ybounds, yweights, params)``.
 
-    block: uint16 (max_src_w * channels * 8,), 8 vertically resampled rows (8 fractional bits),
-    interleaved by row; acc: int32 (8, max_src_w * channels), the vertical pass's accumulators;
-    hacc: int32 (channels * 8,), the horizontal pass's;
+    block: uint16 (max_src_w * channels * R,), R vertically resampled rows (8 fractional bits),
+    interleaved by row; R = ``lanes``, by default this CPU's int32 vector lanes
+    (:func:`resample_ir.vector_lanes`; another power of two runs too, e.g. to test a width);
     ``channels`` here is the source's bytes per pixel (4 for RGBX sources).
     xbounds/ybounds: int32 (out, 2), first tap and tap count per output pixel;
-    xweights/yweights: int32 (out, taps), fixed-point weights.
-    Owned by one thread: the kernel overwrites all of it on every call.
+    xweights/yweights: int32 (out, taps), fixed-point weights; params: int64 (N_PARAMS,), the
+    compiled passes' arguments. Owned by one thread: the kernel overwrites all of it on every call.
     """
     if min(max_src_h, max_src_w, out_h, out_w, channels) <= 0:
         raise ValueError("alloc_resize_scratch: every size must be positive")
-    row = max_src_w * channels
+    lanes = resample_ir.vector_lanes() if lanes is None else int(lanes)
+    if lanes & (lanes - 1) or not 2 <= lanes <= 64:
+        raise ValueError(f"alloc_resize_scratch: lanes must be a power of two in [2, 64], got {lanes}")
+    params = np.zeros(resample_ir.N_PARAMS, np.int64)
+    params[resample_ir.P_LANES] = lanes
     return (
-        np.empty(row * _ROWS, np.uint16),
-        # Zeroed: rows of a short last block are read (never stored), and must hold bounded values.
-        np.zeros((_ROWS, row), np.int32),
-        np.empty(channels * _ROWS, np.int32),
+        np.empty(max_src_w * channels * lanes, np.uint16),
         np.empty((out_w, 2), np.int32),
         np.empty((out_w, max_taps(max_src_w, out_w)), np.int32),
         np.empty((out_h, 2), np.int32),
         np.empty((out_h, max_taps(max_src_h, out_h)), np.int32),
+        params,
     )
 
 
@@ -147,64 +149,78 @@ def bilinear_coeffs(in_size, lo, hi, out_size, bounds, weights):
 
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _round8(ss):
-    v = (ss + (np.int64(1) << (_HSHIFT - 1))) >> _HSHIFT
-    if v < 0:
-        return np.uint8(0)
-    if v > 255:
-        return np.uint8(255)
-    return np.uint8(v)
-
-
-@njit(nogil=True, cache=True)
 def resize_crop_bilinear(
-    src, x0, y0, x1, y1, out, lut, flip, block, acc, hacc, xbounds, xweights, ybounds, yweights
-):
+    src, x0, y0, x1, y1, out, lut, flip, block, xbounds, xweights, ybounds, yweights, params
+) -> None:
     """Crop, resample (bilinear, antialiased), flip, map through ``lut``, write planar: one call.
 
-    src: uint8 (H, W, S), C-contiguous, read in place: the box is never copied. S >= C: the
-    first C bytes of each pixel are used, so padded RGBX pixels (S=4, C=3) work as they are.
+    src: uint8 (H, W, S), rows of any stride, pixels contiguous, read in place: the box is never
+    copied. S >= C: the first C bytes of each pixel are used, so padded RGBX pixels (S=4, C=3)
+    work as they are.
     x0, y0, x1, y1: float box [x0, x1) x [y0, y1) in source pixels (Pillow's ``box``), inside
     the image.
     out: (C, OH, OW) of ``lut``'s dtype, any strides (a sample's slot in an NCHW batch).
-    lut: (C, 256); out[c, y, x] = lut[c, resampled value]. :func:`identity_lut` for uint8,
-    :func:`build_normalize_lut` for mean/std normalisation to float32/float16/bfloat16.
+    lut: (C, 256), rows contiguous; out[c, y, x] = lut[c, resampled value]. :func:`identity_lut`
+    for uint8, :func:`build_normalize_lut` for mean/std normalisation to float32/float16/bfloat16.
     flip: mirror horizontally.
-    block, acc, hacc, xbounds, xweights, ybounds, yweights: scratch from
-    :func:`alloc_resize_scratch`.
+    block, xbounds, xweights, ybounds, yweights, params: scratch from :func:`alloc_resize_scratch`.
+    Releases the GIL for the whole call but the argument checks.
     """
-    in_h, in_w = src.shape[0], src.shape[1]
-    resize_crop_bilinear_region(src, 0, 0, in_w, in_h, x0, y0, x1, y1, out, lut, flip, block, acc, hacc,
-                                xbounds, xweights, ybounds, yweights)
+    resize_crop_bilinear_region(src, 0, 0, src.shape[1], src.shape[0], x0, y0, x1, y1, out, lut,
+                                flip, block, xbounds, xweights, ybounds, yweights, params)
 
 
-@njit(nogil=True, cache=True)
 def resize_crop_bilinear_region(
-    src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block, acc, hacc, xbounds, xweights,
-    ybounds, yweights
-):
+    src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block, xbounds, xweights, ybounds,
+    yweights, params
+) -> None:
     """:func:`resize_crop_bilinear` from a decoded *region* of a larger image: ``src`` holds
     pixels [ox, ox + W) x [oy, oy + H) of an ``img_w x img_h`` image, and the box is in image
     coordinates. Filter taps are computed on the whole image, so the result is bit-identical to
     cropping the same box from the whole image, provided the region holds every tap (else
-    ValueError: the caller decodes a margin around the box).
+    ValueError: the caller decodes a margin around the box). The loader's per-sample call.
     """
+    if src.dtype != np.uint8 or src.ndim != 3 or not _pixels_contiguous(src):
+        raise ValueError(f"src: expected uint8 (H, W, S) with contiguous pixels, got {src.dtype} "
+                         f"{src.shape} strides {src.strides}")
+    if out.ndim != 3 or lut.dtype != out.dtype or lut.ndim != 2 or lut.strides[1] != lut.itemsize:
+        raise ValueError(f"out/lut: expected (C, H, W) out and (C, 256) lut of one dtype, got "
+                         f"{out.dtype} {out.shape} and {lut.dtype} {lut.shape}")
+    if out.shape[0] > src.shape[2] or lut.shape[0] < out.shape[0] or lut.shape[1] != 256:
+        raise ValueError(f"resize_crop_bilinear: {out.shape[0]} output channels from a source of "
+                         f"{src.shape[2]} bytes per pixel and a lut of shape {lut.shape}")
+    lanes = int(params[resample_ir.P_LANES])
+    address = resample_ir.kernel(src.shape[2], out.shape[0], out.itemsize, lanes)
+    _resize_region(address, lanes, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block,
+                   xbounds, xweights, ybounds, yweights, params)
+
+
+def _pixels_contiguous(src: np.ndarray) -> bool:
+    # Bytes of a pixel adjacent, pixels of a row adjacent (a length-1 axis may have any stride).
+    _, w, s = src.shape
+    return (s == 1 or src.strides[2] == 1) and (w == 1 or src.strides[1] == s)
+
+
+@njit(nogil=True, cache=True)
+def _resize_region(
+    address, lanes, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block, xbounds, xweights,
+    ybounds, yweights, params
+):
+    # The filter's taps (Numba), then the two passes at the CPU's vector width (resample_ir).
     in_h, in_w, stride = src.shape
-    channels = out.shape[0]
     out_h = out.shape[1]
     out_w = out.shape[2]
-    if channels > stride or lut.shape[0] < channels:
-        raise ValueError("resize_crop_bilinear: more output channels than source/lut channels")
-    flat = src.reshape((in_h, in_w * stride))
-
     bilinear_coeffs(img_w, x0, x1, out_w, xbounds, xweights)
     bilinear_coeffs(img_h, y0, y1, out_h, ybounds, yweights)
     if (xbounds[0, 0] < ox or xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1] > ox + in_w
             or ybounds[0, 0] < oy or ybounds[out_h - 1, 0] + ybounds[out_h - 1, 1] > oy + in_h):
         raise ValueError("resize_crop_bilinear_region: the region lacks filter taps of the box")
+    # Only source columns [col_first, col_last) feed the horizontal taps; the passes see x taps
+    # relative to col_first and y taps relative to the region's first row.
+    col_first = xbounds[0, 0] - ox
+    col_last = xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1] - ox
     for x in range(out_w):
-        xbounds[x, 0] -= ox
+        xbounds[x, 0] -= ox + col_first
     for y in range(out_h):
         ybounds[y, 0] -= oy
     # The horizontal pass multiplies 16-bit intermediates, so its weights drop to _HBITS bits
@@ -213,78 +229,24 @@ def resize_crop_bilinear_region(
         for t in range(xbounds[x, 1]):
             xweights[x, t] = (xweights[x, t] + (1 << (PRECISION_BITS - _HBITS - 1))) >> (
                 PRECISION_BITS - _HBITS)
-    # Only source columns [col_first, col_last) feed the horizontal taps.
-    col_first = xbounds[0, 0]
-    col_last = xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1]
-    j0 = col_first * stride
     span = (col_last - col_first) * stride
-    if span * _ROWS > block.shape[0] or span > acc.shape[1] or stride * _ROWS > hacc.shape[0]:
+    if span * lanes > block.shape[0]:
         raise ValueError("resize_crop_bilinear: scratch is too small for this box")
-
-    for o0 in range(0, out_h, _ROWS):
-        rows = min(_ROWS, out_h - o0)
-        _vertical_pass(flat, j0, span, o0, rows, ybounds, yweights, block, acc)
-        _horizontal_pass(block, col_first, out, o0, rows, lut, flip, stride, xbounds, xweights, hacc)
-
-
-@njit(nogil=True, cache=True)
-def _vertical_pass(flat, j0, span, o0, rows, ybounds, yweights, block, acc):
-    # acc[r, :span] = sum_t w[o0 + r, t] * flat[ymin + t, j0 : j0 + span]: contiguous, vectorized.
-    for r in range(rows):
-        o = o0 + r
-        ymin = ybounds[o, 0]
-        n = ybounds[o, 1]
-        a = acc[r]
-        for j in range(span):
-            a[j] = 1 << (_VSHIFT - 1)
-        for t in range(n):
-            wt = yweights[o, t]
-            row = flat[ymin + t, j0 : j0 + span]
-            for j in range(span):
-                a[j] += np.int32(row[j]) * wt
-    # Interleave the rows (block[j * _ROWS + r]) so the horizontal taps read _ROWS rows of one
-    # pixel as one contiguous vector. Rows past ``rows`` carry stale, bounded values that are
-    # never stored. The literal-width inner loop is what LLVM turns into shuffles.
-    for j in range(span):
-        for r in range(_ROWS):
-            block[j * _ROWS + r] = np.uint16(acc[r, j] >> _VSHIFT)
-
-
-@njit(nogil=True, cache=True)
-def _horizontal_pass(block, col_first, out, o0, rows, lut, flip, stride, xbounds, xweights, hacc):
-    # The common shapes get their own copy of the loop with literal sizes: fixed trip counts are
-    # what turn the taps into a few vector instructions and the stores into straight-line code.
-    channels = out.shape[0]
-    if rows == _ROWS and channels == 3 and stride == 4:
-        _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, 4, 3, _ROWS)
-    elif rows == _ROWS and channels == 3 and stride == 3:
-        _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, 3, 3, _ROWS)
-    else:
-        _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, stride, channels, rows)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _hrows(block, col_first, out, o0, lut, flip, xbounds, xweights, hacc, stride, channels, rows):
-    # hacc[c * _ROWS + r] = sum_t w[x, t] * (pixel xmin + t, channel c, row o0 + r): each tap is
-    # one contiguous run of stride * _ROWS values. ``stride``: bytes per source pixel, of which
-    # the first ``channels`` are used.
-    last = out.shape[2] - 1
-    width = stride * _ROWS
-    for x in range(out.shape[2]):
-        base = (xbounds[x, 0] - col_first) * width
-        for k in range(width):
-            hacc[k] = 0
-        for t in range(xbounds[x, 1]):
-            wt = xweights[x, t]
-            b = base + t * width
-            for k in range(width):
-                hacc[k] += np.int32(block[b + k]) * wt
-        xo = last - x if flip else x
-        for c in range(channels):
-            plane = out[c]
-            table = lut[c]
-            for r in range(rows):
-                plane[o0 + r, xo] = table[_round8(hacc[c * _ROWS + r])]
+    params[resample_ir.P_SRC_ROW] = src.strides[0]
+    params[resample_ir.P_SRC_H] = in_h
+    params[resample_ir.P_J0] = col_first * stride
+    params[resample_ir.P_SPAN] = span
+    params[resample_ir.P_KY] = yweights.shape[1]
+    params[resample_ir.P_KX] = xweights.shape[1]
+    params[resample_ir.P_OUT_CS] = out.strides[0]
+    params[resample_ir.P_OUT_YS] = out.strides[1]
+    params[resample_ir.P_OUT_XS] = out.strides[2]
+    params[resample_ir.P_LUT_ROW] = lut.strides[0]
+    params[resample_ir.P_OUT_H] = out_h
+    params[resample_ir.P_OUT_W] = out_w
+    params[resample_ir.P_FLIP] = 1 if flip else 0
+    resample_ir.call_kernel(address, params, src, ybounds, yweights, xbounds, xweights, block, out,
+                            lut)
 
 
 @njit(nogil=True, cache=True)

@@ -7,6 +7,7 @@ from PIL import Image
 
 from terrapipe.kernels.image import (
     alloc_resize_scratch,
+    bilinear_coeffs,
     build_normalize_lut,
     hflip,
     hwc_to_chw,
@@ -154,7 +155,9 @@ def test_region_resize_equals_resize_of_the_whole_image(args, data):
     whole = np.empty((3, oh, ow), np.uint8)
     resize_crop_bilinear(img, *map(float, box), whole, lut, False, *scratch)
     # The taps span: what bilinear_coeffs reads for this box.
-    taps_x, taps_y = scratch[3], scratch[5]
+    taps_x, taps_y = np.empty((ow, 2), np.int32), np.empty((oh, 2), np.int32)
+    bilinear_coeffs(w, float(box[0]), float(box[2]), ow, taps_x, np.empty((ow, max_taps(w, ow)), np.int32))
+    bilinear_coeffs(h, float(box[1]), float(box[3]), oh, taps_y, np.empty((oh, max_taps(h, oh)), np.int32))
     lo_x, hi_x = int(taps_x[0, 0]), int(taps_x[ow - 1, 0] + taps_x[ow - 1, 1])
     lo_y, hi_y = int(taps_y[0, 0]), int(taps_y[oh - 1, 0] + taps_y[oh - 1, 1])
     ox = data.draw(st.integers(0, lo_x))

@@ -1,0 +1,435 @@
+"""The two resampling passes of :mod:`terrapipe.kernels.image`, emitted as LLVM IR at the vector
+width of the CPU the process runs on, and called from Numba through a function pointer.
+
+NOTE [a kernel generated for the machine at hand]
+1. Why IR and not a Numba loop. Numba hands LLVM scalar loops and LLVM's vectorizer picks the
+   width: on the Xeons with AVX-512 that is 256 bits (LLVM's ``prefer-256-bit`` tuning), and
+   the horizontal taps, whose offsets come from a table, were not vectorized at all. Here the
+   vectors are explicit (``<R x i32>``), so the width is ours: R = the CPU's vector bits / 32,
+   8 on AVX2 (ymm), 16 on AVX-512 (zmm, with the function attributes that let the backend use
+   512-bit registers), 4 on 128-bit ISAs. :func:`assembly` shows what a given CPU gets, and
+   the tests check it for AVX2 and AVX-512 targets on any machine.
+2. The arithmetic is the scalar kernel's, unchanged: the vertical pass sums 22-bit weights times
+   uint8 pixels in int32 and keeps 8 fractional bits in a uint16; the horizontal pass sums 14-bit
+   weights times those in int32 and rounds once. So results are bit-identical at every width.
+3. Layout. One block is R output rows. The vertical pass computes, for R source columns (bytes)
+   at a time, the R rows as R vectors across columns, then transposes the R x R tile with a
+   shuffle network (log2 R rounds of interleaves) and stores it column-major: the block holds
+   ``block[(pixel * S + channel) * R + row]``. The horizontal pass then multiplies one tap of
+   one channel for all R rows as one contiguous vector load, and never shuffles. Every row of
+   a block runs as many vertical taps as its widest row (zero weights pad the others), so the
+   R accumulators live in registers through one loop instead of one loop per row.
+4. Specialized per (R, source bytes per pixel S, output channels C, output element size E), the
+   sizes that fix the loops' shapes; compiled on first use in a process (~0.4 s), under a lock,
+   and its machine code cached on disk beside Numba's (a later process loads it in ~20 ms).
+   The loops over output pixels and taps stay runtime loops.
+5. Ownership: every pointer is the caller's; the kernel writes only ``block`` (scratch) and
+   ``out``, and keeps nothing between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import llvmlite.binding as llvm
+import llvmlite.ir as ir
+from numba import types
+from numba.core import config
+from numba.extending import intrinsic
+
+__all__ = ["N_PARAMS", "vector_lanes", "kernel", "emit", "assembly", "call_kernel"]
+
+# Slots of the kernel's int64 parameter array (NOTE [a kernel generated ...] 5: the caller's).
+(P_LANES, P_SRC_ROW, P_SRC_H, P_J0, P_SPAN, P_KY, P_KX, P_OUT_CS, P_OUT_YS, P_OUT_XS, P_LUT_ROW,
+ P_OUT_H, P_OUT_W, P_FLIP) = range(14)
+N_PARAMS = 14
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_P8 = _I8.as_pointer()
+_ARGS = ("params", "src", "ybounds", "yweights", "xbounds", "xweights", "block", "out", "lut")
+_FNTY = ir.FunctionType(ir.VoidType(), [_P8] * len(_ARGS))
+
+
+def vector_lanes(features: str | None = None) -> int:
+    """int32 lanes of the widest vector registers that ``features`` (LLVM's ``+avx2,...``
+    string; default: this CPU's) offer: 16 with AVX-512 (F and BW), 8 with AVX2, else 4."""
+    if features is None:
+        return _host_lanes()
+    have = {f[1:] for f in features.split(",") if f.startswith("+")}
+    if {"avx512f", "avx512bw"} <= have:
+        return 16
+    if "avx2" in have:
+        return 8
+    return 4
+
+
+@functools.cache
+def _host_lanes() -> int:
+    return vector_lanes(llvm.get_host_cpu_features().flatten())
+
+
+def _c64(v: int) -> ir.Constant:
+    return ir.Constant(_I64, v)
+
+
+@contextmanager
+def _for(b: ir.IRBuilder, start, stop, step: int = 1) -> Iterator[ir.Value]:
+    """``for i in range(start, stop, step)`` (i64, signed compare); yields ``i`` in the body."""
+    fn = b.function
+    with b.goto_block(fn.entry_basic_block):
+        slot = b.alloca(_I64)
+    b.store(start, slot)
+    head = fn.append_basic_block("for.head")
+    body = fn.append_basic_block("for.body")
+    done = fn.append_basic_block("for.end")
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.load(slot)
+    b.cbranch(b.icmp_signed("<", i, stop), body, done)
+    b.position_at_end(body)
+    yield i
+    b.store(b.add(i, _c64(step)), slot)
+    b.branch(head)
+    b.position_at_end(done)
+
+
+def _splat(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
+    vt = ir.VectorType(value.type, lanes)
+    one = b.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
+    zeros = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
+    return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), zeros)
+
+
+def _at(b: ir.IRBuilder, base: ir.Value, byte_offset: ir.Value, ty: ir.Type) -> ir.Value:
+    """Pointer to a ``ty`` at ``base + byte_offset``."""
+    return b.bitcast(b.gep(base, [byte_offset]), ty.as_pointer())
+
+
+def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
+    """R vectors of R lanes -> their transpose: log2(R) rounds pairing vector i with i + R/2
+    and interleaving their low halves, then their high halves (NOTE [...] 3)."""
+    r = len(rows)
+    half = r // 2
+    mask_t = ir.VectorType(_I32, r)
+    lo = ir.Constant(mask_t, [k for i in range(half) for k in (i, i + r)])
+    hi = ir.Constant(mask_t, [k for i in range(half, r) for k in (i, i + r)])
+    for _ in range(r.bit_length() - 1):
+        out = []
+        for i in range(half):
+            out.append(b.shuffle_vector(rows[i], rows[i + half], lo))
+            out.append(b.shuffle_vector(rows[i], rows[i + half], hi))
+        rows = out
+    return rows
+
+
+def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift: int,
+         name: str) -> str:
+    """LLVM IR (text) of ``void name(i8* params, src, ybounds, yweights, xbounds, xweights,
+    block, out, lut)``: the block loop of :func:`terrapipe.kernels.image.resize_crop_bilinear_region`.
+
+    lanes: R, rows per block and int32 lanes per vector (a power of two). stride: source bytes
+    per pixel (S). channels: output channels (C <= S). esize: bytes per output element (1, 2,
+    4 or 8), the lut's. vshift / hshift: the passes' fixed-point shifts.
+    Arguments at run time: params int64[N_PARAMS] (slots ``P_*``); src uint8, ``params[P_SRC_H]``
+    rows of ``params[P_SRC_ROW]`` bytes; ybounds/xbounds int32 (n, 2) (first tap, taps), x's relative to
+    the first column read; yweights/xweights int32 (n, params[P_KY / P_KX]); block uint16
+    (span * R); out any byte strides ``params[P_OUT_CS/YS/XS]``; lut (C, 256) rows of
+    ``params[P_LUT_ROW]`` bytes.
+    """
+    if lanes & (lanes - 1) or not 2 <= lanes <= 64:
+        raise ValueError(f"emit: lanes must be a power of two in [2, 64], got {lanes}")
+    if not 1 <= channels <= stride:
+        raise ValueError(f"emit: need 1 <= channels <= stride, got {channels}, {stride}")
+    if esize not in (1, 2, 4, 8):
+        raise ValueError(f"emit: esize must be 1, 2, 4 or 8, got {esize}")
+    R = lanes
+    v32, v16, v8 = ir.VectorType(_I32, R), ir.VectorType(_I16, R), ir.VectorType(_I8, R)
+    elem = ir.IntType(8 * esize)
+    module = ir.Module(name)
+    fn = ir.Function(module, _FNTY, name)
+    for arg, arg_name in zip(fn.args, _ARGS, strict=True):
+        arg.name = arg_name
+        arg.add_attribute("noalias")  # every buffer is a distinct array of the caller's
+    params, src, ybounds, yweights, xbounds, xweights, block, out, lut = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    start = fn.append_basic_block("start")
+    b.branch(start)
+    b.position_at_end(start)
+
+    def param(k):
+        return b.load(_at(b, params, _c64(8 * k), _I64))
+
+    def i32_at(base, index):  # base[index] of an int32 array, as i64
+        return b.sext(b.load(_at(b, base, b.shl(index, _c64(2)), _I32)), _I64)
+
+    src_row, j0, span, ky, kx = (param(k) for k in (P_SRC_ROW, P_J0, P_SPAN, P_KY, P_KX))
+    cs, ys, xs, lut_row = (param(k) for k in (P_OUT_CS, P_OUT_YS, P_OUT_XS, P_LUT_ROW))
+    out_h, out_w = param(P_OUT_H), param(P_OUT_W)
+    flip = b.icmp_signed("!=", param(P_FLIP), _c64(0))
+    span_full = b.and_(span, _c64(-R))
+    vround = _splat(b, ir.Constant(_I32, 1 << (vshift - 1)), R)
+    hround = _splat(b, ir.Constant(_I32, 1 << (hshift - 1)), R)
+    v_vshift = _splat(b, ir.Constant(_I32, vshift), R)
+    v_hshift = _splat(b, ir.Constant(_I32, hshift), R)
+    zero, top = _splat(b, ir.Constant(_I32, 0), R), _splat(b, ir.Constant(_I32, 255), R)
+    src_h = param(P_SRC_H)
+    # The vertical taps of one block, tap-major: (source byte offset, weight) of tap t of row r
+    # at [t * R + r]. Sized for the widest filter (ky taps).
+    toff = b.alloca(_I64, size=b.mul(ky, _c64(R)))
+    tw = b.alloca(_I32, size=b.mul(ky, _c64(R)))
+    with b.goto_block(fn.entry_basic_block):
+        vaccs = [b.alloca(v32) for _ in range(R)]
+        sacc = b.alloca(_I32)
+        haccs = [b.alloca(v32) for _ in range(channels)]
+
+    with _for(b, _c64(0), out_h, R) as o0:
+        left = b.sub(out_h, o0)
+        rows = b.select(b.icmp_signed("<", left, _c64(R)), left, _c64(R))
+        # Every row of the block runs K taps, K the most any of its rows has: a row with fewer
+        # gets zero weights on a clamped (valid) source row. One loop shape for all R rows keeps
+        # their accumulators in registers, where a loop per row spilled them and branched per row.
+        # Rows past the image (a short last block) get no taps: they hold zeros, never stored.
+        taps, ymins, wrows = [], [], []
+        K = _c64(0)
+        for r in range(R):
+            y = b.add(o0, _c64(r))
+            inside = b.icmp_signed("<", y, out_h)
+            y = b.select(inside, y, b.sub(out_h, _c64(1)))
+            n = b.select(inside, i32_at(ybounds, b.add(b.shl(y, _c64(1)), _c64(1))), _c64(0))
+            taps.append(n)
+            ymins.append(i32_at(ybounds, b.shl(y, _c64(1))))
+            wrows.append(b.mul(y, ky))
+            K = b.select(b.icmp_signed(">", n, K), n, K)
+        last_row = b.sub(src_h, _c64(1))
+        with _for(b, _c64(0), K) as t:
+            for r in range(R):
+                row = b.add(ymins[r], t)
+                row = b.select(b.icmp_signed(">", row, last_row), last_row, row)
+                slot = b.add(b.mul(t, _c64(R)), _c64(r))
+                b.store(b.add(b.mul(row, src_row), j0), b.gep(toff, [slot]))
+                w = b.trunc(i32_at(yweights, b.add(wrows[r], t)), _I32)
+                b.store(b.select(b.icmp_signed("<", t, taps[r]), w, ir.Constant(_I32, 0)),
+                        b.gep(tw, [slot]))
+
+        def tap(t, r):  # (source byte offset, weight) of tap t of row r
+            slot = b.add(b.mul(t, _c64(R)), _c64(r))
+            return b.load(b.gep(toff, [slot])), b.load(b.gep(tw, [slot]))
+
+        # Vertical pass, R columns at a time: R row vectors, transposed into R column vectors.
+        with _for(b, _c64(0), span_full, R) as j:
+            for acc in vaccs:
+                b.store(vround, acc)
+            with _for(b, _c64(0), K) as t:
+                for r, acc in enumerate(vaccs):
+                    off, w = tap(t, r)
+                    px = b.zext(b.load(_at(b, src, b.add(off, j), v8), align=1), v32)
+                    b.store(b.add(b.load(acc), b.mul(px, _splat(b, w, R))), acc)
+            row_vecs = [b.trunc(b.lshr(b.load(acc), v_vshift), v16) for acc in vaccs]
+            for k, col in enumerate(_transpose(b, row_vecs)):
+                dst = _at(b, block, b.shl(b.mul(b.add(j, _c64(k)), _c64(R)), _c64(1)), v16)
+                b.store(col, dst, align=2)
+        # The columns past the last whole vector, one value at a time.
+        with _for(b, span_full, span) as j:
+            for r in range(R):
+                b.store(ir.Constant(_I32, 1 << (vshift - 1)), sacc)
+                with _for(b, _c64(0), K) as t:
+                    off, w = tap(t, r)
+                    px = b.zext(b.load(b.gep(src, [b.add(off, j)])), _I32)
+                    b.store(b.add(b.load(sacc), b.mul(px, w)), sacc)
+                dst = _at(b, block, b.shl(b.add(b.mul(j, _c64(R)), _c64(r)), _c64(1)), _I16)
+                b.store(b.trunc(b.lshr(b.load(sacc), ir.Constant(_I32, vshift)), _I16), dst)
+
+        # Horizontal pass: per output pixel, each tap of each channel is one vector of R rows.
+        full = b.icmp_signed("==", rows, _c64(R))
+        with _for(b, _c64(0), out_w) as x:
+            xmin = i32_at(xbounds, b.shl(x, _c64(1)))
+            n = i32_at(xbounds, b.add(b.shl(x, _c64(1)), _c64(1)))
+            for acc in haccs:
+                b.store(hround, acc)
+            wrow = b.mul(x, kx)
+            with _for(b, _c64(0), n) as t:
+                w = _splat(b, b.trunc(i32_at(xweights, b.add(wrow, t)), _I32), R)
+                # Element index of (pixel xmin + t, channel 0, row 0) in the block.
+                base = b.mul(b.add(xmin, t), _c64(stride * R))
+                for c, acc in enumerate(haccs):
+                    p = _at(b, block, b.shl(b.add(base, _c64(c * R)), _c64(1)), v16)
+                    px = b.zext(b.load(p, align=2), v32)
+                    b.store(b.add(b.load(acc), b.mul(px, w)), acc)
+            xo = b.select(flip, b.sub(b.sub(out_w, _c64(1)), x), x)
+            obase = b.add(b.mul(xo, xs), b.mul(o0, ys))
+            values = []
+            for acc in haccs:
+                v = b.ashr(b.load(acc), v_hshift)
+                v = b.select(b.icmp_signed("<", v, zero), zero, v)
+                v = b.select(b.icmp_signed(">", v, top), top, v)
+                values.append(b.trunc(v, v8))
+
+            def store(c, v, r):  # out[c, o0 + r, xo] = lut[c, v[r]]
+                byte = b.zext(b.extract_element(v, r), _I64)
+                e = b.load(_at(b, lut, b.add(b.mul(_c64(c), lut_row), b.mul(byte, _c64(esize))), elem),
+                           align=esize)
+                dst = _at(b, out, b.add(b.add(obase, b.mul(_c64(c), cs)), b.mul(b.zext(r, _I64), ys)), elem)
+                b.store(e, dst, align=esize)
+
+            with b.if_else(full) as (whole, partial):
+                with whole:  # every block but the last: R stores per channel, unrolled
+                    for c, v in enumerate(values):
+                        for r in range(R):
+                            store(c, v, ir.Constant(_I32, r))
+                with partial:
+                    for c, v in enumerate(values):
+                        with _for(b, _c64(0), rows) as r:
+                            store(c, v, b.trunc(r, _I32))
+    b.ret_void()
+
+    text = str(module)
+    # Let the backend use registers as wide as the vectors (NOTE [...] 1): without these,
+    # LLVM splits 512-bit vectors in two on CPUs tuned to prefer 256 bits.
+    bits = 32 * R
+    head = text.index(f'define void @"{name}"')
+    brace = text.index("\n{", head)
+    return (text[:brace] + " #0" + text[brace:] + f'\nattributes #0 = {{ nounwind '
+            f'"prefer-vector-width"="{bits}" "min-legal-vector-width"="{bits}" }}\n')
+
+
+_lock = threading.Lock()
+_compiled: dict[tuple[int, ...], int] = {}
+_engines: list = []  # the JIT engines own the code: kept for the life of the process
+
+
+def _target_machine(cpu: str, features: str, jit: bool):
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    target = llvm.Target.from_default_triple()
+    return target.create_target_machine(cpu=cpu, features=features, opt=3,
+                                        codemodel="jitdefault" if jit else "default", jit=jit)
+
+
+def _optimized(text: str, tm) -> llvm.ModuleRef:
+    mod = llvm.parse_assembly(text)
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    mod.verify()
+    pto = llvm.create_pipeline_tuning_options(speed_level=3)
+    pb = llvm.create_pass_builder(tm, pto)
+    pb.getModulePassManager().run(mod, pb)
+    return mod
+
+
+def _shifts() -> tuple[int, int]:
+    from . import image  # the fixed point is image's (NOTE [...] 2)
+
+    return image._VSHIFT, image._HSHIFT
+
+
+def kernel(stride: int, channels: int, esize: int, lanes: int | None = None) -> int:
+    """Address of this CPU's compiled kernel for (source bytes per pixel, output channels,
+    output element size) at ``lanes`` (default :func:`vector_lanes`; any power of two runs on
+    any CPU, LLVM splitting what is wider than its registers), compiled on first use
+    (NOTE [a kernel generated ...] 4) or loaded from the object cache. Thread-safe."""
+    lanes = vector_lanes() if lanes is None else lanes
+    key = (stride, channels, esize, lanes)
+    address = _compiled.get(key)
+    if address is not None:
+        return address
+    with _lock:
+        if key not in _compiled:
+            name = f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}"
+            cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+            tm = _target_machine(cpu, features, True)
+            text = emit(lanes, stride, channels, esize, *_shifts(), name)
+            cache = _ObjectCache(text, cpu, features)
+            if cache.hit():  # MCJIT takes the object; the IR is only its identity
+                mod = llvm.parse_assembly(text)
+                mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
+            else:
+                mod = _optimized(text, tm)
+            engine = llvm.create_mcjit_compiler(mod, tm)
+            engine.set_object_cache(cache.store, cache.load)
+            engine.finalize_object()
+            _engines.append(engine)
+            _compiled[key] = engine.get_function_address(name)
+        return _compiled[key]
+
+
+class _ObjectCache:
+    """Machine code of one kernel on disk, beside Numba's cache (``NUMBA_CACHE_DIR``, else this
+    package's ``__pycache__``), keyed by the IR, the CPU and its features, and LLVM's version:
+    a second process loads it instead of spending ~0.4 s compiling. Only a file this user owns
+    and nobody else can write is loaded; an unwritable directory just means no cache."""
+
+    def __init__(self, text: str, cpu: str, features: str) -> None:
+        ident = "\0".join([text, cpu, features, ".".join(map(str, llvm.llvm_version_info))])
+        digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
+        root = config.CACHE_DIR or os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
+        self.path = os.path.join(root, f"resample_ir-{digest}.o")
+
+    def hit(self) -> bool:
+        return self._trusted_bytes() is not None
+
+    def _trusted_bytes(self) -> bytes | None:
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                    return None
+                return f.read()
+        except OSError:
+            return None
+
+    def load(self, module) -> bytes | None:
+        return self._trusted_bytes()
+
+    def store(self, module, buffer: bytes) -> None:
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(buffer)
+            os.replace(tmp, self.path)  # atomic: a reader sees the old file or the whole new one
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def assembly(cpu: str | None = None, lanes: int | None = None, stride: int = 4,
+             channels: int = 3, esize: int = 4) -> str:
+    """The kernel's x86/ARM assembly as compiled for ``cpu`` (an LLVM CPU name, e.g.
+    ``"haswell"``, ``"skylake-avx512"``, with that CPU's default features; default: this CPU
+    and its lanes) at ``lanes`` int32 lanes: to check the vector width a machine would run at,
+    from any machine (NOTE [a kernel generated ...] 1)."""
+    if cpu is None:
+        tm = _target_machine(llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), False)
+        lanes = vector_lanes() if lanes is None else lanes
+    else:
+        if lanes is None:
+            raise ValueError("assembly: name the lanes for another cpu")
+        tm = _target_machine(cpu, "", False)
+    name = f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}"
+    return tm.emit_assembly(_optimized(emit(lanes, stride, channels, esize, *_shifts(), name), tm))
+
+
+@intrinsic
+def call_kernel(typingctx, address, params, src, ybounds, yweights, xbounds, xweights, block, out,
+                lut):
+    """From Numba: call the kernel at ``address`` (from :func:`kernel`) on these arrays' data.
+    The arrays stay the caller's (NOTE [...] 5); no reference is taken."""
+    sig = types.void(address, params, src, ybounds, yweights, xbounds, xweights, block, out, lut)
+
+    def codegen(context, builder, signature, args):
+        pointers = []
+        for ty, value in zip(signature.args[1:], args[1:], strict=True):
+            data = context.make_array(ty)(context, builder, value).data
+            pointers.append(builder.bitcast(data, _P8))
+        target = builder.inttoptr(args[0], _FNTY.as_pointer())
+        builder.call(target, pointers)
+        return context.get_dummy_value()
+
+    return sig, codegen

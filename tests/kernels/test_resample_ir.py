@@ -1,0 +1,216 @@
+"""The resampling passes emitted at the CPU's vector width (terrapipe.kernels.resample_ir):
+bit-identical to the scalar kernel they replaced at every width, and the width a CPU gets is the
+one its registers hold (checked in the assembly for AVX2 and AVX-512 targets on any machine)."""
+
+import re
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from terrapipe.kernels import resample_ir
+from terrapipe.kernels.image import (
+    alloc_resize_scratch,
+    build_normalize_lut,
+    identity_lut,
+    resize_crop_bilinear,
+    resize_crop_bilinear_region,
+)
+
+from .scalar_resize import alloc, resize_region
+
+LANES = (4, 8, 16)  # every width runs on any CPU (LLVM splits what its registers cannot hold)
+
+
+@st.composite
+def cases(draw):
+    """An image (any bytes per pixel), a box in it, an output size (blocks with a short last
+    one, spans off the vector width), an output dtype and a flip."""
+    h = draw(st.integers(1, 70))
+    w = draw(st.integers(1, 70))
+    stride = draw(st.sampled_from([1, 2, 3, 4]))
+    channels = draw(st.integers(1, stride))
+    seed = draw(st.integers(0, 2**16))
+    g = np.random.default_rng(seed)
+    kind = draw(st.sampled_from(["noise", "edges", "flat255"]))
+    if kind == "noise":
+        img = g.integers(0, 256, (h, w, stride), dtype=np.uint8)
+    elif kind == "edges":
+        img = np.where(g.random((h, w, stride)) > 0.5, 255, 0).astype(np.uint8)
+    else:  # the largest intermediate values: 255 everywhere
+        img = np.full((h, w, stride), 255, np.uint8)
+    x0 = draw(st.floats(0, w - 0.25))
+    y0 = draw(st.floats(0, h - 0.25))
+    x1 = draw(st.floats(min(x0 + 0.25, w), w))
+    y1 = draw(st.floats(min(y0 + 0.25, h), h))
+    oh = draw(st.integers(1, 60))
+    ow = draw(st.integers(1, 60))
+    dtype = draw(st.sampled_from([np.uint8, np.uint16, np.float32, np.float64]))
+    flip = draw(st.booleans())
+    return img, (x0, y0, x1, y1), (oh, ow), channels, dtype, flip
+
+
+def _lut(channels, dtype, seed=0):
+    if dtype == np.uint8:
+        return identity_lut(channels)
+    g = np.random.default_rng(seed)
+    return (g.standard_normal((channels, 256)) * 1000).astype(dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(), st.sampled_from(LANES))
+def test_every_width_is_bit_identical_to_the_scalar_kernel(case, lanes):
+    img, box, (oh, ow), channels, dtype, flip = case
+    h, w, stride = img.shape
+    lut = _lut(channels, dtype)
+    ref = np.zeros((channels, oh, ow), dtype)
+    resize_region(img, 0, 0, w, h, *box, ref, lut, flip, *alloc(h, w, oh, ow, stride))
+    out = np.zeros((channels, oh, ow), dtype)
+    resize_crop_bilinear(img, *box, out, lut, flip, *alloc_resize_scratch(h, w, oh, ow, stride, lanes))
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("lanes", LANES)
+def test_strided_outputs_and_regions_and_reused_scratch(lanes):
+    """A channels-last slot of a batch (writes nothing else), a region of a larger image with a
+    padded row stride, and one scratch reused across sizes and sources."""
+    g = np.random.default_rng(lanes)
+    lut = build_normalize_lut((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    scratch = alloc_resize_scratch(300, 300, 37, 41, 4, lanes)
+    for trial in range(20):
+        h, w = g.integers(40, 300, 2)
+        img = g.integers(0, 256, (h, w, 4), dtype=np.uint8)
+        box = (float(g.uniform(0, w / 3)), float(g.uniform(0, h / 3)),
+               float(g.uniform(w / 2, w)), float(g.uniform(h / 2, h)))
+        ref = np.zeros((3, 37, 41), np.float32)
+        resize_region(img, 0, 0, w, h, *box, ref, lut, bool(trial % 2), *alloc(h, w, 37, 41, 4))
+        batch = np.zeros((3, 37, 41, 3), np.float32)  # NHWC storage, written as NCHW views
+        resize_crop_bilinear(img, *box, batch[1].transpose(2, 0, 1), lut, bool(trial % 2), *scratch)
+        np.testing.assert_array_equal(batch[1].transpose(2, 0, 1), ref)
+        assert not batch[0].any() and not batch[2].any()
+        # The same box from a region (rows padded to a wider buffer) around its taps.
+        ox, oy = int(box[0]) // 2, int(box[1]) // 2
+        padded = np.zeros((h - oy, w + 7, 4), np.uint8)
+        padded[:, : w - ox] = img[oy:, ox:]
+        region = padded[:, : w - ox]
+        part = np.zeros((3, 37, 41), np.float32)
+        resize_crop_bilinear_region(region, ox, oy, w, h, *box, part, lut, bool(trial % 2), *scratch)
+        np.testing.assert_array_equal(part, ref)
+
+
+def test_threads_compiling_at_once_get_one_kernel_and_exact_results():
+    """Eight threads racing to the first use of a new specialization: one compilation, and
+    every thread's output equals the reference."""
+    g = np.random.default_rng(7)
+    img = g.integers(0, 256, (90, 120, 2), dtype=np.uint8)
+    lut = _lut(2, np.float64, seed=3)
+    ref = np.zeros((2, 33, 47), np.float64)
+    resize_region(img, 0, 0, 120, 90, 3.0, 5.0, 110.0, 80.0, ref, lut, True, *alloc(90, 120, 33, 47, 2))
+    addresses, errors = [], []
+    barrier = threading.Barrier(8)
+
+    def work():
+        try:
+            barrier.wait()
+            addresses.append(resample_ir.kernel(2, 2, 8, 32))
+            out = np.zeros_like(ref)
+            scratch = alloc_resize_scratch(90, 120, 33, 47, 2, 32)
+            for _ in range(20):
+                resize_crop_bilinear(img, 3.0, 5.0, 110.0, 80.0, out, lut, True, *scratch)
+                np.testing.assert_array_equal(out, ref)
+        except Exception as exc:  # reported below, with the thread's error
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(set(addresses)) == 1
+
+
+def _vector_registers(asm: str) -> set[str]:
+    return set(re.findall(r"%([xyz]mm)\d+", asm))
+
+
+def test_avx2_targets_get_256_bit_vectors():
+    asm = resample_ir.assembly("haswell", 8)
+    assert "ymm" in _vector_registers(asm) and "zmm" not in _vector_registers(asm)
+    assert re.search(r"vpmulld\s+%ymm", asm)  # the taps multiply 8 int32 lanes at once
+
+
+@pytest.mark.parametrize("cpu", ["skylake-avx512", "icelake-server", "znver4"])
+def test_avx512_targets_get_512_bit_vectors(cpu):
+    """Xeons are tuned to prefer 256-bit vectors; the kernel's attributes let LLVM use zmm."""
+    asm = resample_ir.assembly(cpu, 16)
+    assert re.search(r"vpmulld\s+%zmm", asm)
+
+
+def test_this_cpu_runs_at_its_own_width():
+    lanes = resample_ir.vector_lanes()
+    regs = _vector_registers(resample_ir.assembly())
+    widest = {4: "xmm", 8: "ymm", 16: "zmm"}[lanes]
+    assert widest in regs
+    assert lanes == alloc_resize_scratch(10, 10, 5, 5, 3)[-1][resample_ir.P_LANES]
+
+
+def test_vector_lanes_reads_the_feature_string():
+    assert resample_ir.vector_lanes("+sse2,+avx,+avx2,-avx512f") == 8
+    assert resample_ir.vector_lanes("+avx2,+avx512f,+avx512bw") == 16
+    assert resample_ir.vector_lanes("+avx2,+avx512f,-avx512bw") == 8
+    assert resample_ir.vector_lanes("+neon") == 4
+
+
+def test_bad_arguments_are_named():
+    img = np.zeros((10, 10, 3), np.uint8)
+    lut = identity_lut(3)
+    out = np.zeros((3, 5, 5), np.uint8)
+    with pytest.raises(ValueError, match="lanes"):
+        alloc_resize_scratch(10, 10, 5, 5, 3, lanes=6)
+    scratch = alloc_resize_scratch(10, 10, 5, 5, 3)
+    with pytest.raises(ValueError, match="src"):
+        resize_crop_bilinear(img[:, ::2], 0.0, 0.0, 5.0, 10.0, out, lut, False, *scratch)
+    with pytest.raises(ValueError, match="out/lut"):
+        resize_crop_bilinear(img, 0.0, 0.0, 10.0, 10.0, out.astype(np.float32), lut, False, *scratch)
+    with pytest.raises(ValueError, match="output channels"):
+        resize_crop_bilinear(np.zeros((10, 10, 2), np.uint8), 0.0, 0.0, 10.0, 10.0, out, lut, False,
+                             *scratch)
+    with pytest.raises(ValueError, match="scratch is too small"):
+        resize_crop_bilinear(np.zeros((10, 40, 3), np.uint8), 5.0, 0.0, 15.0, 10.0, out, lut, False,
+                             *scratch)
+    with pytest.raises(ValueError, match="lanes"):
+        resample_ir.emit(3, 3, 3, 4, 14, 22, "k")
+
+
+_RUN = """
+import numpy as np
+from terrapipe.kernels.image import alloc_resize_scratch, identity_lut, resize_crop_bilinear
+img = (np.arange(40 * 50 * 4) % 251).astype(np.uint8).reshape(40, 50, 4)
+out = np.zeros((3, 21, 23), np.uint8)
+resize_crop_bilinear(img, 1.5, 2.0, 47.0, 39.0, out, identity_lut(3), True,
+                     *alloc_resize_scratch(40, 50, 21, 23, 4, 4))
+print(int(out.astype(np.int64).sum()))
+"""
+
+
+def test_a_second_process_loads_the_machine_code_and_only_a_private_file(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def run():
+        return subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True,
+                              check=True, timeout=300).stdout
+
+    first = run()
+    (obj,) = tmp_path.glob("resample_ir-*.o")
+    stamp = obj.stat().st_mtime_ns
+    assert run() == first and obj.stat().st_mtime_ns == stamp  # loaded, not written again
+    obj.chmod(0o666)  # writable by others: never loaded, compiled again and replaced
+    assert run() == first
+    assert obj.stat().st_mode & 0o777 == 0o600 and obj.stat().st_mtime_ns != stamp
