@@ -29,10 +29,7 @@ NOTE [a kernel generated for the machine at hand]
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,8 +37,9 @@ from contextlib import contextmanager
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
 from numba import types
-from numba.core import config
 from numba.extending import intrinsic
+
+from .object_cache import ObjectCache
 
 __all__ = ["N_PARAMS", "vector_lanes", "kernel", "emit", "assembly", "call_kernel"]
 
@@ -344,7 +342,7 @@ def kernel(stride: int, channels: int, esize: int, lanes: int | None = None) -> 
             cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
             tm = _target_machine(cpu, features, True)
             text = emit(lanes, stride, channels, esize, *_shifts(), name)
-            cache = _ObjectCache(text, cpu, features)
+            cache = ObjectCache(text, cpu, features)
             if cache.hit():  # MCJIT takes the object; the IR is only its identity
                 mod = llvm.parse_assembly(text)
                 mod.triple, mod.data_layout = tm.triple, str(tm.target_data)
@@ -356,47 +354,6 @@ def kernel(stride: int, channels: int, esize: int, lanes: int | None = None) -> 
             _engines.append(engine)
             _compiled[key] = engine.get_function_address(name)
         return _compiled[key]
-
-
-class _ObjectCache:
-    """Machine code of one kernel on disk, beside Numba's cache (``NUMBA_CACHE_DIR``, else this
-    package's ``__pycache__``), keyed by the IR, the CPU and its features, and LLVM's version:
-    a second process loads it instead of spending ~0.4 s compiling. Only a file this user owns
-    and nobody else can write is loaded; an unwritable directory just means no cache."""
-
-    def __init__(self, text: str, cpu: str, features: str) -> None:
-        ident = "\0".join([text, cpu, features, ".".join(map(str, llvm.llvm_version_info))])
-        digest = hashlib.sha256(ident.encode()).hexdigest()[:24]
-        root = config.CACHE_DIR or os.path.join(os.path.dirname(os.path.abspath(__file__)), "__pycache__")
-        self.path = os.path.join(root, f"resample_ir-{digest}.o")
-
-    def hit(self) -> bool:
-        return self._trusted_bytes() is not None
-
-    def _trusted_bytes(self) -> bytes | None:
-        try:
-            with open(self.path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if st.st_uid != os.getuid() or st.st_mode & 0o022:
-                    return None
-                return f.read()
-        except OSError:
-            return None
-
-    def load(self, module) -> bytes | None:
-        return self._trusted_bytes()
-
-    def store(self, module, buffer: bytes) -> None:
-        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(buffer)
-            os.replace(tmp, self.path)  # atomic: a reader sees the old file or the whole new one
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def assembly(cpu: str | None = None, lanes: int | None = None, stride: int = 4,

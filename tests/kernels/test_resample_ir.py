@@ -208,7 +208,7 @@ def test_a_second_process_loads_the_machine_code_and_only_a_private_file(tmp_pat
                               check=True, timeout=300).stdout
 
     first = run()
-    (obj,) = tmp_path.glob("resample_ir-*.o")
+    (obj,) = tmp_path.glob("terrapipe-llvm-*.o")
     stamp = obj.stat().st_mtime_ns
     assert run() == first and obj.stat().st_mtime_ns == stamp  # loaded, not written again
     obj.chmod(0o666)  # writable by others: never loaded, compiled again and replaced
