@@ -1,9 +1,13 @@
 """FastLoader vs torch DataLoader (+ Pillow transforms) vs decode alone, on the same JPEGs.
 
-    python -m benchmarks.loader [--source folder|shards] [--data DIR] [--images N] [--batch 256]
-                                [--batches B] [--rounds 3]
+    python -m benchmarks.loader [--source folder|shards] [--data DIR | --photos DIR] [--images N]
+                                [--batch 256] [--batches B] [--rounds 3]
 
-If DIR has no images, an ImageNet-like set is generated there first (benchmarks/data.py). The
+``--photos DIR``: real photographs, JPEG files under DIR in class folders or flat (a flat file's
+class is its name up to the first ``_``, as in a one-image-per-class ImageNet sample named
+``<wnid>_<name>.JPEG``); they are linked into class folders under ``data_cache/``. Otherwise, if
+``--data`` DIR has no images, an ImageNet-like set is generated there first (benchmarks/data.py),
+whose synthetic images decode unlike photographs. The
 cases share one epoch: ``--batches`` x ``--batch`` files of DIR, in a fixed mixed-class order.
 Every case is warmed up once (compilation, worker start-up); then each round times one whole
 epoch of every case at every thread count, interleaved. A whole epoch ends with every pipeline
@@ -23,8 +27,13 @@ Cases, all producing float32 NCHW 224x224 normalized batches from the same files
   Pillow + torch): the strongest plain-DataLoader set-up, and the ratio's baseline;
 * dataloader-defaults: the same with DataLoader's defaults, as most scripts write it: workers
   are started again every epoch, and that start-up is part of the epoch's time;
-* decode: Pillow decoding each file at full resolution on N threads, nothing else (the ceiling:
-  no crop, resize, copy or collation).
+* dali-cpu: NVIDIA DALI's CPU pipeline, when ``nvidia-dali`` is installed, as its ResNet-50
+  examples build it (``readers.file`` shuffling the same files, ``decoders.image_random_crop``
+  with the same scale and ratio ranges, ``resize`` to 224x224, ``crop_mirror_normalize`` with a
+  random mirror to float32 CHW) on ``num_threads=N`` with ``device_id=None``, read through its
+  PyTorch iterator (``DALIGenericIterator``), as a training script would;
+* decode: Pillow decoding each file at full resolution on N threads, nothing else (the ceiling
+  of a loader that decodes whole images: no crop, resize, copy or collation).
 
 ``--source shards`` packs the same images, in the same order, into WebDataset-layout tar shards
 (``terrapipe.pipeline.write_shards``, 16 shards, cached beside DIR) and measures:
@@ -162,6 +171,54 @@ def _webdataset_loader(shards: list[str], transform, batch: int, workers: int, p
                                        persistent_workers=persistent and workers > 0)
 
 
+def _photo_folder(photos: Path) -> Path:
+    """``photos`` as class folders: itself if it has them, else a tree of links under data_cache/
+    (a flat file's class: its name up to the first ``_``)."""
+    if any(p.is_dir() for p in photos.iterdir()):
+        return photos
+    out = Path(__file__).resolve().parent / "data_cache" / f"photos-{photos.name}"
+    for f in sorted(photos.iterdir()):
+        if f.suffix.lower() in (".jpg", ".jpeg"):
+            link = out / f.name.split("_")[0] / f.name
+            if not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(f.resolve())
+    return out
+
+
+def _dali_loader(files: list[str], labels: list[int], batch: int, threads: int):
+    """DALI's CPU pipeline over ``files`` behind its PyTorch iterator, or None without DALI."""
+    try:
+        from nvidia.dali import fn, pipeline_def
+        from nvidia.dali import types as dtypes
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+    except ImportError:
+        return None
+
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=0)
+    def pipe():
+        jpegs, label = fn.readers.file(files=files, labels=labels, random_shuffle=True, name="reader")
+        images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=dtypes.RGB,
+                                               random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+        images = fn.resize(images, resize_x=224, resize_y=224)
+        images = fn.crop_mirror_normalize(images, dtype=dtypes.FLOAT, output_layout="CHW",
+                                          mean=[255 * m for m in MEAN], std=[255 * s for s in STD],
+                                          mirror=fn.random.coin_flip())
+        return images, label
+
+    p = pipe()
+    p.build()
+    it = DALIGenericIterator([p], ["images", "labels"], reader_name="reader", auto_reset=True,
+                             last_batch_policy=LastBatchPolicy.PARTIAL)
+
+    class _Epochs:
+        def __iter__(self):
+            for out in it:
+                yield out[0]["images"], out[0]["labels"]
+
+    return _Epochs()
+
+
 def _epoch_rate(batches) -> float:
     """img/s over one whole epoch, from ``iter()`` to exhaustion (what a training epoch pays)."""
     t = time.perf_counter()
@@ -172,8 +229,11 @@ def _epoch_rate(batches) -> float:
 
 
 def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, threads: list[int],
-        source: str = "folder") -> dict:
-    make_image_folder(data, images)
+        source: str = "folder", photos: Path | None = None) -> dict:
+    if photos is not None:
+        data = _photo_folder(photos)
+    else:
+        make_image_folder(data, images)
     folder = ImageFolder(data)
     need = n_batches * batch
     if len(folder) < need:
@@ -186,7 +246,7 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
     shards = _shards_of(data, picked) if source == "shards" else None
     baseline_source = "folder"
 
-    loaders, folder_loaders, dls, fresh, pools = {}, {}, {}, {}, {}
+    loaders, folder_loaders, dls, fresh, pools, dalis = {}, {}, {}, {}, {}, {}
     # DataLoader workers are forked first: forked after the FastLoaders' batch buffers exist,
     # they would share those pages copy-on-write, and FastLoader's next pass would pay a page
     # copy per 4 KiB it writes (a third of its rate in the first round, seen on 2 cores).
@@ -209,6 +269,9 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
         if shards:
             folder_loaders[n] = FastLoader(ds, tf, batch_size=batch, shuffle=True, num_threads=n, prefetch=3)
         pools[n] = ThreadPoolExecutor(n)
+        dali = _dali_loader(files, [label for _, label in picked], batch, n)
+        if dali is not None:
+            dalis[n] = dali
 
     def decode_batches(n):
         def one(path):
@@ -227,8 +290,10 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
         both = (("fastloader", lambda: loaders[n]),)
         if shards:
             both += (("fastloader-folder", lambda: folder_loaders[n]),)
-        return both + (("dataloader", lambda: dls[n]), ("dataloader-defaults", lambda: fresh[n]),
-                       ("decode", lambda: decode_batches(n)))
+        both += (("dataloader", lambda: dls[n]), ("dataloader-defaults", lambda: fresh[n]))
+        if n in dalis:
+            both += (("dali-cpu", lambda: dalis[n]),)
+        return both + (("decode", lambda: decode_batches(n)),)
     names = tuple(c for c, _ in cases(threads[0]))
 
     for n in threads:
@@ -250,6 +315,7 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
             folder_loaders[n].close()
         pools[n].shutdown()
         del dls[n], fresh[n]
+        dalis.pop(n, None)
 
     rows, records = [], []
     for n in threads:
@@ -265,9 +331,9 @@ def run(data: Path, images: int, batch: int, n_batches: int, rounds: int, thread
           f"{rounds} interleaved rounds; source: {source}; DataLoader reads: {baseline_source}; "
           f"baseline transforms: {baseline_kind}")
     print(format_table(["case", "threads", "img/s median", "min", "max", "fast/this", "fast/decode"], rows))
-    return {"data": str(data), "images": len(ds), "batch": batch, "batches": n_batches, "source": source,
-            "dataloader_reads": baseline_source, "baseline": baseline_kind, "records": records,
-            "threads": threads}
+    return {"data": str(photos or data), "real_photographs": photos is not None, "images": len(ds),
+            "batch": batch, "batches": n_batches, "source": source, "dataloader_reads": baseline_source,
+            "baseline": baseline_kind, "records": records, "threads": threads}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--source", choices=("folder", "shards"), default="folder",
                    help="what FastLoader reads: the files, or the same images packed as tar shards")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--photos", type=Path, default=None,
+                   help="real JPEG photographs (class folders or flat <class>_<name>.JPEG files)")
     p.add_argument("--images", type=int, default=None,
                    help="images to generate if --data is empty (default: enough for --batches, >= 3000)")
     p.add_argument("--batch", type=int, default=256)
@@ -287,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or sorted({1, cores})
     batches = args.batches or max(6, 4 * max(threads))
     images = args.images or max(3000, batches * args.batch)
-    result = run(args.data, images, args.batch, batches, args.rounds, threads, args.source)
+    result = run(args.data, images, args.batch, batches, args.rounds, threads, args.source, args.photos)
 
     def plot():
         import matplotlib.pyplot as plt
@@ -304,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
         ax.grid(alpha=0.3)
         return fig
 
-    for f in save("loader" if args.source == "folder" else "loader_shards", result, plot):
+    name = "loader" if args.source == "folder" else "loader_shards"
+    for f in save(name + ("_photos" if args.photos else ""), result, plot):
         print(f"wrote {f}")
 
 

@@ -190,9 +190,14 @@ def resize_crop_bilinear_region(
         raise ValueError(f"resize_crop_bilinear: {out.shape[0]} output channels from a source of "
                          f"{src.shape[2]} bytes per pixel and a lut of shape {lut.shape}")
     lanes = int(params[resample_ir.P_LANES])
-    address = resample_ir.kernel(src.shape[2], out.shape[0], out.itemsize, lanes)
+    channels = out.shape[0]
+    identity = lut.dtype == np.uint8 and np.array_equal(lut[:channels], _IDENTITY[:channels])
+    address = resample_ir.kernel(src.shape[2], channels, out.itemsize, lanes, identity)
     _resize_region(address, lanes, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block,
                    xbounds, xweights, ybounds, yweights, params)
+
+
+_IDENTITY = np.broadcast_to(np.arange(256, dtype=np.uint8), (64, 256))
 
 
 def _pixels_contiguous(src: np.ndarray) -> bool:

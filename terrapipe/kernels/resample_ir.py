@@ -127,13 +127,14 @@ def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
 
 
 def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift: int,
-         name: str) -> str:
+         name: str, identity: bool = False) -> str:
     """LLVM IR (text) of ``void name(i8* params, src, ybounds, yweights, xbounds, xweights,
     block, out, lut)``: the block loop of :func:`terrapipe.kernels.image.resize_crop_bilinear_region`.
 
     lanes: R, rows per block and int32 lanes per vector (a power of two). stride: source bytes
     per pixel (S). channels: output channels (C <= S). esize: bytes per output element (1, 2,
-    4 or 8), the lut's. vshift / hshift: the passes' fixed-point shifts.
+    4 or 8), the lut's. vshift / hshift: the passes' fixed-point shifts. identity: the lut is
+    uint8 0..255 in every row (values are stored as they are, no lookup).
     Arguments at run time: params int64[N_PARAMS] (slots ``P_*``); src uint8, ``params[P_SRC_H]``
     rows of ``params[P_SRC_ROW]`` bytes; ybounds/xbounds int32 (n, 2) (first tap, taps), x's relative to
     the first column read; yweights/xweights int32 (n, params[P_KY / P_KX]); block uint16
@@ -146,6 +147,8 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
         raise ValueError(f"emit: need 1 <= channels <= stride, got {channels}, {stride}")
     if esize not in (1, 2, 4, 8):
         raise ValueError(f"emit: esize must be 1, 2, 4 or 8, got {esize}")
+    if identity and esize != 1:
+        raise ValueError("emit: an identity lut is uint8 (esize 1)")
     R = lanes
     v32, v16, v8 = ir.VectorType(_I32, R), ir.VectorType(_I16, R), ir.VectorType(_I8, R)
     elem = ir.IntType(8 * esize)
@@ -185,6 +188,9 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
         vaccs = [b.alloca(v32) for _ in range(R)]
         sacc = b.alloca(_I32)
         haccs = [b.alloca(v32) for _ in range(channels)]
+        tile = b.alloca(v32, size=channels * R)  # a group's [channel][pixel] row vectors
+    velem = ir.VectorType(elem, R)
+    reverse = ir.Constant(ir.VectorType(_I32, R), list(range(R - 1, -1, -1)))
 
     with _for(b, _c64(0), out_h, R) as o0:
         left = b.sub(out_h, o0)
@@ -244,8 +250,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
                 b.store(b.trunc(b.lshr(b.load(sacc), ir.Constant(_I32, vshift)), _I16), dst)
 
         # Horizontal pass: per output pixel, each tap of each channel is one vector of R rows.
-        full = b.icmp_signed("==", rows, _c64(R))
-        with _for(b, _c64(0), out_w) as x:
+        def resample_x(x):  # output pixel x of the block's R rows: C clamped <R x i32>
             xmin = i32_at(xbounds, b.shl(x, _c64(1)))
             n = i32_at(xbounds, b.add(b.shl(x, _c64(1)), _c64(1)))
             for acc in haccs:
@@ -259,14 +264,16 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
                     p = _at(b, block, b.shl(b.add(base, _c64(c * R)), _c64(1)), v16)
                     px = b.zext(b.load(p, align=2), v32)
                     b.store(b.add(b.load(acc), b.mul(px, w)), acc)
-            xo = b.select(flip, b.sub(b.sub(out_w, _c64(1)), x), x)
-            obase = b.add(b.mul(xo, xs), b.mul(o0, ys))
             values = []
             for acc in haccs:
                 v = b.ashr(b.load(acc), v_hshift)
                 v = b.select(b.icmp_signed("<", v, zero), zero, v)
-                v = b.select(b.icmp_signed(">", v, top), top, v)
-                values.append(b.trunc(v, v8))
+                values.append(b.select(b.icmp_signed(">", v, top), top, v))
+            return values
+
+        def store_column(x, values):  # one pixel's R rows: R scattered stores per channel
+            xo = b.select(flip, b.sub(b.sub(out_w, _c64(1)), x), x)
+            obase = b.add(b.mul(xo, xs), b.mul(o0, ys))
 
             def store(c, v, r):  # out[c, o0 + r, xo] = lut[c, v[r]]
                 byte = b.zext(b.extract_element(v, r), _I64)
@@ -275,7 +282,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
                 dst = _at(b, out, b.add(b.add(obase, b.mul(_c64(c), cs)), b.mul(b.zext(r, _I64), ys)), elem)
                 b.store(e, dst, align=esize)
 
-            with b.if_else(full) as (whole, partial):
+            with b.if_else(b.icmp_signed("==", rows, _c64(R))) as (whole, partial):
                 with whole:  # every block but the last: R stores per channel, unrolled
                     for c, v in enumerate(values):
                         for r in range(R):
@@ -284,6 +291,36 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
                     for c, v in enumerate(values):
                         with _for(b, _c64(0), rows) as r:
                             store(c, v, b.trunc(r, _I32))
+
+        def store_rows(xg):
+            # R pixels from xg: per channel, their R x R values transposed to R rows of R pixels,
+            # each stored as one vector, mirrored by a lane reversal under flip.
+            xstart = b.select(flip, b.sub(b.sub(out_w, xg), _c64(R)), xg)
+            for c in range(channels):
+                row_vecs = _transpose(b, [b.load(b.gep(tile, [_c64(c * R + k)])) for k in range(R)])
+                dst0 = b.add(b.add(b.mul(_c64(c), cs), b.mul(o0, ys)), b.mul(xstart, xs))
+                for r, v in enumerate(row_vecs):
+                    with b.if_then(b.icmp_signed("<", _c64(r), rows)):
+                        e = b.trunc(v, velem)
+                        e = b.select(flip, b.shuffle_vector(e, ir.Constant(velem, ir.Undefined), reverse), e)
+                        b.store(e, _at(b, out, b.add(dst0, b.mul(_c64(r), ys)), velem), align=esize)
+
+        # With an identity lut (uint8 out, nothing to look up), whole groups of R pixels go
+        # through a transpose when a row's pixels are adjacent in ``out`` (NCHW): one vector store
+        # per row instead of R scattered ones. A lookup gains nothing from it: without fast
+        # gathers (AVX2) LLVM loads the R entries one by one either way, and the transpose costs
+        # more than the stores it saves (measured). The rest, per pixel.
+        groups_end = _c64(0)
+        if identity:
+            grouped = b.icmp_signed("==", xs, _c64(esize))
+            groups_end = b.select(grouped, b.and_(out_w, _c64(-R)), _c64(0))
+            with _for(b, _c64(0), groups_end, R) as xg:
+                for k in range(R):
+                    for c, v in enumerate(resample_x(b.add(xg, _c64(k)))):
+                        b.store(v, b.gep(tile, [_c64(c * R + k)]))
+                store_rows(xg)
+        with _for(b, groups_end, out_w) as x:
+            store_column(x, resample_x(x))
     b.ret_void()
 
     text = str(module)
@@ -326,22 +363,24 @@ def _shifts() -> tuple[int, int]:
     return image._VSHIFT, image._HSHIFT
 
 
-def kernel(stride: int, channels: int, esize: int, lanes: int | None = None) -> int:
+def kernel(stride: int, channels: int, esize: int, lanes: int | None = None,
+           identity: bool = False) -> int:
     """Address of this CPU's compiled kernel for (source bytes per pixel, output channels,
-    output element size) at ``lanes`` (default :func:`vector_lanes`; any power of two runs on
-    any CPU, LLVM splitting what is wider than its registers), compiled on first use
+    output element size, whether the lut is uint8's identity) at ``lanes`` (default
+    :func:`vector_lanes`; any power of two runs on any CPU, LLVM splitting what is wider than
+    its registers), compiled on first use
     (NOTE [a kernel generated ...] 4) or loaded from the object cache. Thread-safe."""
     lanes = vector_lanes() if lanes is None else lanes
-    key = (stride, channels, esize, lanes)
+    key = (stride, channels, esize, lanes, identity)
     address = _compiled.get(key)
     if address is not None:
         return address
     with _lock:
         if key not in _compiled:
-            name = f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}"
+            name = f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}{'_id' if identity else ''}"
             cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
             tm = _target_machine(cpu, features, True)
-            text = emit(lanes, stride, channels, esize, *_shifts(), name)
+            text = emit(lanes, stride, channels, esize, *_shifts(), name, identity)
             cache = ObjectCache(text, cpu, features)
             if cache.hit():  # MCJIT takes the object; the IR is only its identity
                 mod = llvm.parse_assembly(text)

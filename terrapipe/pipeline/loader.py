@@ -22,6 +22,21 @@ NOTE [batch buffer ownership]
     stays valid while the consumer holds the next batch too, and ``copy=True`` yields tensors the
     caller owns outright. Scratch (resize weights, intermediate rows) is per thread.
 
+NOTE [resume at any world size]
+    1. An epoch's order is the permutation of ``(seed, epoch)`` (or 0..n-1), read
+       DistributedSampler's way at world size W: global position ``r + W * i`` is rank r's i-th
+       sample. Data-parallel ranks stop at the same step k, so after k batches of B every rank
+       has consumed the same prefix of that order: ``consumed = k * B * W`` samples. That one
+       number, with the epoch and seed, is the state; any rank's ``state_dict()`` holds it.
+    2. A loader at world size V that loads it deals ``order[consumed:]`` the same way at V
+       (:func:`~terrapipe.pipeline.order.epoch_indices`'s ``start``), padded by wrap-around from
+       the order's beginning with at most V - 1 samples, so every rank yields the same number of
+       samples and batches. At V = W this is exactly the rest of the uninterrupted pass.
+    3. Augmentation is keyed by (seed, epoch, sample index), never by rank or position, so each
+       sample's bytes are those of the uninterrupted run.
+    4. A resumed pass counts its own consumption from its start, so a checkpoint taken inside
+       it resumes again, at yet another world size. The next epoch is an ordinary one.
+
 Why one module: FastLoader and its per-epoch iterator share the slot protocol described
 above; the decode, transforms, sources and device copy live in their own modules.
 """
@@ -180,7 +195,7 @@ class FastLoader:
         self.epoch = 0
         self.skipped: list[tuple[int, str, str]] = []  # (index, where, error) under "skip"
         self._skip_lock = threading.Lock()
-        self._resume_batch = 0
+        self._resume_consumed = 0  # samples of the epoch's order consumed before the next pass
         self._live: weakref.ref[_EpochIterator] | None = None
         self._last_state: dict | None = None
 
@@ -224,23 +239,41 @@ class FastLoader:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def state_dict(self) -> dict:
-        """Where iteration stands: the live iterator's position (else the last one's, or the
-        start of ``epoch``); resuming skips the batches already yielded, without decoding."""
+        """Where iteration stands (NOTE [resume at any world size]): the live iterator's
+        position (else the last one's, or the start of ``epoch``). A dict of ints and bools:
+        ``torch.save`` it, and ``torch.load(..., weights_only=True)`` reads it back."""
         live = self._live() if self._live is not None else None
         if live is not None and not live.finished:
             return live.state_dict()
         if self._last_state is not None:
             return dict(self._last_state)
-        return {"epoch": self.epoch, "batch": self._resume_batch, "seed": self.seed,
-                "rank": self.rank, "world_size": self.world_size, "num_samples": len(self.dataset)}
+        return self._state(self.epoch, self.seed, self._resume_consumed)
+
+    def _state(self, epoch: int, seed: int, consumed: int) -> dict:
+        per_step = self.world_size * self.batch_size
+        return {"epoch": epoch, "seed": seed, "consumed": consumed, "batch": consumed // per_step,
+                "rank": self.rank, "world_size": self.world_size, "num_samples": len(self.dataset),
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state``: the next iterator starts at its epoch and batch."""
-        if state["num_samples"] != len(self.dataset) or state["world_size"] != self.world_size:
-            raise ValueError("state_dict: saved for a different dataset size or world size")
-        self.seed = int(state["seed"])
+        """Resume at ``state``, from any rank of a job at any world size: the next iterator runs
+        the rest of its epoch at this loader's rank and world size (NOTE [resume at any world
+        size]). A dict from a loader over another dataset, or with another seed, batch size or
+        shuffle, raises ValueError naming the field."""
+        mine = {"num_samples": len(self.dataset), "seed": self.seed, "batch_size": self.batch_size,
+                "shuffle": self.shuffle}
+        for field, value in mine.items():
+            if field in state and state[field] != value:
+                raise ValueError(f"state_dict: {field} is {state[field]!r} in the saved state but "
+                                 f"{value!r} in this loader")
+        if "consumed" in state:
+            consumed = int(state["consumed"])
+        else:  # a dict from before resumes at other world sizes: whole steps at its world size
+            consumed = int(state["batch"]) * int(state["world_size"]) * self.batch_size
+        if not 0 <= consumed <= len(self.dataset):
+            raise ValueError(f"state_dict: consumed is {consumed}, outside [0, {len(self.dataset)}]")
         self.epoch = int(state["epoch"])
-        self._resume_batch = int(state["batch"])
+        self._resume_consumed = consumed
         self._last_state = None
 
     # -- per-sample work (pool threads) -------------------------------------------------------
@@ -327,8 +360,8 @@ class FastLoader:
                 f"FastLoader: an iterator over this loader is still live (epoch {live.epoch}, "
                 f"{live.position} of {live.num_batches} batches yielded); both would write the same "
                 f"batch buffers. Exhaust it, close() it or drop it before starting another")
-        it = _EpochIterator(self, self.epoch, self.seed, self._resume_batch)
-        self._resume_batch = 0
+        it = _EpochIterator(self, self.epoch, self.seed, self._resume_consumed)
+        self._resume_consumed = 0
         self._last_state = None
         self._live = weakref.ref(it)
         return it
@@ -359,10 +392,12 @@ class _EpochIterator:
     def __init__(self, loader: FastLoader, epoch: int, seed: int, start: int) -> None:
         self._loader = loader
         self.epoch, self.seed = epoch, seed
+        self.start = start  # samples of the epoch's order consumed before this pass
         self._indices = epoch_indices(len(loader.dataset), seed=seed, epoch=epoch, shuffle=loader.shuffle,
-                                      rank=loader.rank, world_size=loader.world_size)
-        self.num_batches = len(loader)
-        self.position = start  # the next batch to yield
+                                      rank=loader.rank, world_size=loader.world_size, start=start)
+        per_rank, bs = len(self._indices), loader.batch_size
+        self.num_batches = per_rank // bs if loader.drop_last else math.ceil(per_rank / bs)
+        self.position = 0  # the next batch to yield
         self.finished = False
         self._ring = loader.prefetch + 2
         self._pending: dict[int, list[Future]] = {}
@@ -370,9 +405,10 @@ class _EpochIterator:
 
     def state_dict(self) -> dict:
         loader = self._loader
-        done = self.position >= self.num_batches
-        return {"epoch": self.epoch, "batch": 0 if done else self.position, "seed": self.seed,
-                "rank": loader.rank, "world_size": loader.world_size, "num_samples": len(loader.dataset)}
+        if self.position >= self.num_batches:
+            return loader._state(self.epoch, self.seed, 0)  # a finished epoch resumes at its start
+        consumed = self.start + self.position * loader.batch_size * loader.world_size
+        return loader._state(self.epoch, self.seed, min(consumed, len(loader.dataset)))
 
     def __iter__(self) -> _EpochIterator:
         return self
