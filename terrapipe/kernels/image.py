@@ -191,13 +191,20 @@ def resize_crop_bilinear_region(
                          f"{src.shape[2]} bytes per pixel and a lut of shape {lut.shape}")
     lanes = int(params[resample_ir.P_LANES])
     channels = out.shape[0]
-    identity = lut.dtype == np.uint8 and np.array_equal(lut[:channels], _IDENTITY[:channels])
+    identity = lut.dtype == np.uint8 and _is_identity(lut, channels)
     address = resample_ir.kernel(src.shape[2], channels, out.itemsize, lanes, identity)
     _resize_region(address, lanes, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block,
                    xbounds, xweights, ybounds, yweights, params)
 
 
-_IDENTITY = np.broadcast_to(np.arange(256, dtype=np.uint8), (64, 256))
+@njit(nogil=True, cache=True)
+def _is_identity(lut, channels):
+    # lut[c, v] == v for the channels written: then the resize stores its values as they are.
+    for c in range(channels):
+        for v in range(256):
+            if lut[c, v] != v:
+                return False
+    return True
 
 
 def _pixels_contiguous(src: np.ndarray) -> bool:
