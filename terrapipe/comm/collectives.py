@@ -119,6 +119,8 @@ def _abort_on_uncaught_exception(MPI) -> None:
             # (NOTE [rank status] in launch_env.py).
             launch_env.record_exit(status_dir, MPI.COMM_WORLD.Get_rank(), 1,
                                    "".join(traceback.format_exception_only(kind, value)))
+        if _world is not None and execution.first_failure() is not None:
+            _world.settle_at_exit(_EXIT_SETTLE)  # NOTE [collective ordering] 7
         _abort(MPI)
 
     sys.excepthook = hook
@@ -137,19 +139,26 @@ def finalize() -> None:
 
 def _at_exit() -> None:
     """:func:`finalize` at exit; after a failed collective, end the job instead (NOTE
-    [collective ordering] 6 in comm/execution.py)."""
+    [collective ordering] 6 and 7 in comm/execution.py)."""
     failure = execution.first_failure()
     if failure is not None and _world is not None and _world.comm is not None and _world.size > 1:
         from mpi4py import MPI
 
+        running = _world.settle_at_exit(_EXIT_SETTLE)
         print(f"terrapipe.comm: rank {_world.rank} ends the job (MPI_Abort) at exit after a "
               f"failed collective, as MPI_Finalize would wait for ranks that cannot come: "
-              f"{failure}", file=sys.stderr, flush=True)
+              f"{failure}" + (f" (ranks {running} of this node still running)" if running else ""),
+              file=sys.stderr, flush=True)
         _abort(MPI)
+    if _world is not None:
+        _world.settle_at_exit(0)  # a node peer aborting waits for no rank that is leaving
     finalize()
 
 
 _ABORT_GRACE = 5  # seconds MPI_Abort may take before the rank exits by itself (_abort)
+# Seconds the exit hook waits for this node's other ranks to reach their exits before it aborts
+# the job (NOTE [collective ordering] 7 in comm/execution.py).
+_EXIT_SETTLE = 5
 
 
 def _abort(MPI) -> None:

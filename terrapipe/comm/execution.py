@@ -22,6 +22,11 @@ NOTE [collective ordering]
        the unreachable and the stuck too: the first failure of any group is kept for the process
        (:func:`first_failure`), and comm's exit hook ends the job with MPI_Abort instead
        (comm/collectives.py). ``comm.finalize()`` called by the program forgets it.
+    7. MPI_Abort has the launcher kill every rank it can reach, among them this node's ranks
+       that are still reporting their own error (a node peer raises from the same failure a few
+       milliseconds later). So the exit hook first marks this rank exiting on its node's board
+       and waits, at most ``_EXIT_SETTLE`` seconds (comm/collectives.py), until every other
+       rank of the node has reached its exit too or died; only then it aborts.
 """
 
 from __future__ import annotations

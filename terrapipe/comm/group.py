@@ -192,6 +192,16 @@ class Group:
         first = self.rank - self.local_rank
         return list(range(first, first + self.local_size))
 
+    def settle_at_exit(self, seconds: float) -> list[int]:
+        """At the process's exit: mark this rank exiting on its node's board, then wait at most
+        ``seconds`` until the node's other ranks have too, or died (NOTE [collective ordering] 7
+        in comm/execution.py). Returns the group ranks of this node still running then."""
+        if self.shm is None:
+            return []
+        self.shm.board.mark_exiting()
+        running = self.shm.board.wait_exiting(seconds)
+        return running
+
     # -- structure --------------------------------------------------------------------------
     def split(self, color: int, key: int | None = None, timeout: float | None = None) -> Group:
         """Ranks with the same ``color`` form a new group, ordered by ``key`` (default: rank),

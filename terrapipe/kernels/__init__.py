@@ -10,6 +10,7 @@ Modules:
   resample_ir the resize's two passes as LLVM IR at the CPU's vector width (llvmlite, Numba's
           own backend), called from image's Numba code through a function pointer
   object_cache llvmlite's machine code kept on disk beside Numba's cache
+  llvm_ir small LLVM IR building blocks (loops, splats, transposes) for resample_ir
   reduce  ``dst op= src`` and multi-source reductions over chunks, for collectives
   rng     counter-based Philox keyed by (seed, epoch, sample index, op id)
   floats  float16 / bfloat16 held as uint16
@@ -19,7 +20,7 @@ Modules:
   geometry the crop boxes of random-resized-crop and center crop (pure arithmetic)
 """
 
-from . import floats, geometry, image, object_cache, oneshot, reduce, resample_ir, rng, shard, sync
+from . import floats, geometry, image, llvm_ir, object_cache, oneshot, reduce, resample_ir, rng, shard, sync
 from .floats import BF16, F16, compress, decompress
 from .image import (
     alloc_resize_scratch,
@@ -39,6 +40,7 @@ __all__ = [
     "floats",
     "geometry",
     "image",
+    "llvm_ir",
     "object_cache",
     "oneshot",
     "reduce",

@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
 from numba import types
 from numba.extending import intrinsic
 
+from .llvm_ir import at as _at
+from .llvm_ir import c64 as _c64
+from .llvm_ir import for_range as _for
+from .llvm_ir import splat as _splat
+from .llvm_ir import transpose as _transpose
 from .object_cache import ObjectCache
 
 __all__ = ["N_PARAMS", "vector_lanes", "kernel", "emit", "assembly", "call_kernel"]
@@ -70,60 +73,6 @@ def vector_lanes(features: str | None = None) -> int:
 @functools.cache
 def _host_lanes() -> int:
     return vector_lanes(llvm.get_host_cpu_features().flatten())
-
-
-def _c64(v: int) -> ir.Constant:
-    return ir.Constant(_I64, v)
-
-
-@contextmanager
-def _for(b: ir.IRBuilder, start, stop, step: int = 1) -> Iterator[ir.Value]:
-    """``for i in range(start, stop, step)`` (i64, signed compare); yields ``i`` in the body."""
-    fn = b.function
-    with b.goto_block(fn.entry_basic_block):
-        slot = b.alloca(_I64)
-    b.store(start, slot)
-    head = fn.append_basic_block("for.head")
-    body = fn.append_basic_block("for.body")
-    done = fn.append_basic_block("for.end")
-    b.branch(head)
-    b.position_at_end(head)
-    i = b.load(slot)
-    b.cbranch(b.icmp_signed("<", i, stop), body, done)
-    b.position_at_end(body)
-    yield i
-    b.store(b.add(i, _c64(step)), slot)
-    b.branch(head)
-    b.position_at_end(done)
-
-
-def _splat(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
-    vt = ir.VectorType(value.type, lanes)
-    one = b.insert_element(ir.Constant(vt, ir.Undefined), value, ir.Constant(_I32, 0))
-    zeros = ir.Constant(ir.VectorType(_I32, lanes), [0] * lanes)
-    return b.shuffle_vector(one, ir.Constant(vt, ir.Undefined), zeros)
-
-
-def _at(b: ir.IRBuilder, base: ir.Value, byte_offset: ir.Value, ty: ir.Type) -> ir.Value:
-    """Pointer to a ``ty`` at ``base + byte_offset``."""
-    return b.bitcast(b.gep(base, [byte_offset]), ty.as_pointer())
-
-
-def _transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
-    """R vectors of R lanes -> their transpose: log2(R) rounds pairing vector i with i + R/2
-    and interleaving their low halves, then their high halves (NOTE [...] 3)."""
-    r = len(rows)
-    half = r // 2
-    mask_t = ir.VectorType(_I32, r)
-    lo = ir.Constant(mask_t, [k for i in range(half) for k in (i, i + r)])
-    hi = ir.Constant(mask_t, [k for i in range(half, r) for k in (i, i + r)])
-    for _ in range(r.bit_length() - 1):
-        out = []
-        for i in range(half):
-            out.append(b.shuffle_vector(rows[i], rows[i + half], lo))
-            out.append(b.shuffle_vector(rows[i], rows[i + half], hi))
-        rows = out
-    return rows
 
 
 def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift: int,
@@ -188,7 +137,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
         vaccs = [b.alloca(v32) for _ in range(R)]
         sacc = b.alloca(_I32)
         haccs = [b.alloca(v32) for _ in range(channels)]
-        tile = b.alloca(v32, size=channels * R)  # a group's [channel][pixel] row vectors
+        tile = b.alloca(v8, size=channels * R)  # a group's [channel][pixel] row vectors, as bytes
     velem = ir.VectorType(elem, R)
     reverse = ir.Constant(ir.VectorType(_I32, R), list(range(R - 1, -1, -1)))
 
@@ -301,8 +250,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
                 dst0 = b.add(b.add(b.mul(_c64(c), cs), b.mul(o0, ys)), b.mul(xstart, xs))
                 for r, v in enumerate(row_vecs):
                     with b.if_then(b.icmp_signed("<", _c64(r), rows)):
-                        e = b.trunc(v, velem)
-                        e = b.select(flip, b.shuffle_vector(e, ir.Constant(velem, ir.Undefined), reverse), e)
+                        e = b.select(flip, b.shuffle_vector(v, ir.Constant(v8, ir.Undefined), reverse), v)
                         b.store(e, _at(b, out, b.add(dst0, b.mul(_c64(r), ys)), velem), align=esize)
 
         # With an identity lut (uint8 out, nothing to look up), whole groups of R pixels go
@@ -317,7 +265,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
             with _for(b, _c64(0), groups_end, R) as xg:
                 for k in range(R):
                     for c, v in enumerate(resample_x(b.add(xg, _c64(k)))):
-                        b.store(v, b.gep(tile, [_c64(c * R + k)]))
+                        b.store(b.trunc(v, v8), b.gep(tile, [_c64(c * R + k)]))
                 store_rows(xg)
         with _for(b, groups_end, out_w) as x:
             store_column(x, resample_x(x))

@@ -30,6 +30,36 @@ KILLED = textwrap.dedent(
 )
 
 
+REPORTING = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import terrapipe.comm as comm
+    from terrapipe.comm import collectives
+
+    comm.init(timeout=2)
+    abort = collectives._abort
+
+    def traced_abort(MPI):  # when rank 0's exit hook ends the job
+        with open(sys.argv[1] + ".abort", "w") as f:
+            f.write(repr(time.time()))
+        abort(MPI)
+
+    collectives._abort = traced_abort
+    x = np.ones(1024, np.float32)
+    if comm.rank() == 0:
+        try:
+            comm.allreduce(x)  # rank 1 never joins: a timeout, kept as the process's failure
+        except comm.CollectiveTimeoutError:
+            pass
+        sys.exit(0)  # at once: the exit hook ends the job with MPI_Abort
+    time.sleep(4)  # still busy with its own report when rank 0 leaves
+    with open(sys.argv[1], "w") as f:
+        f.write(repr(time.time()))
+    """
+)
+
+
 def _segments():
     return set(glob.glob(f"/dev/shm/terrapipe_{os.getuid()}_*"))
 
@@ -49,6 +79,23 @@ def test_kill_9_of_one_rank_ends_the_job_promptly(tmp_path):
     # Either the launcher tears the job down, or the survivor sees the death on the board.
     assert "RANK0 SAW" not in proc.stdout or "rank 1 (pid" in proc.stdout
     assert _segments() <= before  # the segment was unlinked right after mapping
+
+
+def test_the_exit_hook_lets_a_node_peer_finish_before_it_ends_the_job(tmp_path):
+    """NOTE [collective ordering] 7, a regression test: rank 0's MPI_Abort at exit killed its
+    node peer while that one was still writing its own report (1 run in 5 of the cluster's
+    link-down test lost a report)."""
+    script, report = tmp_path / "reporting.py", tmp_path / "report"
+    script.write_text(REPORTING)
+    wall = time.time()
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(report)],
+                          capture_output=True, text=True, timeout=120)
+    launch_env.remove_orphaned_mpi_segments(wall)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out  # the job was still aborted
+    reported = float(report.read_text())
+    aborted = float((tmp_path / "report.abort").read_text())
+    assert aborted >= reported, f"rank 0 aborted {reported - aborted:.1f}s before rank 1 reported: {out}"
 
 
 def test_stale_segments_of_dead_jobs_are_removed_at_init(tmp_path):

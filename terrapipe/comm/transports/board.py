@@ -38,6 +38,7 @@ NOTE [a peer lost across nodes]
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -88,6 +89,9 @@ class Board:
         # The group rank + 1 of a peer on another node this rank's transfer timed out on, -1
         # while it waits long on other nodes, else 0 (NOTE [a peer lost across nodes]).
         self.lost = self.table[:, 61]
+        # 1 once the rank has reached its exit after a failed collective (NOTE [collective
+        # ordering] 7 in comm/execution.py).
+        self.exiting = self.table[:, 62]
         self.describe = describe
         # Each rank's source and destination addresses for a single-copy collective, written
         # before the agreement's release store (NOTE [single-copy allreduce] 2 in
@@ -167,6 +171,21 @@ class Board:
         """Tell this node's ranks that this one lost group rank ``rank`` on another node (NOTE
         [a peer lost across nodes])."""
         self.lost[self.me] = rank + 1
+
+    def mark_exiting(self) -> None:
+        """Tell this node's ranks that this one has reached its exit after a failure."""
+        self.exiting[self.me] = 1
+
+    def wait_exiting(self, seconds: float) -> list[int]:
+        """Until every other local rank has reached its exit (:meth:`mark_exiting`) or died, at
+        most ``seconds``; returns the world ranks still running then."""
+        deadline = time.monotonic() + seconds
+        while True:
+            running = [self.ranks[q] for q in range(len(self.ranks))
+                       if q != self.me and not self.exiting[q] and alive(int(self.pids[q]))]
+            if not running or time.monotonic() >= deadline:
+                return running
+            time.sleep(0.01)
 
     def sigs(self, step: int) -> np.ndarray:
         """(nlocal, SIG_WORDS): every rank's signature published at ``step``."""
