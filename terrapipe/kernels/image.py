@@ -150,7 +150,9 @@ def bilinear_coeffs(in_size, lo, hi, out_size, bounds, weights):
 
 
 def resize_crop_bilinear(
-    src, x0, y0, x1, y1, out, lut, flip, block, xbounds, xweights, ybounds, yweights, params
+    src: np.ndarray, x0: float, y0: float, x1: float, y1: float, out: np.ndarray, lut: np.ndarray,
+    flip: bool, block: np.ndarray, xbounds: np.ndarray, xweights: np.ndarray, ybounds: np.ndarray,
+    yweights: np.ndarray, params: np.ndarray,
 ) -> None:
     """Crop, resample (bilinear, antialiased), flip, map through ``lut``, write planar: one call.
 
@@ -171,8 +173,9 @@ def resize_crop_bilinear(
 
 
 def resize_crop_bilinear_region(
-    src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block, xbounds, xweights, ybounds,
-    yweights, params
+    src: np.ndarray, ox: int, oy: int, img_w: int, img_h: int, x0: float, y0: float, x1: float,
+    y1: float, out: np.ndarray, lut: np.ndarray, flip: bool, block: np.ndarray, xbounds: np.ndarray,
+    xweights: np.ndarray, ybounds: np.ndarray, yweights: np.ndarray, params: np.ndarray,
 ) -> None:
     """:func:`resize_crop_bilinear` from a decoded *region* of a larger image: ``src`` holds
     pixels [ox, ox + W) x [oy, oy + H) of an ``img_w x img_h`` image, and the box is in image
