@@ -36,6 +36,7 @@ __all__ = [
     "alloc_resize_scratch",
     "identity_lut",
     "bilinear_coeffs",
+    "region_taps",
     "resize_crop_bilinear",
     "resize_crop_bilinear_region",
     "hflip",
@@ -201,6 +202,33 @@ def resize_crop_bilinear_region(
 
 
 @njit(nogil=True, cache=True)
+def region_taps(src, ox, oy, img_w, img_h, x0, y0, x1, y1, out_w, out_h, xbounds, xweights, ybounds,
+                yweights):
+    """The filter's taps for a box resampled from a decoded region (see
+    :func:`resize_crop_bilinear_region`): fills ``xbounds``/``ybounds`` with first taps relative
+    to the region's origin, and ``xweights`` rounded to the horizontal pass's _HBITS bits
+    (16-bit intermediates times them must sum exactly in int32); ``yweights`` stay at
+    PRECISION_BITS. Returns ``(col_first, col_last)``: the region's source columns
+    [col_first, col_last) that the horizontal taps read. ValueError when the region lacks a tap.
+    """
+    in_h, in_w = src.shape[0], src.shape[1]
+    bilinear_coeffs(img_w, x0, x1, out_w, xbounds, xweights)
+    bilinear_coeffs(img_h, y0, y1, out_h, ybounds, yweights)
+    if (xbounds[0, 0] < ox or xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1] > ox + in_w
+            or ybounds[0, 0] < oy or ybounds[out_h - 1, 0] + ybounds[out_h - 1, 1] > oy + in_h):
+        raise ValueError("resize_crop_bilinear_region: the region lacks filter taps of the box")
+    for x in range(out_w):
+        xbounds[x, 0] -= ox
+    for y in range(out_h):
+        ybounds[y, 0] -= oy
+    for x in range(out_w):
+        for t in range(xbounds[x, 1]):
+            xweights[x, t] = (xweights[x, t] + (1 << (PRECISION_BITS - _HBITS - 1))) >> (
+                PRECISION_BITS - _HBITS)
+    return xbounds[0, 0], xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1]
+
+
+@njit(nogil=True, cache=True)
 def _is_identity(lut, channels):
     # lut[c, v] == v for the channels written: then the resize stores its values as they are.
     for c in range(channels):
@@ -222,28 +250,14 @@ def _resize_region(
     ybounds, yweights, params
 ):
     # The filter's taps (Numba), then the two passes at the CPU's vector width (resample_ir).
-    in_h, in_w, stride = src.shape
+    in_h, _, stride = src.shape
     out_h = out.shape[1]
     out_w = out.shape[2]
-    bilinear_coeffs(img_w, x0, x1, out_w, xbounds, xweights)
-    bilinear_coeffs(img_h, y0, y1, out_h, ybounds, yweights)
-    if (xbounds[0, 0] < ox or xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1] > ox + in_w
-            or ybounds[0, 0] < oy or ybounds[out_h - 1, 0] + ybounds[out_h - 1, 1] > oy + in_h):
-        raise ValueError("resize_crop_bilinear_region: the region lacks filter taps of the box")
-    # Only source columns [col_first, col_last) feed the horizontal taps; the passes see x taps
-    # relative to col_first and y taps relative to the region's first row.
-    col_first = xbounds[0, 0] - ox
-    col_last = xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1] - ox
+    col_first, col_last = region_taps(src, ox, oy, img_w, img_h, x0, y0, x1, y1, out_w, out_h, xbounds,
+                                      xweights, ybounds, yweights)
+    # The passes see x taps relative to col_first.
     for x in range(out_w):
-        xbounds[x, 0] -= ox + col_first
-    for y in range(out_h):
-        ybounds[y, 0] -= oy
-    # The horizontal pass multiplies 16-bit intermediates, so its weights drop to _HBITS bits
-    # to keep the int32 sum exact.
-    for x in range(out_w):
-        for t in range(xbounds[x, 1]):
-            xweights[x, t] = (xweights[x, t] + (1 << (PRECISION_BITS - _HBITS - 1))) >> (
-                PRECISION_BITS - _HBITS)
+        xbounds[x, 0] -= col_first
     span = (col_last - col_first) * stride
     if span * lanes > block.shape[0]:
         raise ValueError("resize_crop_bilinear: scratch is too small for this box")

@@ -8,7 +8,7 @@ semantics of terrapipe.kernels.image.resize_crop_bilinear_region.
 import numpy as np
 from numba import njit
 
-from terrapipe.kernels.image import PRECISION_BITS, bilinear_coeffs, max_taps
+from terrapipe.kernels.image import PRECISION_BITS, max_taps, region_taps
 
 _FRAC = 8
 _VSHIFT = PRECISION_BITS - _FRAC
@@ -59,24 +59,10 @@ def resize_region(
         raise ValueError("resize_crop_bilinear: more output channels than source/lut channels")
     flat = src.reshape((in_h, in_w * stride))
 
-    bilinear_coeffs(img_w, x0, x1, out_w, xbounds, xweights)
-    bilinear_coeffs(img_h, y0, y1, out_h, ybounds, yweights)
-    if (xbounds[0, 0] < ox or xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1] > ox + in_w
-            or ybounds[0, 0] < oy or ybounds[out_h - 1, 0] + ybounds[out_h - 1, 1] > oy + in_h):
-        raise ValueError("resize_crop_bilinear_region: the region lacks filter taps of the box")
-    for x in range(out_w):
-        xbounds[x, 0] -= ox
-    for y in range(out_h):
-        ybounds[y, 0] -= oy
-    # The horizontal pass multiplies 16-bit intermediates, so its weights drop to _HBITS bits
-    # to keep the int32 sum exact.
-    for x in range(out_w):
-        for t in range(xbounds[x, 1]):
-            xweights[x, t] = (xweights[x, t] + (1 << (PRECISION_BITS - _HBITS - 1))) >> (
-                PRECISION_BITS - _HBITS)
-    # Only source columns [col_first, col_last) feed the horizontal taps.
-    col_first = xbounds[0, 0]
-    col_last = xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1]
+    # The filter's taps are the product's (terrapipe.kernels.image.region_taps); the passes
+    # below are the reference.
+    col_first, col_last = region_taps(src, ox, oy, img_w, img_h, x0, y0, x1, y1, out_w, out_h, xbounds,
+                                      xweights, ybounds, yweights)
     j0 = col_first * stride
     span = (col_last - col_first) * stride
     if span * _ROWS > block.shape[0] or span > acc.shape[1] or stride * _ROWS > hacc.shape[0]:
