@@ -94,6 +94,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_CUDA_COMM", "choice", "auto",
             "CUDA tensors over NCCL (`nccl`), staged through the host (`staged`), or NCCL where "
             "every rank has a GPU of its own (`auto`)", "comm", ("auto", "nccl", "staged")),
+    Setting("TERRAPIPE_ELASTIC", "path", "",
+            "Set by the elastic launcher for its workers: `host:port` of the job's rendezvous store "
+            "(the world comes from it, a generation at a time)", "comm"),
+    Setting("TERRAPIPE_ELASTIC_WORKER", "path", "",
+            "Set by the elastic launcher: this worker's id in the job (`host:n`, n counting the "
+            "workers started)", "comm"),
+    Setting("TERRAPIPE_ELASTIC_FIRST", "count", 1,
+            "Set by the elastic launcher: the first generation this worker was started for", "comm"),
+    Setting("TERRAPIPE_ELASTIC_TIMEOUT", "seconds", 600.0,
+            "Seconds a worker waits for its elastic launcher to form the next generation", "comm"),
     # pipeline
     Setting("TERRAPIPE_JPEG", "choice", "turbo",
             "`pillow`: decode every JPEG with Pillow instead of the libjpeg-turbo region decoder",

@@ -450,6 +450,9 @@ def _fresh_process(environ: dict[str, str] | None) -> None:
     hvd = sys.modules.get("terrapipe.horovod.basics")
     if hvd is not None:
         hvd.shutdown()
+        # No object outlives an exit: an earlier test's DistributedOptimizer, still waiting for
+        # the garbage collector, must not rebind itself in the next test's hvd.init().
+        hvd._listeners.clear()
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

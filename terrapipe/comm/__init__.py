@@ -35,8 +35,9 @@ from .collectives import (
     world,
 )
 from .dtypes import DTYPES, DType
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, SetupAbandoned
 from .ops import OPS, Op
+from .rendezvous import Generations, WorkerRemoved, is_elastic, pending_update
 from .store import StoreComm, hosted_tcp_store
 from .transports.shm import Segment, alive
 from .wait import wait_until
@@ -46,6 +47,7 @@ __all__ = [
     "clock_alignment", "cuda_collectives", "finalize", "forced_backend", "gather",
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
-    "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "StoreComm", "Segment", "alive",
+    "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "SetupAbandoned",
+    "Generations", "WorkerRemoved", "is_elastic", "pending_update", "StoreComm", "Segment", "alive",
     "wait_until", "hosted_tcp_store", "OPS", "Op", "DTYPES", "DType",
 ]

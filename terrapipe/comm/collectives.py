@@ -28,8 +28,9 @@ import numpy as np
 from .. import launch_env, settings, timeline
 from ..kernels import BF16, F16
 from ..kernels import reduce as kreduce
-from . import clock, execution, select
+from . import clock, execution, rendezvous, select
 from .buffers import Buffer, plain_array
+from .errors import CommError, SetupAbandoned
 from .execution import Handle
 from .group import Group, force_backend, forced_backend
 from .message import NO_GATE
@@ -74,7 +75,9 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     if backend != "auto":
         force_backend(backend)  # every group of this process routes by it, the world first
     backend = forced_backend()
-    if backend == "torch" or (backend == "auto" and not launched and launch_env.torch_launched()):
+    if rendezvous.is_elastic() and not launched:
+        _world = _join_elastic(timeout)
+    elif backend == "torch" or (backend == "auto" and not launched and launch_env.torch_launched()):
         _world = Group.over_torch(timeout)
     elif launched or backend != "auto":
         from mpi4py import MPI
@@ -95,6 +98,22 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     _clock = clock.align(_world)  # the timeline's one clock across nodes
     atexit.register(_at_exit)
     return _world
+
+
+def _join_elastic(timeout: float) -> Group:
+    """The world of an elastic job: the next generation its launcher forms with this worker in
+    it (NOTE [elastic generations] in comm/rendezvous.py), over shared memory; a generation
+    superseded while its group was being set up is left for the next."""
+    while True:
+        membership, store = rendezvous.join(settings.get("TERRAPIPE_ELASTIC_TIMEOUT"))
+        g = membership.generation
+        try:
+            return Group.over_store(store, f"elastic/gen/{g}/group", membership.rank, membership.size,
+                                    timeout, rendezvous.superseded(store, g))
+        except ValueError as e:  # members on several machines
+            raise CommError(f"elastic generation {g}: {e}; elastic jobs run on one machine") from e
+        except SetupAbandoned:
+            continue
 
 
 def clock_alignment() -> tuple[int, int]:

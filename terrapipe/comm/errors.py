@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CommError", "CollectiveMismatchError", "CollectiveTimeoutError"]
+__all__ = ["CommError", "SetupAbandoned", "CollectiveMismatchError", "CollectiveTimeoutError"]
 
 
 class CommError(RuntimeError):
@@ -19,3 +19,8 @@ class CollectiveTimeoutError(CommError):
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)
         self.ranks = ranks
+
+
+class SetupAbandoned(CommError):
+    """A group's set-up gave up waiting because the group will never be complete (an elastic
+    generation superseded by a newer one: comm/rendezvous.py)."""

@@ -124,23 +124,26 @@ class Group:
         return cls._over_gloo(GlooTransport(timeout, pg), timeout, pg is None and launch_env.local_size())
 
     @classmethod
-    def over_store(cls, store, prefix: str, rank: int, size: int, timeout: float = 300.0) -> Group:
+    def over_store(cls, store, prefix: str, rank: int, size: int, timeout: float = 300.0,
+                   abandon=None) -> Group:
         """A group of ``size`` processes on one node, over shared memory, set up through a
         key-value store (torch c10d's ``Store``: what a ``torch.distributed`` backend is given)
         instead of MPI. ``prefix``: a key space unique to this group. Every rank must be on this
         node (ValueError naming the ranks that are not); ranks on several nodes need MPI or Gloo
-        between them."""
+        between them. ``abandon``: see :class:`~terrapipe.comm.store.StoreComm` (the set-up's
+        waits give up when it returns a reason). :meth:`split` works over the same store."""
         from .store import StoreComm, node_of
 
         self = cls.__new__(cls)
         self._init_execution(timeout)
-        comm = StoreComm(store, prefix, rank, size, timeout)
+        comm = StoreComm(store, prefix, rank, size, timeout, abandon)
         nodes = comm.allgather(node_of())
         away = [r for r, n in enumerate(nodes) if n != nodes[rank]]
         if away:
             raise ValueError(f"over_store: ranks {away} are on another node than rank {rank}; "
                              f"shared memory reaches one node only")
         self.comm = None
+        self.store_comm = comm
         self.rank, self.size = int(rank), int(size)
         self.local_rank, self.local_size, self.nnodes = self.rank, self.size, 1
         self.whole_world = False
@@ -150,6 +153,16 @@ class Group:
             self.shm = ShmTransport(comm, self.rank, self.size, list(range(self.size)), self.timeout)
             self.control = self.shm
         return self
+
+    def _split_over_store(self, color: int, key: int, timeout: float) -> Group:
+        """:meth:`split` of a group made by :meth:`over_store`: membership agreed over the same
+        store, the new group under a key space of its own."""
+        sc = self.store_comm
+        entries = sc.allgather([int(color), int(key), self.rank])
+        ranks = [r for _, r in sorted((k, r) for c, k, r in entries if c == color)]
+        self._splits += 1
+        prefix = f"{sc.prefix}/split{self._splits}/{color}"
+        return Group.over_store(sc.store, prefix, ranks.index(self.rank), len(ranks), timeout, sc.abandon)
 
     @classmethod
     def _over_gloo(cls, gloo, timeout: float, local_size: int | None) -> Group:
@@ -169,6 +182,8 @@ class Group:
         self.executor = Executor()
         self.shm: ShmTransport | None = None
         self.mpi = self.gloo = self.cross = self.control = None
+        self.store_comm = None  # over_store's StoreComm (what split agrees over)
+        self._splits = 0
         self.uniform = True
         self.oversubscribed = False
         self.staging_pool = None  # comm/staging.py: pinned buffers and side streams, made on demand
@@ -213,6 +228,8 @@ class Group:
             raise ValueError(f"split: timeout must be positive, got {timeout}")
         if self.gloo is not None:
             return Group._over_gloo(self.gloo.split(int(color), key), timeout, None)
+        if self.store_comm is not None:
+            return self._split_over_store(int(color), key, timeout)
         if self.comm is None:
             return Group(None, timeout)
         return Group(self.comm.Split(int(color), key), timeout)

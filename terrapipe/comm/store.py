@@ -13,8 +13,9 @@ from __future__ import annotations
 import datetime
 import json
 import socket
+import time
 
-from .errors import CollectiveTimeoutError
+from .errors import CollectiveTimeoutError, CommError, SetupAbandoned
 
 __all__ = ["StoreComm", "node_of", "hosted_tcp_store"]
 
@@ -26,12 +27,17 @@ class StoreComm:
 
     store: a c10d Store (or anything with set/get/wait); prefix: this communicator's key space,
     unique per communicator; rank/size: within it; timeout: seconds a rank waits for the others.
+    abandon: None, or a function called while waiting that returns why to stop waiting (an
+    elastic generation superseded: comm/rendezvous.py) or None; its reason is raised as SetupAbandoned.
     """
 
-    def __init__(self, store, prefix: str, rank: int, size: int, timeout: float) -> None:
+    _SLICE = 0.2  # seconds between calls of ``abandon``
+
+    def __init__(self, store, prefix: str, rank: int, size: int, timeout: float, abandon=None) -> None:
         self.store, self.prefix = store, prefix
         self.rank, self.size = int(rank), int(size)
         self.timeout = datetime.timedelta(seconds=float(timeout))
+        self.abandon = abandon
         self._seq = 0
 
     def Get_rank(self) -> int:  # noqa: N802 (mpi4py's names)
@@ -48,7 +54,9 @@ class StoreComm:
         """Until every key is set; CollectiveTimeoutError naming the ranks whose key is missing
         after the timeout (the store's own error says only that a wait timed out)."""
         try:
-            self.store.wait(keys, self.timeout)
+            self._wait_abandoning(keys, what)
+        except CommError:
+            raise
         except Exception as e:  # c10d raises DistStoreError (a RuntimeError) on a timeout
             missing = [r for k, r in zip(keys, ranks, strict=True) if not self.store.check([k])]
             if not missing:
@@ -57,6 +65,24 @@ class StoreComm:
             raise CollectiveTimeoutError(
                 f"{what} over the store ({self.prefix!r}): Timed out after "
                 f"{self.timeout.total_seconds():g}s waiting for {names}", missing) from e
+
+    def _wait_abandoning(self, keys: list[str], what: str) -> None:
+        if self.abandon is None:
+            self.store.wait(keys, self.timeout)
+            return
+        end = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            left = end - time.monotonic()
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=max(0.001, min(self._SLICE, left))))
+                return
+            except Exception:
+                why = self.abandon()
+                if why:
+                    raise SetupAbandoned(f"{what} over the store ({self.prefix!r}) abandoned: "
+                                     f"{why}") from None
+                if left <= 0:
+                    raise
 
     def allgather(self, value) -> list:
         """Every rank's ``value`` (JSON-serialisable), in rank order."""

@@ -2,6 +2,7 @@
 
     terrapipe run -n 4 [-H host1:2,host2:2] [--] python train.py --epochs 3
     terrapipe run --horovod -np 4 [-H ...] [--gloo] [--timeline t.json] [--autotune] python train.py
+    terrapipe run --horovod -np 2 --min-np 1 [--max-np 4] (-H ... | --host-discovery-script S) python train.py
 
 ``--horovod`` puts a ``horovod`` package first on the ranks' PYTHONPATH whose ``horovod.torch``
 is terrapipe.horovod, so an unmodified ``import horovod.torch as hvd`` script runs on terrapipe
@@ -10,6 +11,8 @@ this machine without MPI, as torchrun does (RANK, WORLD_SIZE, MASTER_ADDR, ...):
 Gloo's. ``--timeline`` (``--timeline-filename``) records one Chrome trace of every rank's loader,
 collectives and engine (terrapipe.timeline); ``--autotune`` searches the communication knobs
 during the first steps (terrapipe.engine.autotune), ``--autotune-log-file`` logs its trials.
+``--min-np``, ``--max-np`` or ``--host-discovery-script`` make the job elastic, as with horovodrun
+(terrapipe.engine.elastic: workers come and go, ``hvd.elastic`` carries the training on).
 
 Prints the mpiexec command it runs, forwards SIGINT/SIGTERM to the job, and exits with the exit
 code of the first rank that failed, naming it. Each rank runs under a small wrapper
@@ -72,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="search bucket sizes and the ring's knobs during the first steps "
                         "(TERRAPIPE_AUTOTUNE)")
     p.add_argument("--autotune-log-file", default=None, help="a CSV row per autotune trial (rank 0)")
+    e = p.add_argument_group("elastic (terrapipe.engine.elastic)")
+    e.add_argument("--min-np", "--min-num-proc", type=int, default=None, dest="min_np",
+                   help="fewest workers the job goes on with (makes the job elastic)")
+    e.add_argument("--max-np", "--max-num-proc", type=int, default=None, dest="max_np",
+                   help="most workers at any time (default: every slot)")
+    e.add_argument("--host-discovery-script", default=None,
+                   help="prints the available hosts, host:slots per line; run every second")
+    e.add_argument("--slots-per-host", "--slots", type=int, default=None, dest="slots_per_host",
+                   help="slots of a host the discovery script names without them")
+    e.add_argument("--elastic-timeout", type=float, default=600.0,
+                   help="seconds to wait for slots and for a generation's workers (600)")
+    e.add_argument("--reset-limit", type=int, default=None,
+                   help="most generations formed after the first before the job fails")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return p
 
@@ -94,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         env["TERRAPIPE_AUTOTUNE"] = "1"
     if args.autotune_log_file:
         env["TERRAPIPE_AUTOTUNE_LOG"] = os.path.abspath(args.autotune_log_file)
+    if args.min_np is not None or args.max_np is not None or args.host_discovery_script:
+        if args.gloo or args.mpi:
+            p.error("an elastic job (--min-np, --max-np, --host-discovery-script) takes neither "
+                    "--gloo nor --mpi")
+        from .elastic import ElasticSettings, run_elastic
+
+        settings = ElasticSettings(args.n, args.min_np or args.n, args.max_np, args.hosts,
+                                   args.host_discovery_script, args.slots_per_host, args.elastic_timeout,
+                                   args.reset_limit)
+        return run_elastic(settings, command, env)
     status_dir = tempfile.mkdtemp(prefix="terrapipe-run-")
     env["TERRAPIPE_RUN_STATUS"] = status_dir
     if args.gloo:

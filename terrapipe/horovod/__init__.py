@@ -10,10 +10,12 @@
 
 Run with ``terrapipe run -np 4 python train.py`` (or mpiexec); ``terrapipe run --horovod`` makes
 an unmodified ``import horovod.torch as hvd`` resolve to this module. Collectives are matched by
-name across ranks as Horovod matches them (NOTE [name negotiation] in negotiation.py). Not
-supported: Adasum, elastic training, TensorFlow/Keras/MXNet.
+name across ranks as Horovod matches them (NOTE [name negotiation] in negotiation.py). Elastic
+training: ``hvd.elastic`` under ``terrapipe run --horovod --min-np ...`` (one machine). Not
+supported: Adasum, TensorFlow/Keras/MXNet.
 """
 
+from . import elastic  # noqa: E402 (needs the names above)
 from .basics import (
     ProcessSet,
     add_process_set,
@@ -98,5 +100,5 @@ __all__ = [
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "join", "poll",
     "reducescatter", "reducescatter_async", "sparse_allreduce_async", "start_timeline", "stop_timeline",
     "synchronize",
-    "DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "SyncBatchNorm",
+    "DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "SyncBatchNorm", "elastic",
 ]

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -126,6 +128,7 @@ global_process_set.process_set_id = 0
 class _State:
     def __init__(self) -> None:
         self.initialized = False
+        self.generation = 0  # counts init()s: what a DistributedOptimizer checks it was built in
         self.base: _comm.Group | None = None  # the hvd world (COMM_WORLD, or init's comm)
         self.sets: dict[int, ProcessSet] = {}
         self.next_id = 1
@@ -134,6 +137,24 @@ class _State:
 
 
 _state = _State()
+_listeners: list[weakref.WeakMethod] = []
+
+
+def on_world_change(method) -> None:
+    """Call the bound ``method(joined)`` after every :func:`init` (``joined`` True) and at the
+    start of every :func:`shutdown` (False), for as long as its object lives: how an object built
+    over one world (a DistributedOptimizer's gradient hooks) follows an elastic job into the next
+    (terrapipe.horovod.elastic)."""
+    _listeners.append(weakref.WeakMethod(method))
+
+
+def _tell_listeners(joined: bool) -> None:
+    alive = [ref for ref in _listeners if ref() is not None]
+    _listeners[:] = alive
+    for ref in alive:
+        method = ref()
+        if method is not None:
+            method(joined)
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -149,7 +170,11 @@ def init(comm=None, process_sets=None) -> None:
             return
         timeout = _stall_timeout()
         transport = _transport_timeout(timeout)
-        world = _comm.init()
+        try:
+            world = _comm.init()
+        except _comm.WorkerRemoved as e:  # NOTE [elastic generations] 5: the launcher's decision
+            print(f"terrapipe.horovod: {e}; exiting", file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
         if comm is None:
             base = world.split(0, timeout=transport)
         elif isinstance(comm, (list, tuple)):
@@ -171,6 +196,8 @@ def init(comm=None, process_sets=None) -> None:
         _state.sets = {0: global_process_set}
         _state.next_id = 1
         _state.initialized = True
+        _state.generation += 1
+        _tell_listeners(True)
         if process_sets is not None and process_sets != "dynamic":
             for ps in process_sets:
                 add_process_set(ps)
@@ -182,6 +209,7 @@ def shutdown() -> None:
     with _lock:
         if not _state.initialized:
             return
+        _tell_listeners(False)
         for ps in list(_state.sets.values()):
             _release(ps)
         _state.sets = {}
@@ -189,6 +217,13 @@ def shutdown() -> None:
             _state.base.close()
         _state.base = None
         _state.initialized = False
+        if _comm.is_elastic():  # an elastic job: the next init joins a new generation
+            _comm.finalize()
+
+
+def generation() -> int:
+    """How many times :func:`init` joined a job in this process."""
+    return _state.generation
 
 
 atexit.register(shutdown)

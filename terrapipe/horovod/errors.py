@@ -11,7 +11,14 @@ class HorovodInternalError(RuntimeError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic mode signal; elastic training is not supported, so it is never raised."""
+    """The elastic job's workers changed (hvd.elastic's ``check_host_updates``, at a commit):
+    every rank raises it at the same commit and ``hvd.elastic.run`` re-forms the world.
+    ``skip_sync``: True when workers were only removed (the survivors' state is already the
+    same everywhere, so the sync after the reset is skipped)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated" + (" (workers removed)" if skip_sync else ""))
+        self.skip_sync = bool(skip_sync)
 
 
 class TensorArgumentError(ValueError, RuntimeError):

@@ -209,20 +209,39 @@ class _DistributedOptimizer:
         self._parameter_names = {v: k for k, v in named_parameters}
         self._hvd_should_sync = True
         self._hvd_synchronized = False
-        ps = process_set or global_process_set
         basics._require()
+        self._hvd_grads = None
+        self._hvd_args = (params, op, gradient_predivide_factor, compression,
+                          process_set or global_process_set, backward_passes_per_step, buckets,
+                          bool(sparse_as_dense))
+        self._hvd_bind()
+        basics.on_world_change(self._hvd_world_changed)
+        self.backward_passes_per_step = backward_passes_per_step
+
+    def _hvd_bind(self) -> None:
+        """Gradient hooks over the process set as this world has it (none for a set of one)."""
+        params, op, predivide, compression, ps, passes, buckets, sparse_as_dense = self._hvd_args
         self._hvd_grads = None
         if ps.included() and ps.size() > 1:
             basics.coordinator(ps)
-            self._hvd_grads = _NegotiatedGradients(params, self._parameter_names, op,
-                                                   gradient_predivide_factor, compression, ps,
-                                                   backward_passes_per_step, buckets, bool(sparse_as_dense))
-        self.backward_passes_per_step = backward_passes_per_step
+            self._hvd_grads = _NegotiatedGradients(params, self._parameter_names, op, predivide, compression,
+                                                   ps, passes, buckets, sparse_as_dense)
+
+    def _hvd_world_changed(self, joined: bool) -> None:
+        """hvd.shutdown() (``joined`` False) detaches the hooks; hvd.init() makes them again over
+        the new world, whose size may differ (an elastic job's next generation)."""
+        if self._hvd_grads is not None:
+            self._hvd_grads.remove()
+            self._hvd_grads = None
+        if joined:
+            self._hvd_bind()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if passes < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
         self.backward_passes_per_step = passes
+        args = self._hvd_args
+        self._hvd_args = (*args[:5], passes, *args[6:])
         if self._hvd_grads is not None:
             self._hvd_grads.passes_per_step = passes
 

@@ -101,12 +101,18 @@ def test_a_store_sets_up_a_shared_memory_group(store, tmp_path):
         store = {make}
         g = comm.Group.over_store(store, "test", rank, 2, timeout=60)
         report = check(g)
-        g.close()
+        # split over the same store: the whole group again (key: reversed ranks), and alone
+        both, alone = g.split(0, key=-rank), g.split(rank)
+        report["split"] = [check(both), check(alone)]
+        for x in (alone, both, g):
+            x.close()
         print(json.dumps(report))
     """)
     reports = _launch(script, [{"TEST_RANK": str(r)} for r in range(2)])
     assert [(d["rank"], d["size"], d["gloo"], d["shm"]) for d in reports] == [(0, 2, False, True),
                                                                             (1, 2, False, True)]
+    assert [[(x["rank"], x["size"], x["shm"]) for x in d["split"]] for d in reports] == [
+        [(1, 2, True), (0, 1, False)], [(0, 2, True), (0, 1, False)]]
 
 
 def test_a_store_group_names_a_rank_that_never_came():
@@ -154,3 +160,70 @@ def test_a_hosted_tcp_store_holds_the_port_it_shares(monkeypatch):
     store1 = comm.hosted_tcp_store(1, 2, lambda _none: shared[0], timeout=30)
     store1.set("from rank 1", b"hello")
     assert store0.get("from rank 1") == b"hello"
+
+
+def _until(done, timeout: float, what: str) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < end, f"never: {what}"
+        time.sleep(0.02)
+
+
+def test_elastic_workers_join_generations_as_their_launcher_forms_them():
+    """NOTE [elastic generations] in terrapipe/comm/rendezvous.py, with this test as the launcher:
+    a generation whose third member never comes gets no go and is superseded; the next one's
+    group works; after comm.finalize() both ask for a newer one; one of them is removed."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    import terrapipe.comm as comm
+
+    store = TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=60))
+    gens = comm.Generations(store)
+    script = BODY + textwrap.dedent("""
+        import os
+        from terrapipe.comm import rendezvous
+        reports = []
+        g = comm.init(timeout=30)
+        reports.append([rendezvous.last_generation(), check(g)])
+        comm.finalize()
+        try:
+            g = comm.init(timeout=30)
+            reports.append([rendezvous.last_generation(), check(g)])
+            comm.finalize()
+        except comm.WorkerRemoved as e:
+            reports.append(["removed", str(e)])
+        print(json.dumps(reports))
+    """)
+    envs = [{"TERRAPIPE_ELASTIC": f"127.0.0.1:{store.port}", "TERRAPIPE_ELASTIC_WORKER": w,
+             "TERRAPIPE_ELASTIC_TIMEOUT": "60"} for w in ("a", "b")]
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=_clean_env(e), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for e in envs]
+    try:
+        assert gens.publish(["b", "a", "ghost"], "start", 0) == 1
+        _until(lambda: len(gens.ready(1, ["a", "b", "ghost"])) == 2, 60, "a and b ready")
+        assert gens.publish(["b", "a"], "the ghost never came", 1) == 2
+        _until(lambda: len(gens.ready(2, ["a", "b"])) == 2, 60, "a and b ready again")
+        gens.go(2)
+        _until(lambda: len(gens.resets(2, ["a", "b"])) == 2, 60, "both asking for more")
+        gens.remove("b")
+        assert gens.publish(["a"], "b removed", 1) == 3
+        _until(lambda: gens.ready(3, ["a"]) == ["a"], 60, "a ready")
+        gens.go(3)
+        out = {}
+        for name, p in zip("ab", procs, strict=True):
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            out[name] = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [out["b"][0][0], out["b"][0][1]["rank"], out["b"][0][1]["size"]] == [2, 0, 2]
+    assert [out["a"][0][0], out["a"][0][1]["rank"], out["a"][0][1]["size"]] == [2, 1, 2]
+    assert out["b"][1][0] == "removed" and "worker b: removed" in out["b"][1][1]
+    assert [out["a"][1][0], out["a"][1][1]["rank"], out["a"][1][1]["size"]] == [3, 0, 1]

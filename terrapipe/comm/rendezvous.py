@@ -1,0 +1,203 @@
+"""The worker's side of an elastic job's rendezvous: which generation of the job this process
+belongs to, at which rank, and the group it forms with that generation's other members.
+
+An elastic job (``terrapipe run --horovod --min-np ...``, terrapipe/engine/elastic.py) has no
+fixed world. Its launcher hosts a key-value store (torch c10d's ``TCPStore``) and decides the
+members of each *generation*: the workers alive and wanted at that moment, in rank order. A
+worker joins a generation with :func:`join` and leaves it with ``comm.finalize()``; after a
+failure it joins the next one.
+
+NOTE [elastic generations]
+    The store's keys (values are JSON text, never pickles):
+
+    1. ``elastic/latest``: the newest generation's number, a counter the launcher alone
+       increments (read with ``add(key, 0)``, which never blocks).
+    2. ``elastic/gen/<g>``: ``{"members": [worker ids in rank order], "why": "...", "update":
+       flags}``, written before ``latest`` reaches ``g``. ``update`` is Horovod's
+       HostUpdateResult: 1 workers removed, 2 added, 3 both. A member of an older generation
+       learns of it with :func:`pending_update` (hvd.elastic's ``check_host_updates``).
+    3. ``elastic/gen/<g>/ready/<worker>``: set by each member that came to generation ``g``;
+       ``elastic/gen/<g>/go``: set by the launcher once every member is ready. A member waits
+       for ``go`` before it builds the group, so no member builds a group with a worker that
+       died before it arrived: the launcher, seeing that death, publishes ``g + 1`` instead,
+       and the waiting members move on to it (a generation superseded before ``go`` is dropped).
+    4. ``elastic/reset/<g>/<worker>``: a member of ``g`` whose group failed asks for a newer
+       generation (the launcher also makes one, unasked, when a worker's process ends or the
+       hosts change).
+    5. ``elastic/removed/<worker>``: the launcher took this worker out of the job (its host
+       left the discovery script's list): :func:`join` raises :class:`WorkerRemoved`.
+    6. Each generation's group sets itself up under ``elastic/gen/<g>/group`` (a
+       :class:`~terrapipe.comm.store.StoreComm` prefix): a fresh segment, fresh keys, nothing
+       shared with an earlier generation's group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass
+
+from .. import settings
+from .errors import CollectiveTimeoutError, CommError
+
+__all__ = ["Generations", "Membership", "WorkerRemoved", "is_elastic", "join", "last_generation", "connect",
+           "pending_update"]
+
+_POLL = 0.02  # seconds between looks at the store while waiting for the launcher
+
+
+class WorkerRemoved(CommError):
+    """The launcher took this worker out of the job (its host was removed); it should exit."""
+
+
+@dataclass(frozen=True)
+class Membership:
+    """This worker's place in one generation: ``generation``, ``rank`` of ``size``, and every
+    member's worker id in rank order (``members``)."""
+
+    generation: int
+    rank: int
+    size: int
+    members: tuple[str, ...]
+
+
+_client = None  # the store connection, one per process, reused by every generation
+_last = 0  # the newest generation this process joined
+
+
+def is_elastic() -> bool:
+    """Whether this process was started by an elastic launcher (``TERRAPIPE_ELASTIC`` set)."""
+    return bool(settings.get("TERRAPIPE_ELASTIC"))
+
+
+def connect(timeout: float):
+    """The launcher's store (``TERRAPIPE_ELASTIC`` = ``host:port``), connected once."""
+    global _client
+    if _client is None:
+        from torch.distributed import TCPStore
+
+        where = settings.get("TERRAPIPE_ELASTIC")
+        host, _, port = where.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"TERRAPIPE_ELASTIC: expected host:port, got {where!r}")
+        _client = TCPStore(host, int(port), is_master=False,
+                           timeout=datetime.timedelta(seconds=float(timeout)))
+    return _client
+
+
+def last_generation() -> int:
+    """The newest generation this process joined (0: none yet)."""
+    return _last
+
+
+def _worker() -> str:
+    worker = settings.get("TERRAPIPE_ELASTIC_WORKER")
+    if not worker:
+        raise ValueError("TERRAPIPE_ELASTIC_WORKER is not set: this process was not started by "
+                         "an elastic launcher (terrapipe run --horovod --min-np ...)")
+    return worker
+
+
+def join(timeout: float) -> tuple[Membership, object]:
+    """Join the first generation newer than the last one this process joined (or, for a worker
+    the launcher started for generation g, g itself: ``TERRAPIPE_ELASTIC_FIRST``) that has this
+    worker as a member; returns it and the store (NOTE [elastic generations]).
+
+    Waits at most ``timeout`` seconds for the launcher (CollectiveTimeoutError after that);
+    raises :class:`WorkerRemoved` when the launcher took this worker out of the job.
+    """
+    global _last
+    store = connect(timeout)
+    me = _worker()
+    after = _last or settings.get("TERRAPIPE_ELASTIC_FIRST") - 1
+    if _last:
+        store.set(f"elastic/reset/{_last}/{me}", "1")  # 4: our generation is over
+    deadline = time.monotonic() + timeout
+    while True:
+        if store.check([f"elastic/removed/{me}"]):
+            raise WorkerRemoved(f"worker {me}: removed from the job by its launcher")
+        latest = int(store.add("elastic/latest", 0))
+        if latest > after:
+            members = json.loads(store.get(f"elastic/gen/{latest}"))["members"]
+            if me in members and _ready(store, latest, me, deadline):
+                _last = latest
+                return Membership(latest, members.index(me), len(members), tuple(members)), store
+            after = latest  # superseded before its go, or a generation without this worker
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"worker {me}: no generation of the elastic job after {after} came within "
+                f"{timeout:g}s (is the launcher alive?)", [])
+        time.sleep(_POLL)
+
+
+def _ready(store, g: int, me: str, deadline: float) -> bool:
+    """Mark ``me`` ready in generation ``g`` and wait for its ``go`` (True), or for a newer
+    generation superseding it (False) (NOTE [elastic generations] 3)."""
+    store.set(f"elastic/gen/{g}/ready/{me}", "1")
+    while time.monotonic() <= deadline:
+        if store.check([f"elastic/gen/{g}/go"]):
+            return True
+        if int(store.add("elastic/latest", 0)) > g:
+            return False
+        time.sleep(_POLL)
+    return False
+
+
+def pending_update() -> tuple[int, int]:
+    """``(latest, flags)``: the newest generation the launcher formed, and the union of the
+    ``update`` flags of every generation newer than the one this process joined (0: none; 1
+    workers removed, 2 added). ``(0, 0)`` outside an elastic job or before the first join."""
+    if _client is None or not _last:
+        return 0, 0
+    latest = int(_client.add("elastic/latest", 0))
+    flags = 0
+    for g in range(_last + 1, latest + 1):
+        flags |= int(json.loads(_client.get(f"elastic/gen/{g}")).get("update", 0))
+    return latest, flags
+
+
+def superseded(store, g: int):
+    """A predicate for waits inside generation ``g``'s set-up: why to give up (a newer
+    generation exists), or None."""
+    def check() -> str | None:
+        latest = int(store.add("elastic/latest", 0))
+        return f"generation {g} was superseded by {latest}" if latest > g else None
+
+    return check
+
+
+class Generations:
+    """The launcher's side of NOTE [elastic generations]: it alone writes generations into
+    ``store`` (a c10d Store it hosts) and reads the workers' answers."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.latest = 0
+
+    def publish(self, members: list[str], why: str, update: int) -> int:
+        """Make generation ``latest + 1`` of ``members`` (worker ids, in rank order); ``update``:
+        1 workers were removed since the last one, 2 added, 3 both (2). Returns its number."""
+        g = self.latest + 1
+        self.store.set(f"elastic/gen/{g}", json.dumps({"members": list(members), "why": why,
+                                                       "update": int(update)}))
+        self.latest = int(self.store.add("elastic/latest", 1))
+        if self.latest != g:
+            raise RuntimeError(f"elastic/latest is {self.latest}, expected {g}: two launchers share a store")
+        return g
+
+    def ready(self, g: int, members: list[str]) -> list[str]:
+        """The members of ``g`` that came to it (3)."""
+        return [m for m in members if self.store.check([f"elastic/gen/{g}/ready/{m}"])]
+
+    def go(self, g: int) -> None:
+        """Every member of ``g`` came: they may build its group (3)."""
+        self.store.set(f"elastic/gen/{g}/go", "1")
+
+    def resets(self, g: int, members: list[str]) -> list[str]:
+        """The members of ``g`` that asked for a newer generation (4)."""
+        return [m for m in members if self.store.check([f"elastic/reset/{g}/{m}"])]
+
+    def remove(self, worker: str) -> None:
+        """Take ``worker`` out of the job (5)."""
+        self.store.set(f"elastic/removed/{worker}", "1")

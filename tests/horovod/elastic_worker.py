@@ -1,0 +1,83 @@
+"""A worker of the elastic tests (tests/horovod/test_elastic_job.py), run under
+``terrapipe run --horovod --min-np ...``: a linear model trained with hvd.elastic on 256
+samples, an ElasticSampler and a commit after every batch.
+
+Before each commit every rank prints one JSON line: generation, epoch, step, rank, size, the
+batch's sample indices and the loss. ``--kill-rank R --kill-step S``: rank R SIGKILLs itself
+right after printing step S, in the first generation only. ``--sleep T``: seconds per step
+(time for the test to change the hosts mid-run). Ends with a line ``{"final": loss}``: the
+model's loss on every sample.
+"""
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import horovod.torch as hvd
+import torch
+
+from terrapipe.comm import rendezvous
+
+p = argparse.ArgumentParser()
+p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--kill-rank", type=int, default=-1)
+p.add_argument("--kill-step", type=int, default=-1)
+p.add_argument("--sleep", type=float, default=0.0)
+args = p.parse_args()
+
+
+def emit(record: dict) -> None:
+    """One line in one write: the workers share the launcher's stdout (a pipe, where a write of
+    less than PIPE_BUF bytes is never interleaved with another)."""
+    os.write(1, (json.dumps(record) + "\n").encode())
+
+
+BATCH = 8
+hvd.init()
+torch.manual_seed(0)
+X = torch.randn(256, 8)
+Y = X @ torch.randn(8, 1)
+data = torch.utils.data.TensorDataset(torch.arange(256), X, Y)
+model = torch.nn.Linear(8, 1)
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.02 * hvd.size()),
+                                     named_parameters=model.named_parameters())
+sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
+loader = torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, step=0)
+
+
+def scale_lr() -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = 0.02 * hvd.size()
+
+
+state.register_reset_callbacks([scale_lr])
+
+
+@hvd.elastic.run
+def train(state):
+    for epoch in range(state.epoch, args.epochs):
+        state.epoch = epoch
+        for i, (idx, x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            state.step += 1
+            sampler.record_batch(i, BATCH)
+            emit({"generation": rendezvous.last_generation(), "epoch": state.epoch, "step": state.step,
+                  "rank": hvd.rank(), "size": hvd.size(), "indices": idx.tolist(), "loss": loss.item(),
+                  "t": time.time()})
+            if (state.step == args.kill_step and hvd.rank() == args.kill_rank
+                    and rendezvous.last_generation() == 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(args.sleep)
+            state.commit()
+        sampler.set_epoch(state.epoch + 1)
+
+
+train(state)
+with torch.no_grad():
+    emit({"final": torch.nn.functional.mse_loss(model(X), Y).item(), "rank": hvd.rank()})
