@@ -86,6 +86,12 @@ def local_size(env: Mapping[str, str] = os.environ) -> int | None:
     return _first_int(env, _LOCAL_SIZE_VARS)
 
 
+def restart_count(env: Mapping[str, str] = os.environ) -> int:
+    """Which of torchrun's attempts this process belongs to (``TORCHELASTIC_RESTART_COUNT``; 0
+    for the first, and outside torchrun)."""
+    return _first_int(env, ("TORCHELASTIC_RESTART_COUNT",)) or 0
+
+
 def mpiexec_path() -> str | None:
     """The mpiexec beside this interpreter (the MPI wheel's), else the one on PATH, else None."""
     here = Path(sys.executable).parent / "mpiexec"

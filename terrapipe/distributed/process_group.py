@@ -32,6 +32,11 @@ NOTE [the terrapipe process group]
     4. Timeouts: the group's timeout (``init_process_group(timeout=)``) bounds every wait on
        another rank; a late rank is named in the CollectiveTimeoutError, and the group is then
        unusable, as a Gloo group is after a timeout.
+    5. torchrun's restarts (``--max-restarts``) hand every attempt's workers the same store, the
+       agent's, still holding the last attempt's keys (torch 2.13): the group's keys go under the
+       attempt's number (``TORCHELASTIC_RESTART_COUNT``), so a restarted group never reads a dead
+       worker's Gloo address or segment name. (torch's own Gloo backend reads them: a restarted
+       ``backend="gloo"`` job fails in Gloo's connectFullMesh, "Connection refused".)
 
 Why one module: torch calls one ProcessGroup class; its methods are thin adapters from
 torch's option objects to terrapipe.comm, and the NOTE above ties them together.
@@ -153,6 +158,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
         # tests, and for anyone wondering where their collectives go.
         self.served: collections.Counter[str] = collections.Counter()
         seconds = timeout.total_seconds()
+        store = dist.PrefixStore(f"attempt{launch_env.restart_count()}/", store)  # NOTE 5 above
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         # torch keeps a group's name (what functional collectives resolve it by) on its
         # backends; the Gloo one beside us carries it. Calls still come to these methods.

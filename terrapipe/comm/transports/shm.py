@@ -111,6 +111,7 @@ class Segment:
         if node_comm.rank == 0:
             os.unlink(name)
         self.nbytes = nbytes
+        self.name = name  # where it was made (unlinked by now): the creator's pid is in it
         self.buf = np.frombuffer(self._map, np.uint8)
 
     def close(self) -> None:
