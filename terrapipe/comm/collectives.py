@@ -30,7 +30,7 @@ from ..kernels import BF16, F16
 from ..kernels import reduce as kreduce
 from . import clock, execution, rendezvous, select
 from .buffers import Buffer, plain_array
-from .errors import CommError, SetupAbandoned
+from .errors import SetupAbandoned
 from .execution import Handle
 from .group import Group, force_backend, forced_backend
 from .message import NO_GATE
@@ -102,16 +102,18 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
 
 def _join_elastic(timeout: float) -> Group:
     """The world of an elastic job: the next generation its launcher forms with this worker in
-    it (NOTE [elastic generations] in comm/rendezvous.py), over shared memory; a generation
-    superseded while its group was being set up is left for the next."""
+    it (NOTE [elastic generations] in comm/rendezvous.py), over shared memory on one machine,
+    over Gloo across machines; a generation superseded while its group was being set up is left
+    for the next."""
     while True:
         membership, store = rendezvous.join(settings.get("TERRAPIPE_ELASTIC_TIMEOUT"))
-        g = membership.generation
+        g, r, n = membership.generation, membership.rank, membership.size
+        abandon = rendezvous.superseded(store, g)
         try:
-            return Group.over_store(store, f"elastic/gen/{g}/group", membership.rank, membership.size,
-                                    timeout, rendezvous.superseded(store, g))
-        except ValueError as e:  # members on several machines
-            raise CommError(f"elastic generation {g}: {e}; elastic jobs run on one machine") from e
+            try:
+                return Group.over_store(store, f"elastic/gen/{g}/group", r, n, timeout, abandon)
+            except ValueError:  # members on several machines (every member finds it alike)
+                return Group.over_store_and_gloo(store, f"elastic/gen/{g}/across", r, n, timeout, abandon)
         except SetupAbandoned:
             continue
 

@@ -154,6 +154,36 @@ class Group:
             self.control = self.shm
         return self
 
+    @classmethod
+    def over_store_and_gloo(cls, store, prefix: str, rank: int, size: int, timeout: float = 300.0,
+                            abandon=None) -> Group:
+        """A group of ``size`` processes on any machines, set up through ``store`` under
+        ``prefix``: Gloo between them (torch.distributed's default group, made here and destroyed
+        when the group closes), its local ranks those on this machine. ``abandon``: as for
+        :meth:`over_store`. For an elastic job's generation that spans machines
+        (comm/rendezvous.py); collectives take Gloo's paths (no shared memory)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from .store import StoreComm, node_of
+        from .transports.gloo import GlooTransport
+
+        if dist.is_initialized():
+            raise RuntimeError("over_store_and_gloo: torch.distributed is already initialised in this "
+                               "process; the group makes its own default group")
+        nodes = StoreComm(store, f"{prefix}/nodes", rank, size, timeout, abandon).allgather(node_of())
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"{prefix}/gloo/", store), rank=int(rank),
+                                world_size=int(size), timeout=datetime.timedelta(seconds=float(timeout)))
+        gloo = GlooTransport(timeout)
+        gloo.owns_init = True  # made here: close() destroys it, so the next generation can make its own
+        self = cls._over_gloo(gloo, timeout, None)
+        same = [r for r in range(size) if nodes[r] == nodes[rank]]
+        self.local_rank, self.local_size = same.index(rank), len(same)
+        self.nnodes = len(set(nodes))
+        self.uniform = len({nodes.count(n) for n in set(nodes)}) == 1
+        return self
+
     def _split_over_store(self, color: int, key: int, timeout: float) -> Group:
         """:meth:`split` of a group made by :meth:`over_store`: membership agreed over the same
         store, the new group under a key space of its own."""

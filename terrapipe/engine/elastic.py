@@ -55,6 +55,8 @@ class ElasticSettings:
     slots_per_host: int | None
     timeout: float
     reset_limit: int | None
+    launcher_exec: str = "ssh -o BatchMode=yes"
+    address: str | None = None
 
 
 class ElasticError(RuntimeError):
@@ -136,10 +138,6 @@ class _Job:
                 raise ElasticError(f"--host-discovery-script {self.s.discovery} exited with "
                                    f"{run.returncode}: {run.stderr.strip()[-500:]}")
             hosts = parse_hosts(run.stdout, self.s.slots_per_host, self.s.discovery)
-        away = [h for h in hosts if not _is_this_machine(h)]
-        if away:
-            raise ElasticError(f"elastic workers run on this machine only; {away} "
-                               "name other hosts")
         return {h: n for h, n in hosts.items() if h not in self.blacklist}
 
     def free_slots(self, hosts: dict[str, int]) -> list[str]:
@@ -156,12 +154,20 @@ class _Job:
     def start(self, host: str, first_generation: int) -> _Worker:
         self.count += 1
         wid = f"{host}:{self.count}"
-        env = dict(self.env, TERRAPIPE_ELASTIC=f"127.0.0.1:{self.store.port}", TERRAPIPE_ELASTIC_WORKER=wid,
+        local = _is_this_machine(host)
+        address = "127.0.0.1" if local else (self.s.address or socket.getfqdn())
+        env = dict(self.env, TERRAPIPE_ELASTIC=f"{address}:{self.store.port}", TERRAPIPE_ELASTIC_WORKER=wid,
                    TERRAPIPE_ELASTIC_FIRST=str(first_generation),
                    TERRAPIPE_ELASTIC_TIMEOUT=str(self.s.timeout), HOROVOD_HOSTNAME=host)
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)  # the world comes from the rendezvous, not from these
-        proc = subprocess.Popen(self.command, env=env, start_new_session=True)
+        if local:
+            proc = subprocess.Popen(self.command, env=env, start_new_session=True)
+        else:  # as ssh runs it: the variables this launcher sets, in the command itself
+            ours = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if os.environ.get(k) != v)
+            remote = f"cd {shlex.quote(os.getcwd())} && env {ours} {shlex.join(self.command)}"
+            proc = subprocess.Popen([*shlex.split(self.s.launcher_exec), host, remote], env=env,
+                                    start_new_session=True)
         worker = _Worker(wid, host, proc)
         self.workers.append(worker)
         return worker

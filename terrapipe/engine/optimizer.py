@@ -44,13 +44,25 @@ class DistributedOptimizer(WrappedOptimizer):
                  backend: str = "auto", autotune: bool | None = None) -> None:
         self.optimizer = optimizer
         self._skip_sync = False
-        self.gradients = DistributedGradients(model, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
-                                              compression=compression, op=op,
-                                              backward_passes_per_step=backward_passes_per_step,
-                                              group=group, backend=backend)
+        self._settings = dict(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, compression=compression,
+                              op=op, backward_passes_per_step=backward_passes_per_step, backend=backend)
+        self.gradients = DistributedGradients(model, group=group, **self._settings)
         if autotune is None:
             autotune = settings.get("TERRAPIPE_AUTOTUNE")
+        self._autotune = bool(autotune)
         tunable = autotune and self.gradients.group.size > 1
+        self.autotuner = AutoTuner(self.gradients) if tunable else None
+
+    def rejoin(self, group: comm.Group | None = None) -> None:
+        """Average over ``group`` from now on (default: ``comm.world()`` as it is now): after an
+        elastic job formed its next generation (Engine(elastic=True)). The old hooks are removed
+        and reductions still pending are dropped; the gradients already in ``.grad`` stay, and
+        the next ``synchronize()`` averages them over the new group. Collective over ``group``
+        (the new gradient buffers may be shared)."""
+        params = self.gradients.parameters
+        self.gradients.remove()
+        self.gradients = DistributedGradients(params, group=group, **self._settings)
+        tunable = self._autotune and self.gradients.group.size > 1
         self.autotuner = AutoTuner(self.gradients) if tunable else None
 
     records_step = True  # Engine leaves the "optimizer step" span to it (timeline_summary)

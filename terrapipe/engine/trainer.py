@@ -7,7 +7,14 @@
 Hooks receive the mutable ``state`` dict (model, optimizer, epoch, step, sample, output, loss,
 metrics, ...) and run in this order: on_start; per epoch: per batch on_batch (after loading),
 on_forward (after the loss), on_backward, on_update (after the optimizer step); on_epoch_end
-(after metrics are averaged across ranks and validation ran); on_end.
+(after metrics are averaged across ranks and validation ran); on_end. on_rejoin: after an
+elastic engine restored its last commit in a new world (``state["world_size"]``).
+
+``elastic=True`` (under ``terrapipe run --min-np ...``, docs/elastic.md): the model, optimizer,
+loader position, metric sums and RNG are committed in memory every ``commit_every`` steps and
+at each epoch's end; when a collective fails (a rank died), every survivor restores the last
+commit, joins the job's next generation, deals the rest of the epoch over the smaller world
+(FastLoader's resume at any world size) and goes on, without a restart.
 
 Metrics (loss, accuracy, img/s) are summed locally and averaged across ranks once per epoch.
 Rank 0 shows a tqdm bar and writes checkpoints atomically (temp file + rename): model,
@@ -18,7 +25,9 @@ someone else could write cannot run code when training resumes (CheckpointError 
 
 from __future__ import annotations
 
+import copy
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,12 +36,14 @@ import numpy as np
 import torch
 
 from .. import comm, timeline
+from .commit import Commit
 
 __all__ = ["Engine", "HOOKS", "CheckpointError"]
 
 _CHECKPOINT_KEYS = ("epoch", "model", "optimizer", "loader", "history")
 
-HOOKS = ("on_start", "on_batch", "on_forward", "on_backward", "on_update", "on_epoch_end", "on_end")
+HOOKS = ("on_start", "on_batch", "on_forward", "on_backward", "on_update", "on_epoch_end", "on_end",
+         "on_rejoin")
 
 
 class CheckpointError(RuntimeError):
@@ -44,12 +55,16 @@ class Engine:
     ranks) on ``train_loader`` batches ``(inputs, targets)``; ``val_loader`` is evaluated after
     each epoch. ``amp``: autocast in ``amp_dtype`` (default bfloat16 on CPU, float16 on CUDA);
     float16 steps through a GradScaler, after the gradients are averaged (see
-    DistributedOptimizer)."""
+    DistributedOptimizer). ``elastic``: survive a rank's death (see the module's docstring),
+    committing every ``commit_every`` steps; needs a train loader that resumes at any world size
+    (a FastLoader: ``state_dict``, ``load_state_dict``, ``set_world``) and an optimizer that can
+    rejoin a new world (terrapipe.engine's DistributedOptimizer) or a job of one rank."""
 
     def __init__(self, model: torch.nn.Module, criterion: Callable, optimizer, train_loader,
                  val_loader=None, *, checkpoint_dir: str | os.PathLike | None = None,
                  amp: bool = False, progress: bool = True, device: str | torch.device = "cpu",
-                 amp_dtype: torch.dtype | None = None) -> None:
+                 amp_dtype: torch.dtype | None = None, elastic: bool = False,
+                 commit_every: int = 10) -> None:
         self.model = model
         self.criterion = criterion
         self.optimizer = optimizer
@@ -67,6 +82,17 @@ class Engine:
             raise ValueError(f"amp_dtype: expected torch.float16 or torch.bfloat16, got {amp_dtype}")
         use_scaler = amp and self._amp_dtype == torch.float16
         self._scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+        if elastic:
+            missing = [a for a in ("state_dict", "load_state_dict", "set_world")
+                       if not hasattr(train_loader, a)]
+            if missing:
+                raise ValueError(f"train_loader: elastic=True resumes the epoch at another world size, "
+                                 f"which needs {', '.join(missing)} (a terrapipe FastLoader has them)")
+            if not isinstance(commit_every, int) or commit_every < 1:
+                raise ValueError(f"commit_every must be a positive int, got {commit_every!r}")
+        self.elastic = bool(elastic)
+        self.commit_every = commit_every
+        self._commit = Commit() if elastic else None
 
     # -- hooks -----------------------------------------------------------------------------------
     def _hook(self, name: str, state: dict) -> None:
@@ -139,16 +165,33 @@ class Engine:
         state = {"model": self.model, "optimizer": self.optimizer, "epoch": start_epoch, "step": 0,
                  "engine": self, "train": True}
         self._hook("on_start", state)
-        for epoch in range(start_epoch, epochs):
-            state["epoch"] = epoch
-            if hasattr(self.train_loader, "set_epoch"):
-                self.train_loader.set_epoch(epoch)
-            self.model.train()
-            sums = np.zeros(3)
-            bar = self._bar(len(self.train_loader), f"epoch {epoch}")
-            timeline.instant("engine", f"epoch {epoch}")
-            began = time.perf_counter()
-            batches = iter(self.train_loader)
+        epoch, sums = start_epoch, None
+        if self.elastic:
+            self._take(self._epoch_start_state(start_epoch), start_epoch, state["step"], np.zeros(3))
+        while epoch < epochs:
+            try:
+                self._train_epoch(epoch, state, sums)
+                epoch, sums = epoch + 1, None
+            except comm.CommError as e:
+                if not self.elastic:
+                    raise
+                epoch, sums = self._rejoin(e, state)
+        self._hook("on_end", state)
+        return self.history
+
+    def _train_epoch(self, epoch: int, state: dict, sums: np.ndarray | None) -> None:
+        """One epoch, from its start (``sums`` None) or from a commit in it (the loader already
+        positioned there, ``sums`` its metric sums so far)."""
+        state["epoch"] = epoch
+        if hasattr(self.train_loader, "set_epoch"):
+            self.train_loader.set_epoch(epoch)  # keeps a position load_state_dict set in this epoch
+        self.model.train()
+        sums = np.zeros(3) if sums is None else sums
+        bar = self._bar(len(self.train_loader), f"epoch {epoch}")
+        timeline.instant("engine", f"epoch {epoch}")
+        began = time.perf_counter()
+        batches = iter(self.train_loader)
+        try:
             while True:
                 with timeline.span("loader", "next batch"):
                     batch = next(batches, None)
@@ -175,26 +218,75 @@ class Engine:
                 state["step"] += 1
                 self._hook("on_update", state)
                 self._accumulate(sums, loss, output, targets)
+                if self.elastic and state["step"] % self.commit_every == 0:
+                    with timeline.span("engine", "commit"):
+                        self._take(self.train_loader.state_dict(), epoch, state["step"], sums)
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-            metrics = {"epoch": epoch, **{f"train_{k}": v for k, v in
-                                          self._averaged(sums, time.perf_counter() - began).items()}}
+        finally:
             if bar is not None:
                 bar.close()
-            consolidate = getattr(self.optimizer, "consolidate", None)
-            if consolidate is not None:  # a terrapipe.ps mode: validate and save the consensus model
-                consolidate()
-            if self.val_loader is not None:
-                with timeline.span("engine", "validation"):
-                    metrics.update({f"val_{k}": v for k, v in self.test(self.val_loader).items()})
-            self.history.append(metrics)
-            state["metrics"] = metrics
-            self._hook("on_epoch_end", state)
-            with timeline.span("engine", "checkpoint"):
-                self.save_checkpoint(epoch)
-        self._hook("on_end", state)
-        return self.history
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+        metrics = {"epoch": epoch, **{f"train_{k}": v for k, v in
+                                      self._averaged(sums, time.perf_counter() - began).items()}}
+        consolidate = getattr(self.optimizer, "consolidate", None)
+        if consolidate is not None:  # a terrapipe.ps mode: validate and save the consensus model
+            consolidate()
+        if self.val_loader is not None:
+            with timeline.span("engine", "validation"):
+                metrics.update({f"val_{k}": v for k, v in self.test(self.val_loader).items()})
+        self.history.append(metrics)
+        state["metrics"] = metrics
+        self._hook("on_epoch_end", state)
+        with timeline.span("engine", "checkpoint"):
+            self.save_checkpoint(epoch)
+        if self.elastic:
+            self._take(self._epoch_start_state(epoch + 1), epoch + 1, state["step"], np.zeros(3))
+
+    # -- elastic -------------------------------------------------------------------------------
+    def _epoch_start_state(self, epoch: int) -> dict:
+        """The train loader's state at the start of ``epoch``."""
+        loader_state = self.train_loader.state_dict()
+        loader_state.update(epoch=epoch, consumed=0, batch=0)
+        return loader_state
+
+    def _take(self, loader_state: dict, epoch: int, step: int, sums: np.ndarray) -> None:
+        self._commit.take(self.model, self.optimizer, loader_state, epoch, step, sums, self.history)
+
+    def _rejoin(self, error: comm.CommError, state: dict) -> tuple[int, np.ndarray | None]:
+        """A collective failed: restore the last commit, join the job's next generation, deal
+        the rest of the epoch over it. Returns where to go on: (epoch, its metric sums, or None
+        at an epoch's start). Re-raises ``error`` outside an elastic job (nothing to rejoin)."""
+        if not comm.is_elastic():
+            raise error
+        c = self._commit
+        print(f"terrapipe.engine: rank {comm.rank()}: {error}; restoring step {c.step} (epoch {c.epoch}) "
+              f"and rejoining the job", file=sys.stderr, flush=True)
+        c.put_back(self.model, self.optimizer, self.train_loader)
+        comm.finalize()
+        world = comm.init()
+        self.train_loader.set_world(world.rank, world.size)
+        rejoin = getattr(self.optimizer, "rejoin", None)
+        if rejoin is not None:
+            rejoin()
+        elif world.size > 1:
+            raise RuntimeError("Engine(elastic=True): the optimizer cannot average over the new world "
+                               "(use terrapipe.engine.DistributedOptimizer, which can rejoin)")
+        # Every survivor restored the same commit (each took it after the same step's reduction
+        # completed everywhere); a rank that did not would train on another step from here.
+        where = np.array([c.epoch, c.step], np.int64)
+        if not (np.array_equal(comm.allreduce(where, "min"), where)
+                and np.array_equal(comm.allreduce(where, "max"), where)):
+            raise RuntimeError(f"Engine(elastic=True): rank {world.rank} restored epoch {c.epoch} step "
+                               f"{c.step}, another rank a different commit")
+        self.history = copy.deepcopy(c.history)
+        state.update(step=c.step, world_size=world.size)
+        self._hook("on_rejoin", state)
+        mid_epoch = int(c.loader.get("consumed", 0)) > 0
+        return c.epoch, (c.sums.copy() if mid_epoch else None)
 
     def _step(self, step: Callable[[], object]) -> None:
         """One optimizer step, an "optimizer step" span on the timeline (where steps end for

@@ -231,6 +231,16 @@ class FastLoader:
         self.epoch = int(epoch)
         self._last_state = None  # a pass stopped early belongs to the epoch left behind
 
+    def set_world(self, rank: int, world_size: int) -> None:
+        """Deal the next iterators' samples to ``rank`` of ``world_size`` (an elastic job's next
+        generation): with :meth:`load_state_dict`, the rest of an epoch resumes over the new
+        world (NOTE [resume at any world size]). A live iterator keeps the world it began with."""
+        rank, world_size = int(rank), int(world_size)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"set_world: rank {rank} is outside world_size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self._last_state = None  # a state of the old world would name its rank and size
+
     def _per_rank(self) -> int:
         return math.ceil(len(self.dataset) / self.world_size)
 

@@ -283,17 +283,25 @@ class Cluster:
         ``ranks_per_node`` on each node in rank order; append the command."""
         if ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
-        exec_script = self._dir / "enter-node"
-        table = " ".join(f"{a}:{h.pid}" for a, h in zip(self.addresses, self._holders, strict=True))
-        exec_script.write_text(
-            f"#!{sys.executable}\n"
-            "import sys\n"
-            "from terrapipe.testing.cluster import _launcher_exec\n"
-            f"sys.exit(_launcher_exec({table!r}, sys.argv[1:]))\n")
-        exec_script.chmod(0o755)
-        return [launch_env.mpiexec_path(), "-launcher", "ssh", "-launcher-exec", str(exec_script),
+        return [launch_env.mpiexec_path(), "-launcher", "ssh", "-launcher-exec", self.exec_script(),
                 "-localhost", self.bridge_address, "-hosts", ",".join(self.addresses),
                 "-ppn", str(ranks_per_node), "-n", str(self.nodes * ranks_per_node)]
+
+    def exec_script(self) -> str:
+        """A program that stands in for ssh: ``SCRIPT [ssh options] ADDRESS command...`` runs the
+        command (one shell string, as ssh takes it) on the node at ``ADDRESS``, in this
+        process's environment and working directory. For launchers that start processes over
+        ssh: hydra (``-launcher-exec``), ``terrapipe run``'s elastic jobs (``--launcher-exec``)."""
+        path = self._dir / "enter-node"
+        if not path.exists():
+            table = " ".join(f"{a}:{h.pid}" for a, h in zip(self.addresses, self._holders, strict=True))
+            path.write_text(
+                f"#!{sys.executable}\n"
+                "import sys\n"
+                "from terrapipe.testing.cluster import _launcher_exec\n"
+                f"sys.exit(_launcher_exec({table!r}, sys.argv[1:]))\n")
+            path.chmod(0o755)
+        return str(path)
 
     def torchrun_args(self, node: int, ranks_per_node: int, port: int = 29400) -> list[str]:
         """The command that starts node ``node``'s share of a torchrun job (``nodes`` torchruns,

@@ -160,3 +160,26 @@ def test_a_state_from_an_incompatible_loader_is_refused_naming_the_field(sources
         with pytest.raises(ValueError, match=field):
             L.load_state_dict(bad)
         L.load_state_dict(state)  # its own state loads
+
+
+@pytest.mark.parametrize("world,new", [(4, 3), (2, 5)])
+def test_set_world_deals_the_rest_as_a_loader_made_at_the_new_world(sources, world, new):
+    # An elastic job's survivors keep their loader and move it to the next generation's world
+    # (Engine(elastic=True)): it must deal what a loader built at that world would.
+    first = _loader(sources["folder"], 1, world, True, False)
+    _pass(first, steps=2)
+    state = first.state_dict()
+    for r in range(new):
+        moved = _loader(sources["folder"], min(r, world - 1), world, True, False)
+        moved.set_world(r, new)
+        moved.load_state_dict(state)
+        made = _loader(sources["folder"], r, new, True, False)
+        made.load_state_dict(state)
+        a, b = _pass(moved), _pass(made)
+        assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+        assert moved.state_dict()["world_size"] == new and moved.state_dict()["rank"] == r
+        for loader in (moved, made):
+            loader.close()
+    first.close()
+    with pytest.raises(ValueError, match="set_world: rank 3 is outside world_size 3"):
+        _loader(sources["folder"], 0, 1, True, False).set_world(3, 3)

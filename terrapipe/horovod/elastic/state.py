@@ -14,6 +14,7 @@ import copy
 import torch
 
 from ... import comm
+from ...engine import kept_copy
 from .. import basics
 from ..errors import HostsUpdatedInterrupt
 from ..mpi_ops import broadcast_object
@@ -129,33 +130,11 @@ class StateHandler(_Committed):
         self.save()
 
 
-def _kept(saved, current):
-    """A copy of ``current`` (a state_dict: nested dicts and lists of tensors and plain values)
-    for a commit, written into ``saved``'s tensors where the structure, shapes and dtypes match:
-    a commit every few steps then copies at memory bandwidth, allocating and faulting in nothing
-    (half the time of a deepcopy for a 26M-parameter model with momentum; docs/elastic.md)."""
-    if isinstance(current, torch.Tensor):
-        if (isinstance(saved, torch.Tensor) and saved.shape == current.shape and saved.dtype == current.dtype
-                and saved.device == current.device and saved.layout == current.layout == torch.strided):
-            return saved.copy_(current.detach())
-        return current.detach().clone()
-    if isinstance(current, dict):
-        old = saved if isinstance(saved, dict) else {}
-        return {k: _kept(old.get(k), v) for k, v in current.items()}
-    if isinstance(current, (list, tuple)):
-        same = isinstance(saved, (list, tuple)) and len(saved) == len(current)
-        out = [_kept(o, v) for o, v in zip(saved if same else [None] * len(current), current, strict=True)]
-        if isinstance(current, list):
-            return out
-        return type(current)(*out) if hasattr(current, "_fields") else type(current)(out)  # namedtuple
-    return copy.deepcopy(current)
-
-
 class _StateDictHandler(StateHandler):
     """An object with ``state_dict`` / ``load_state_dict``: the state dict kept on commit
-    (:func:`_kept`), and a copy of it loaded on restore (a module copies what it loads, but an
-    optimizer keeps the tensors it is given: the steps after a restore would write into the
-    commit itself)."""
+    (:func:`terrapipe.engine.kept_copy`), and a copy of it loaded on restore (a module copies
+    what it loads, but an optimizer keeps the tensors it is given: the steps after a restore
+    would write into the commit itself)."""
 
     def __init__(self, value) -> None:
         super().__init__(value)
@@ -163,7 +142,7 @@ class _StateDictHandler(StateHandler):
         self.save()
 
     def save(self) -> None:
-        self._saved = _kept(self._saved, self.value.state_dict())
+        self._saved = kept_copy(self._saved, self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(copy.deepcopy(self._saved))

@@ -1,0 +1,43 @@
+"""An elastic job across emulated machines (terrapipe.testing.cluster): ``terrapipe run --horovod
+--min-np 2`` over 2 nodes of 2 workers, a generation spanning the nodes (Gloo between them); every
+process of node 1 is SIGKILLed mid-run (the machine lost), and the job carries on at 1 node of 2
+(shared memory), with every sample of every epoch trained on once."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.elastic_jobs import epochs_covered_once, run_job, wait_for
+
+pytest_plugins = ["terrapipe.testing.fixtures"]
+pytestmark = pytest.mark.cluster
+
+WORKER = Path(__file__).resolve().parents[1] / "horovod" / "elastic_worker.py"
+
+
+@pytest.mark.full  # make test-cluster / test-full (a minute on two cores); CI has the one-machine kill
+def test_a_node_lost_at_2x2_the_job_carries_on_at_1x2(emulated_cluster):
+    c = emulated_cluster(2, link="1gbit")
+    hosts = ",".join(f"{a}:2" for a in c.addresses)
+
+    def lose_node_1(proc, records):
+        wait_for(records, lambda rs: sum(r["size"] == 4 for r in rs) >= 12)
+        for pid in c.processes(1):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    code, records, err = run_job(
+        ["--horovod", "-np", "4", "--min-np", "2", "-H", hosts, "--launcher-exec", c.exec_script(),
+         "--rendezvous-address", c.bridge_address], WORKER, ["--sleep", "0.05"], timeout=300,
+        during=lose_node_1)
+    assert code == 0, err[-3000:]
+    assert f"generation 2: 2 workers ({c.addresses[0]}:1, {c.addresses[0]}:2)" in err, err[-3000:]
+    steps = [r for r in records if "step" in r]
+    assert {r["size"] for r in steps if r["generation"] == 1} == {4}
+    assert {r["size"] for r in steps if r["generation"] == 2} == {2}
+    epochs_covered_once(records, 2, 256)
+    assert c.processes(0) == [] and c.processes(1) == []
