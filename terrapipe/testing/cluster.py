@@ -41,6 +41,10 @@ NOTE [leaving nothing behind]
      exits at once when a node's proxy is lost, and the other nodes' proxies and ranks would
      outlive it), and after a failed job MPICH's node files are swept from each node's
      ``/dev/shm``.
+
+Why one module: the namespaces' set-up, the ways into them (nsenter prefixes, the ssh stand-in
+launchers call, mpiexec's and torchrun's arguments) and the teardown all read the same table of
+nodes and holders, and the CLI is their one user outside tests.
 """
 
 from __future__ import annotations

@@ -7,26 +7,30 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
 from terrapipe.comm.transports.shm import PREFIX
+from tests.elastic_jobs import marked
 
 WORKER = str(Path(__file__).resolve().parent / "restart_worker.py")
 
 
 def _torchrun(tmp_path, name, *worker_args):
+    mark = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "OMPI_", "HYDRA_", "MPI_", "TERRAPIPE_TEST_MPI"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", ELASTIC_TEST_MARK=mark)
     out = tmp_path / f"{name}.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.2", WORKER,
            "--checkpoint", str(tmp_path / f"{name}.ckpt"), "--out", str(out), *worker_args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert not marked(mark), f"processes outlived the job: {marked(mark)}"
     starts = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     return torch.load(out, weights_only=True), starts, r.stderr
 
