@@ -227,3 +227,51 @@ def test_elastic_workers_join_generations_as_their_launcher_forms_them():
     assert [out["a"][0][0], out["a"][0][1]["rank"], out["a"][0][1]["size"]] == [2, 1, 2]
     assert out["b"][1][0] == "removed" and "worker b: removed" in out["b"][1][1]
     assert [out["a"][1][0], out["a"][1][1]["rank"], out["a"][1][1]["size"]] == [3, 0, 1]
+
+
+def test_a_generation_whose_member_vanished_during_set_up_is_left_for_the_next():
+    """A member that came (ready) and then vanished before its group was set up: the others'
+    set-up waits give up once the launcher publishes a newer generation (SetupAbandoned inside
+    comm.init), and they join that one, instead of waiting out the timeout."""
+    import datetime
+    import time
+
+    from torch.distributed import TCPStore
+
+    import terrapipe.comm as comm
+
+    store = TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=60))
+    gens = comm.Generations(store)
+    script = BODY + textwrap.dedent("""
+        import time
+        from terrapipe.comm import rendezvous
+        began = time.monotonic()
+        g = comm.init(timeout=60)  # the collectives' timeout: the abandoned wait must not take it
+        print(json.dumps([rendezvous.last_generation(), time.monotonic() - began, check(g)]))
+        comm.finalize()
+    """)
+    envs = [{"TERRAPIPE_ELASTIC": f"127.0.0.1:{store.port}", "TERRAPIPE_ELASTIC_WORKER": w,
+             "TERRAPIPE_ELASTIC_TIMEOUT": "60"} for w in ("a", "b")]
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=_clean_env(e), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for e in envs]
+    try:
+        gens.publish(["a", "ghost", "b"], "start", 0)
+        store.set("elastic/gen/1/ready/ghost", "1")  # it came, and will never set up
+        _until(lambda: len(gens.ready(1, ["a", "b", "ghost"])) == 3, 60, "everyone ready")
+        gens.go(1)
+        time.sleep(1.0)  # a and b are inside generation 1's set-up, waiting for the ghost
+        gens.publish(["a", "b"], "the ghost is gone", 1)
+        _until(lambda: len(gens.ready(2, ["a", "b"])) == 2, 60, "a and b in generation 2")
+        gens.go(2)
+        out = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [(g, rep["rank"], rep["size"]) for g, _, rep in out] == [(2, 0, 2), (2, 1, 2)]
+    assert all(seconds < 30 for _, seconds, _ in out), out
