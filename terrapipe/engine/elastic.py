@@ -4,7 +4,8 @@ the launcher of an elastic job, as ``horovodrun`` is in elastic mode.
 It hosts the job's rendezvous store, starts a worker per slot of the known hosts (at most
 ``--max-np``), and forms *generations* of the job from the workers alive (NOTE [elastic
 generations] in terrapipe/comm/rendezvous.py): the first at the start, a new one whenever a
-worker dies (its host is blacklisted: no worker is started there again), a member asks for one
+worker dies (its host is blacklisted: no worker is started there again, or not until
+``--blacklist-cooldown-range`` has passed), a member asks for one
 (its group failed), or the discovery script (run again every second) shows hosts added (new
 workers are started, up to ``--max-np``) or removed (their workers are told to leave). Workers
 run ``hvd.elastic.run``: they restore their last commit and go on in the new generation.
@@ -22,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import math
 import os
+import random
 import shlex
 import signal
 import socket
@@ -45,7 +48,9 @@ class ElasticSettings:
     ``min_np`` .. ``max_np`` (None: no limit) workers at any time, ``hosts`` (``h:slots,...``)
     or ``discovery`` (a script printing ``host:slots`` or ``host`` lines; ``slots_per_host``
     for the latter), ``timeout`` seconds for slots and members to come, ``reset_limit``
-    (None: no limit) new generations after the first."""
+    (None: no limit) new generations after the first; ``launcher_exec`` and ``address``: how
+    workers on other hosts are started and where they find the store (see the module);
+    ``cooldown``: (low, high) seconds a failed host stays blacklisted (None: for good)."""
 
     np: int
     min_np: int
@@ -57,6 +62,7 @@ class ElasticSettings:
     reset_limit: int | None
     launcher_exec: str = "ssh -o BatchMode=yes"
     address: str | None = None
+    cooldown: tuple[float, float] | None = None
 
 
 class ElasticError(RuntimeError):
@@ -122,7 +128,8 @@ class _Job:
         self.generations = comm.Generations(self.store)
         self.workers: list[_Worker] = []
         self.members: list[_Worker] = []  # the current generation's, in rank order
-        self.blacklist: set[str] = set()
+        self.blacklist: dict[str, float] = {}  # host: when it may take workers again (monotonic)
+        self.failures: dict[str, int] = {}
         self.count = 0  # workers started so far (their ids' last field)
         self.pending: tuple[int, float] | None = None  # (generation, since) waiting for its go
         self.resets = 0
@@ -138,10 +145,33 @@ class _Job:
                 raise ElasticError(f"--host-discovery-script {self.s.discovery} exited with "
                                    f"{run.returncode}: {run.stderr.strip()[-500:]}")
             hosts = parse_hosts(run.stdout, self.s.slots_per_host, self.s.discovery)
-        return {h: n for h, n in hosts.items() if h not in self.blacklist}
+        return hosts
+
+    def usable(self, hosts: dict[str, int]) -> dict[str, int]:
+        """``hosts`` but those blacklisted now."""
+        now = time.monotonic()
+        return {h: n for h, n in hosts.items() if self.blacklist.get(h, 0.0) <= now}
+
+    def blacklisted(self) -> list[str]:
+        now = time.monotonic()
+        return sorted(h for h, until in self.blacklist.items() if until > now)
+
+    def blacklist_host(self, host: str) -> str:
+        """Blacklist ``host`` after a failure there: for good, or, with a cooldown (low, high),
+        for low * 2^(failures - 1) seconds plus up to a second of jitter, at most high
+        (horovodrun's backoff). Returns for how long, in words."""
+        self.failures[host] = self.failures.get(host, 0) + 1
+        if self.s.cooldown is None:
+            self.blacklist[host] = math.inf
+            return "blacklisted"
+        low, high = self.s.cooldown
+        delay = min(high, low * 2 ** (self.failures[host] - 1) + random.random())
+        self.blacklist[host] = time.monotonic() + delay
+        return f"blacklisted for {delay:.1f}s"
 
     def free_slots(self, hosts: dict[str, int]) -> list[str]:
-        """A host name per slot not taken by a live worker, hosts in order."""
+        """A host name per slot of the usable ``hosts`` not taken by a live worker, in order."""
+        hosts = self.usable(hosts)
         taken: dict[str, int] = {}
         for w in self.live():
             taken[w.host] = taken.get(w.host, 0) + 1
@@ -179,7 +209,7 @@ class _Job:
         if len(survivors) + len(new_hosts) < self.s.min_np:
             raise ElasticError(f"{len(survivors) + len(new_hosts)} workers left, fewer than "
                                f"--min-np {self.s.min_np} ({why}; blacklisted hosts: "
-                               f"{sorted(self.blacklist) or 'none'})")
+                               f"{self.blacklisted() or 'none'})")
         if self.generations.latest >= 1:
             self.resets += 1
             if self.s.reset_limit is not None and self.resets > self.s.reset_limit:
@@ -210,8 +240,10 @@ class _Job:
         slots = self.free_slots(self._wait_for_slots(max(self.s.np, self.s.min_np)))
         self.form("start", 0, slots[:self.s.max_np] if self.s.max_np is not None else slots)
         last_discovery = time.monotonic()
-        while any(w.proc.poll() is None for w in self.workers):
+        while True:  # until every worker has ended and none was started again
             time.sleep(_TICK)
+            if all(w.proc.poll() is not None and w.reported for w in self.workers):
+                break
             why, update, new_hosts = [], 0, []
             for w in self.workers:
                 code = w.proc.poll()
@@ -222,15 +254,18 @@ class _Job:
                     continue
                 if code == 0:
                     self.finishing = True
-                elif not w.removed:
-                    self.blacklist.add(w.host)
-                    why.append(f"worker {w.id} exited with {code}; host {w.host} blacklisted")
+                else:
+                    how = self.blacklist_host(w.host)
+                    why.append(f"worker {w.id} exited with {code}; host {w.host} {how}")
                     update |= REMOVED
             if self.finishing:
                 continue  # the job is ending: the others finish in the generation they are in
             if self.pending is not None:
                 self._check_pending(why)
-            if self.s.discovery is not None and time.monotonic() - last_discovery >= _DISCOVERY_INTERVAL:
+            if time.monotonic() - last_discovery >= _DISCOVERY_INTERVAL:
+                # The discovery script's hosts (or --hosts), every second: workers on hosts no
+                # longer listed leave; free slots on usable hosts (new ones, or blacklisted ones
+                # whose cooldown passed) get workers, up to --max-np.
                 last_discovery = time.monotonic()
                 hosts = self.discover()
                 for w in self.live():
@@ -239,8 +274,9 @@ class _Job:
                         self.generations.remove(w.id)
                         why.append(f"host {w.host} left: worker {w.id} removed")
                         update |= REMOVED
-                room = (self.s.max_np - len(self.live())) if self.s.max_np is not None else 0
-                new_hosts = self.free_slots(hosts)[:max(0, room)]
+                free = self.free_slots(hosts)
+                room = len(free) if self.s.max_np is None else self.s.max_np - len(self.live())
+                new_hosts = free[:max(0, room)]
                 if new_hosts:
                     why.append(f"{len(new_hosts)} slots added on {sorted(set(new_hosts))}")
                     update |= ADDED
@@ -266,6 +302,7 @@ class _Job:
         end = time.monotonic() + self.s.timeout
         while True:
             hosts = self.discover()
+            hosts = self.usable(hosts)
             if sum(hosts.values()) >= n:
                 return hosts
             if time.monotonic() > end:

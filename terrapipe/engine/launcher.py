@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds to wait for slots and for a generation's workers (600)")
     e.add_argument("--reset-limit", type=int, default=None,
                    help="most generations formed after the first before the job fails")
+    e.add_argument("--blacklist-cooldown-range", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"),
+                   help="seconds a failed host stays blacklisted: LOW doubling with each failure, at "
+                        "most HIGH (default: for good)")
     e.add_argument("--launcher-exec", default="ssh -o BatchMode=yes",
                    help="runs `CMD host command` for workers on other hosts (as ssh)")
     e.add_argument("--rendezvous-address", default=None,
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
         settings = ElasticSettings(args.n, args.min_np or args.n, args.max_np, args.hosts,
                                    args.host_discovery_script, args.slots_per_host, args.elastic_timeout,
-                                   args.reset_limit, args.launcher_exec, args.rendezvous_address)
+                                   args.reset_limit, args.launcher_exec, args.rendezvous_address,
+                                   tuple(args.blacklist_cooldown_range or ()) or None)
         return run_elastic(settings, command, env)
     status_dir = tempfile.mkdtemp(prefix="terrapipe-run-")
     env["TERRAPIPE_RUN_STATUS"] = status_dir

@@ -75,6 +75,18 @@ def test_workers_join_and_leave_as_discovery_says(tmp_path):
 
 
 @pytest.mark.full
+def test_a_failed_hosts_cooldown_passes_and_it_takes_a_worker_again():
+    code, records, err = _job("-np", "2", "--min-np", "1", "-H", TWO_HOSTS, "--blacklist-cooldown-range", "1",
+                              "2", worker_args=["--kill-rank", "1", "--kill-step", "5", "--sleep", "0.1",
+                                                "--epochs", "4"])
+    assert code == 0, err[-3000:]
+    assert "host 127.0.0.1 blacklisted for" in err and "slots added on ['127.0.0.1']" in err, err[-3000:]
+    sizes = [r["size"] for r in records if "step" in r]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
+    epochs_covered_once(records, 4, 256)
+
+
+@pytest.mark.full
 def test_ctrl_c_stops_every_worker():
     def interrupt(proc, records):
         wait_for(records, lambda rs: len(rs) >= 4)
