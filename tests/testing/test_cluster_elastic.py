@@ -4,6 +4,7 @@ process of node 1 is SIGKILLed mid-run (the machine lost), and the job carries o
 (shared memory), with every sample of every epoch trained on once."""
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -35,9 +36,12 @@ def test_a_node_lost_at_2x2_the_job_carries_on_at_1x2(emulated_cluster):
          "--rendezvous-address", c.bridge_address], WORKER, ["--sleep", "0.05"], timeout=300,
         during=lose_node_1)
     assert code == 0, err[-3000:]
-    assert f"generation 2: 2 workers ({c.addresses[0]}:1, {c.addresses[0]}:2)" in err, err[-3000:]
+    # node 1's two workers may be seen dead in one look or in two (a generation between them)
+    last = re.findall(r"generation (\d+): (\d+) workers \(([^)]*)\)", err)[-1]
+    assert last[1:] == ("2", f"{c.addresses[0]}:1, {c.addresses[0]}:2"), err[-3000:]
     steps = [r for r in records if "step" in r]
     assert {r["size"] for r in steps if r["generation"] == 1} == {4}
-    assert {r["size"] for r in steps if r["generation"] == 2} == {2}
+    assert {r["size"] for r in steps if r["generation"] == int(last[0])} == {2}
+    assert {r["size"] for r in steps} == {4, 2}
     epochs_covered_once(records, 2, 256)
     assert c.processes(0) == [] and c.processes(1) == []
