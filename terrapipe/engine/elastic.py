@@ -34,6 +34,7 @@ import sys
 import time
 
 from .. import comm
+from .launcher import _local_hosts
 
 __all__ = ["ElasticSettings", "run_elastic", "parse_hosts"]
 
@@ -91,7 +92,9 @@ def parse_hosts(text: str, slots_per_host: int | None, what: str) -> dict[str, i
 
 
 def _is_this_machine(host: str) -> bool:
-    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+    """A name ``--gloo`` accepts as this machine, or one resolving to a loopback address or an
+    address of this host."""
+    if host in _local_hosts():
         return True
     try:
         address = ipaddress.ip_address(socket.gethostbyname(host))
@@ -204,8 +207,9 @@ class _Job:
 
     def form(self, why: str, update: int, new_hosts: list[str]) -> None:
         """Publish the next generation: the live workers, then new ones on ``new_hosts``."""
-        survivors = [w for w in self.members if w in self.live()]
-        survivors += [w for w in self.live() if w not in survivors]
+        live = self.live()
+        survivors = [w for w in self.members if w in live]
+        survivors += [w for w in live if w not in survivors]
         if len(survivors) + len(new_hosts) < self.s.min_np:
             raise ElasticError(f"{len(survivors) + len(new_hosts)} workers left, fewer than "
                                f"--min-np {self.s.min_np} ({why}; blacklisted hosts: "

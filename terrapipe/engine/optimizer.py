@@ -46,11 +46,16 @@ class DistributedOptimizer(WrappedOptimizer):
         self._skip_sync = False
         self._settings = dict(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, compression=compression,
                               op=op, backward_passes_per_step=backward_passes_per_step, backend=backend)
-        self.gradients = DistributedGradients(model, group=group, **self._settings)
         if autotune is None:
             autotune = settings.get("TERRAPIPE_AUTOTUNE")
         self._autotune = bool(autotune)
-        tunable = autotune and self.gradients.group.size > 1
+        self._attach(model, group)
+
+    def _attach(self, model, group: comm.Group | None) -> None:
+        """The gradient hooks over ``group`` (and the autotuner, when asked for and the group
+        has more than one rank)."""
+        self.gradients = DistributedGradients(model, group=group, **self._settings)
+        tunable = self._autotune and self.gradients.group.size > 1
         self.autotuner = AutoTuner(self.gradients) if tunable else None
 
     def rejoin(self, group: comm.Group | None = None) -> None:
@@ -61,9 +66,7 @@ class DistributedOptimizer(WrappedOptimizer):
         (the new gradient buffers may be shared)."""
         params = self.gradients.parameters
         self.gradients.remove()
-        self.gradients = DistributedGradients(params, group=group, **self._settings)
-        tunable = self._autotune and self.gradients.group.size > 1
-        self.autotuner = AutoTuner(self.gradients) if tunable else None
+        self._attach(params, group)
 
     records_step = True  # Engine leaves the "optimizer step" span to it (timeline_summary)
 

@@ -128,7 +128,6 @@ global_process_set.process_set_id = 0
 class _State:
     def __init__(self) -> None:
         self.initialized = False
-        self.generation = 0  # counts init()s: what a DistributedOptimizer checks it was built in
         self.base: _comm.Group | None = None  # the hvd world (COMM_WORLD, or init's comm)
         self.sets: dict[int, ProcessSet] = {}
         self.next_id = 1
@@ -196,7 +195,6 @@ def init(comm=None, process_sets=None) -> None:
         _state.sets = {0: global_process_set}
         _state.next_id = 1
         _state.initialized = True
-        _state.generation += 1
         _tell_listeners(True)
         if process_sets is not None and process_sets != "dynamic":
             for ps in process_sets:
@@ -219,11 +217,6 @@ def shutdown() -> None:
         _state.initialized = False
         if _comm.is_elastic():  # an elastic job: the next init joins a new generation
             _comm.finalize()
-
-
-def generation() -> int:
-    """How many times :func:`init` joined a job in this process."""
-    return _state.generation
 
 
 atexit.register(shutdown)
