@@ -20,7 +20,7 @@ TIMEOUT = 5.0  # the job's collective timeout (comm.init)
 # Allreduces in a loop until a collective fails; each rank then records its error and leaves
 # with sys.exit(3), as a script catching CommError would (the uncaught case aborts at once).
 JOB = textwrap.dedent("""
-    import json, socket, sys, time
+    import json, os, socket, sys, time
     import numpy as np
     import terrapipe.comm as comm
     out, count, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
@@ -37,9 +37,12 @@ JOB = textwrap.dedent("""
             if i == 20:
                 open(f"{out}/started{r}", "w").close()
     except comm.CommError as e:
-        open(f"{out}/rank{r}.json", "w").write(json.dumps({
-            "host": socket.gethostname(), "type": type(e).__name__, "message": str(e),
-            "ranks": getattr(e, "ranks", None), "at": time.time()}))
+        # Written whole, then renamed: the test polls for reports while ranks still write them.
+        with open(f"{out}/part{r}", "w") as f:
+            f.write(json.dumps({
+                "host": socket.gethostname(), "type": type(e).__name__, "message": str(e),
+                "ranks": getattr(e, "ranks", None), "at": time.time()}))
+        os.replace(f"{out}/part{r}", f"{out}/rank{r}.json")
         sys.exit(3)
 """)
 
