@@ -408,10 +408,15 @@ class Group:
         with timeline.span("comm", "agreement"):
             self.control.agree(coll, sig, functools.partial(self.mismatch, coll))
 
-    @staticmethod
-    def mismatch(coll: str, sigs: np.ndarray, ranks: list[int]) -> None:
+    def mismatch(self, coll: str, sigs: np.ndarray, ranks: list[int]) -> None:
+        """Raise CollectiveMismatchError describing each rank's call unless every signature in
+        ``sigs`` (rows: ``ranks``) is the same. Every rank of the group sees the same signatures
+        and raises alike; before it does, the node's row halves start over (NOTE [row halves]
+        3 in comm/transports/shm.py)."""
         if (sigs == sigs[0]).all():
             return
+        if self.shm is not None:
+            self.shm.realign()
 
         def desc(s):
             dtype = dtypes.by_code(int(s[2]))

@@ -21,8 +21,11 @@ NOTE [algorithm selection]
     2. Under torchrun every collective is Gloo's own.
     3. Under MPI, every collective is MPI's own, or our ring for allreduces from ``ring_bytes``,
        when MPI is forced (``TERRAPIPE_COMM_BACKEND=mpi``) or nodes differ in rank count.
-    4. Across nodes: allreduce is hierarchical (the segment on each node, each part allreduced
-       between nodes by the ring or MPI's own, by size), the other collectives are MPI's own.
+    4. Across nodes: an allreduce of at most ``oneshot_nodes.limit`` bytes is the one-shot
+       across nodes (NOTE [one-shot across nodes] in comm/algorithms/oneshot_nodes.py: its
+       agreement and data in one board step and one exchange between nodes); larger ones are
+       hierarchical (the segment on each node, each part allreduced between nodes by the ring or
+       MPI's own, by size); the other collectives are MPI's own.
     5. On one node, an allreduce of at most ``oneshot.limit`` bytes is the one-shot: one
        barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
        (2 MiB messages at 2 ranks, 1 MiB at 4: ``oneshot.ONESHOT_READ_BYTES``), where it beats
@@ -66,7 +69,7 @@ import numpy as np
 
 from .. import timeline
 from ..kernels import F16, compress, decompress
-from .algorithms import native, oneshot, ring, segment, shared, single_copy
+from .algorithms import native, oneshot, oneshot_nodes, ring, segment, shared, single_copy
 from .errors import CommError
 from .message import NO_GATE, Fused
 
@@ -123,6 +126,9 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
         r.coll == "allreduce" and _one_node_shm(g, r) and r.nbytes <= oneshot.limit(g.shm))),
     Algorithm("segment", 8, lambda g, r: (
         g.shm is not None and (g.nnodes == 1 or (r.coll in _REDUCING and g.uniform)) and r.coll in _ALL)),
+    Algorithm("oneshot_nodes", 9, lambda g, r: (
+        r.coll == "allreduce" and g.shm is not None and g.cross is not None and g.uniform
+        and r.nbytes <= oneshot_nodes.limit(g.shm))),
 )}
 _BY_CODE = {a.code: a.name for a in ALGORITHMS.values()}
 
@@ -170,6 +176,10 @@ def _small_allreduce(g, r: Request) -> str | None:  # 5
     return "oneshot" if ALGORITHMS["oneshot"].can(g, r) and not g.force_mpi else None
 
 
+def _small_across_nodes(g, r: Request) -> str | None:  # 4
+    return "oneshot_nodes" if ALGORITHMS["oneshot_nodes"].can(g, r) and not g.force_mpi else None
+
+
 def _large_on_free_cores(g, r: Request) -> str | None:  # 8
     fits = (r.coll in _REDUCING and g.mpi is not None and g.nnodes == 1 and not g.oversubscribed
             and not r.staged and not g.force_shm)
@@ -191,6 +201,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate(6, _in_shared_array),
     Candidate(7, _large_private),
     Candidate(5, _small_allreduce),
+    Candidate(4, _small_across_nodes),
     Candidate(8, _large_on_free_cores),
     Candidate(9, _through_segment),
     Candidate(4, _between_nodes),
@@ -305,6 +316,21 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         return
     if name == "single_copy":
         _allreduce_single_copy(g, fs, fd, op, rows_dtype, coll, sig)
+        return
+    if name == "oneshot_nodes":
+        gate.ready(fs.n)
+        src, dst = fs.only(), fd.only()
+        if src is None or not src.flags.c_contiguous:
+            src = np.empty(fs.n, fs.views[0].dtype)
+            fs.read(0, fs.n, src)
+        if dst is None or not dst.flags.c_contiguous:
+            dst = np.empty(fd.n, fd.views[0].dtype)
+        with timeline.span("comm", "one-shot across nodes (agreement + reduce)"):
+            oneshot_nodes.allreduce(g.shm, src, dst, rows_dtype, op, rkind, ckind, coll, sig,
+                                    functools.partial(g.mismatch, coll), g.size)
+        if dst is not fd.only():
+            fd.write(0, dst)
+        gate.wrote(fs.n)
         return
     if name == "shared":
         sig = sig.copy()

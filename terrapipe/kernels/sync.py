@@ -257,3 +257,21 @@ def rows_equal(table):
             if table[r, i] != table[0, i]:
                 return r
     return -1
+
+
+@njit(nogil=True, cache=True)
+def table_agrees(table, ref):
+    """Whether every row of ``table`` that names a rank agrees with ``ref``.
+
+    ``table``: (rows, words + 1) int64, a node's signatures as exchanged between nodes (NOTE
+    [agreement across nodes] in comm/transports/shm.py): each row a rank's signature words,
+    then its group rank, or -1 in the last word for a padding row, which is skipped. ``ref``:
+    (words,) int64, the signature to agree with. Both read only, owned by the caller."""
+    words = ref.shape[0]
+    for r in range(table.shape[0]):
+        if table[r, words] < 0:
+            continue
+        for i in range(words):
+            if table[r, i] != ref[i]:
+                return False
+    return True

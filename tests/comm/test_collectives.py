@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import terrapipe.comm as comm
+from terrapipe.comm.algorithms import oneshot, oneshot_nodes
 
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
 OPS = ["sum", "avg", "min", "max", "prod"]
@@ -201,6 +202,31 @@ def test_a_mismatch_within_one_node_raises_on_every_node(mpi_comm):
         x = np.full(1000, r + 1.0)
         comm.allreduce(x)
         assert np.all(x == 10)
+    # Rank 1 takes the one-shot across nodes, the others the hierarchical segment.
+    _mismatch_then_exact(g, (oneshot_nodes.limit(g.shm) // 4 + 1000, 100))
+
+
+def _mismatch_then_exact(g, sizes: tuple[int, int]) -> None:
+    """A mismatch where rank 1 passes ``sizes[1]`` elements and the others ``sizes[0]``, then
+    small allreduces that must all be exact, three times over."""
+    r, p = g.rank, g.size
+    for _ in range(3):
+        with pytest.raises(comm.CollectiveMismatchError, match="ranks called it differently"):
+            comm.allreduce(np.ones(sizes[r == 1], np.float32))
+        for i in range(50):
+            x = np.full(64, i + r, np.float32)
+            comm.allreduce(x)
+            assert x[0] == p * i + p * (p - 1) / 2, (i, x[0])
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=120, ci_ranks=(2,))
+def test_a_mismatch_across_algorithms_leaves_every_later_call_exact(mpi_comm):
+    # Regression: a rank that took the one-shot (which writes its row half before the agreement)
+    # and one that took another path (which stops at the agreement) left the node's row-half
+    # counters one apart, and every later small allreduce read stale halves of the peers' rows,
+    # silently (NOTE [row halves] 3 in comm/transports/shm.py).
+    g = comm.init(timeout=30)
+    _mismatch_then_exact(g, (oneshot.limit(g.shm) // 4 + 1000, 100))
 
 
 @pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,), one_node=True)

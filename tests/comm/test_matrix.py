@@ -9,7 +9,7 @@ import pytest
 
 import terrapipe.comm as comm
 from terrapipe.comm import CollectiveMismatchError, CommError, select
-from terrapipe.comm.algorithms import oneshot, shared, single_copy
+from terrapipe.comm.algorithms import oneshot, oneshot_nodes, shared, single_copy
 from terrapipe.comm.select import Request
 
 from . import stress
@@ -23,6 +23,7 @@ def _thresholds(g) -> list[int]:
     edges = [single_copy.MIN_BYTES, single_copy.REDUCE_SCATTER_MIN_BYTES, shared.SHARED_MIN_BYTES]
     if g.shm is not None:
         edges += [oneshot.limit(g.shm), g.shm.row_bytes // 2]  # the one-shot's limit, a segment chunk
+        edges.append(oneshot_nodes.limit(g.shm))  # the one-shot across nodes' (where nodes are)
     if g.mpi is not None:
         edges.append(g.mpi.ring_bytes)
     return sorted({8, 4096, *edges})
@@ -99,6 +100,8 @@ def test_every_collective_over_every_algorithm_that_can_run_it(mpi_comm):
                     ("scatter", "mpi")}
             if g.nnodes == 1:  # across nodes the segment runs hierarchically, for allreduce only
                 must |= {("allreduce", "oneshot"), ("broadcast", "segment"), ("reduce_scatter", "segment")}
+            elif g.uniform:
+                must.add(("allreduce", "oneshot_nodes"))
             if g.shm is not None and g.shm.peers is not None:
                 must |= {("allreduce", "single_copy"), ("allgather", "single_copy"),
                          ("reduce_scatter", "single_copy")}

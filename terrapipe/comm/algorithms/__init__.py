@@ -6,6 +6,8 @@ algorithm    what it does                                    over
 ===========  ==============================================  ==========================
 oneshot      signature and data published together, every    shm
              rank reduces the whole small message
+oneshot_     the same on each node, then the node's          shm + mpi (exchange of
+nodes        partial and signatures to the other nodes       tables)
 segment      chunked copy in / reduce by parts / copy out    shm (+ mpi across nodes:
              through the node's rows; hierarchical across    hierarchical)
              nodes

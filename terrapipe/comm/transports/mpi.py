@@ -21,6 +21,7 @@ import numpy as np
 
 from ... import settings, timeline
 from ...kernels import reduce as kreduce
+from ...kernels import sync as ksync
 from .. import ops
 from ..errors import CollectiveTimeoutError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
@@ -38,7 +39,9 @@ RING_BYTES = settings.SETTINGS["TERRAPIPE_RING_BYTES"].default  # without the se
 # chunks ran 10-13% faster than 256 KiB from 1 to 64 MiB, and larger ones lose the overlap of
 # receiving and reducing at 16 MiB and up (benchmarks.allreduce).
 CHUNK_BYTES = 512 << 10
-_SPINS_BEFORE_YIELD = 200
+# The agreement's messages between nodes (NOTE [agreement across nodes] in comm/transports/shm.py),
+# on a duplicate communicator of their own.
+AGREE_TAG = 7203
 
 
 class MpiTransport(OwnCollectives):
@@ -63,6 +66,9 @@ class MpiTransport(OwnCollectives):
         self._MPI = MPI
         self.comm = comm
         self.ring_comm = comm.Dup()  # ring traffic never meets MPI's own or the user's messages
+        self.agree_comm = comm.Dup()  # nor does the agreement's (exchange())
+        self._others = [q for q in range(comm.Get_size()) if q != comm.Get_rank()]
+        self._message = np.empty(0, np.uint8)  # agree_tables' outgoing message, grown as needed
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.members = members
         self.timeout = timeout
@@ -89,9 +95,12 @@ class MpiTransport(OwnCollectives):
         naming the ranks waited for, after the timeout or at once when the node's board says
         one died; the requests are then cancelled where MPI can."""
         Testall = self._MPI.Request.Testall
-        for _ in range(_SPINS_BEFORE_YIELD):
-            if Testall(reqs):
-                return
+        if Testall(reqs):
+            return
+        # No spinning before the first yield: where ranks outnumber cores (emulated nodes, a
+        # busy machine), a rank spinning on Test keeps its peer, whose progress it waits for,
+        # off the core: a 4 KiB Iallreduce polled without yielding took 8.3 ms at 2x2 on two
+        # cores, 0.22 ms yielding; on a core of its own a yield costs a system call.
         self.on_waiting(True)
         try:
             wait_until(lambda: Testall(reqs), self.timeout,
@@ -148,17 +157,69 @@ class MpiTransport(OwnCollectives):
         self.wait(self.comm.Iallgather(sig, sigs), coll)
         check(sigs, self.members)
 
-    def agree_tables(self, coll, table: np.ndarray, check) -> None:
+    def agree_tables(self, coll, table: np.ndarray, check,
+                     payload: np.ndarray | None = None) -> list[np.ndarray]:
         """Exchange ``table`` (rows, words + 1; int64): the signatures of this rank's node, each
-        row ending in its group rank, -1 for padding rows), and call ``check(sigs, ranks)`` on
-        every rank's row of every node, in rank order, where any differ."""
-        gathered = np.empty((self.size, *table.shape), np.int64)
-        self.wait(self.comm.Iallgather(table, gathered), coll)
-        rows = gathered.reshape(-1, table.shape[1])
-        rows = rows[rows[:, -1] >= 0]
-        rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
-        if (rows[:, :-1] != rows[0, :-1]).any():
+        row ending in its group rank, -1 for padding rows; the same shape on every rank) and,
+        after it, ``payload`` (any 1-D array, or None: nothing) with every rank of ``comm``
+        (:meth:`exchange`); call ``check(sigs, ranks)`` on every rank's row of every node, in
+        rank order, where any differ. Returns every rank's payload as uint8, in rank order
+        (this rank's own at its place), once the signatures agree."""
+        head = table.nbytes
+        extra = 0 if payload is None else payload.nbytes
+        if self._message.shape[0] < head + extra:
+            self._message = np.empty(head + extra, np.uint8)
+        msg = self._message[:head + extra]
+        msg[:head] = table.reshape(-1).view(np.uint8)
+        if extra:
+            msg[head:] = payload.reshape(-1).view(np.uint8)
+        got = self.exchange(coll, msg)
+        # The way that agrees is compiled: NumPy calls cost microseconds each, which the
+        # smallest allreduces pay. Sorted by rank only to describe a mismatch.
+        ref = table[0, :-1]
+        tables = [m[:head].view(np.int64).reshape(table.shape) for m in got]
+        if not all(ksync.table_agrees(t, ref) for t in tables):
+            rows = np.concatenate(tables)
+            rows = rows[rows[:, -1] >= 0]
+            rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
             check(rows[:, :-1], [int(r) for r in rows[:, -1]])
+        return [m[head:] for m in got]
+
+    def exchange(self, what: str, msg: np.ndarray) -> list[np.ndarray]:
+        """Send ``msg`` (1-D uint8, which the caller leaves alone during the call) to every other
+        rank of ``comm`` and receive each one's: the messages in rank order, this rank's own
+        ``msg`` at its place. Lengths may differ between ranks: each arrival is probed for its
+        length (NOTE [agreement across nodes] in comm/transports/shm.py). Raises
+        CollectiveTimeoutError naming the ranks not heard from within the timeout."""
+        MPI, comm, others = self._MPI, self.agree_comm, self._others
+        sends = [comm.Isend(msg, dest=q, tag=AGREE_TAG) for q in others]
+        got: dict[int, np.ndarray] = {self.rank: msg}
+        recvs: list = []
+        status = MPI.Status()
+
+        def arrived() -> bool:
+            for q in others:
+                if q not in got:
+                    matched = comm.Improbe(source=q, tag=AGREE_TAG, status=status)
+                    if matched is None:
+                        continue
+                    got[q] = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+                    recvs.append(matched.Irecv(got[q]))
+            return len(got) == self.size
+
+        if not arrived():
+            def failure(timed_out: bool) -> Exception | None:
+                missing = [q for q in others if q not in got]
+                peer = missing[0] if len(missing) == 1 else None
+                return self._failure(sends + recvs, timed_out, what, peer)
+
+            self.on_waiting(True)
+            try:
+                wait_until(arrived, self.timeout, failure, sleep_after=None)
+            finally:
+                self.on_waiting(False)
+        self.wait_all(recvs + sends, what)
+        return [got[q] for q in range(self.size)]
 
     def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:
         gate.ready(srcs.n)

@@ -12,10 +12,33 @@ NOTE [shm segment lifetime]
     whose creator pid is gone, at the next init.
 
 NOTE [row halves]
-    Each local rank owns a row of the segment, split in two halves used by alternate chunks (a
-    counter that runs on across calls). A rank writes half h for chunk k + 2 only after the
-    barrier of chunk k + 1, which every rank publishes after finishing its reads of chunk k: so
-    one barrier per chunk suffices for copies, two for reductions (data in, reduced parts ready).
+    1. Each local rank owns a row of the segment, split in two halves used by alternate chunks
+       (a counter that runs on across calls). A rank writes half h for chunk k + 2 only after
+       the barrier of chunk k + 1, which every rank publishes after finishing its reads of
+       chunk k: so one barrier per chunk suffices for copies, two for reductions (data in,
+       reduced parts ready).
+    2. So the node's ranks must agree on the counter: each reads the others' rows at its own
+       half.
+    3. A mismatched call breaks that: a rank that took a one-shot wrote a half before the
+       agreement, one that took the segment stopped at it, and their counters differ by one
+       from then on (every later call read the wrong halves, silently, until this was found).
+       Every rank raises on a mismatch, and each first starts the counter over
+       (:meth:`ShmTransport.realign`). Starting over is safe: the mismatched call wrote nothing
+       a rank still needs, and a rank still reading it (a one-shot's rows, before it raises)
+       reads values it then discards.
+
+NOTE [agreement across nodes]
+    1. On several nodes a rank first agrees with its node on the board (one step, signatures
+       published with it), then sends its node's table of signatures to the ranks of the same
+       local rank on every other node, and receives theirs (``MpiTransport.agree_tables``), so
+       every rank checks every rank's signature: a rank raising on its own node's mismatch
+       before the exchange would leave the other nodes' ranks one agreement behind.
+    2. The exchange is point to point, each arrival probed for its length, not an MPI
+       collective: a message may carry a payload after the table (the one-shot across nodes,
+       comm/algorithms/oneshot_nodes.py, sends its node's partial result with it), and ranks
+       that called different collectives, or the same one with different sizes, still complete
+       the same exchange and then raise CollectiveMismatchError on every rank, where an
+       allgather of unequal lengths would be erroneous in MPI.
 
 NOTE [shared segment reservation]
     A shared array's segment (:meth:`ShmTransport.alloc_shared`) is reserved when it is made
@@ -189,14 +212,19 @@ class ShmTransport(Transport):
             if ksync.rows_equal(sigs) >= 0:
                 check(sigs, self.board.ranks)
             return
-        # Across nodes every rank checks every rank's signature: a rank raising on its node's
-        # mismatch before the exchange would leave the other nodes' ranks one agreement behind.
+        self.agree_across(coll, sigs, check)
+
+    def agree_across(self, coll, sigs: np.ndarray, check,
+                     payload: np.ndarray | None = None) -> list[np.ndarray]:
+        """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
+        read off the board, to every other node, with ``payload``; every rank's payload (uint8)
+        in the cross communicator's order (node order), once every signature agrees."""
         # The node's table (padded to the largest node of the exchange) travels whole.
         table = self._node_table
         p, words = self.local_size, sigs.shape[1]
         table[:p, :words] = sigs
         table[:p, words] = self.board.ranks
-        self.cross.agree_tables(coll, table, check)
+        return self.cross.agree_tables(coll, table, check, payload)
 
     def barrier(self) -> None:
         self.board.barrier(self.timeout, "barrier")
@@ -211,6 +239,11 @@ class ShmTransport(Transport):
     def private_row(self, dtype) -> np.ndarray:
         """A private row's worth of ``dtype`` (the one-shot's scratch)."""
         return self._private_u8.view(dtype)
+
+    def realign(self) -> None:
+        """Start the row-half counter over (NOTE [row halves] 3): every rank of the node calls it
+        on a mismatched call, before raising."""
+        self._half = 0
 
     def next_half(self) -> int:
         """The row half (0 or 1) the next chunk uses (NOTE [row halves]: alternate, across calls)."""
