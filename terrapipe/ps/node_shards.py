@@ -8,8 +8,8 @@ NOTE [node shards]
     2. Every rank of the node applies its own requests to any local shard directly, under the
        chunk's lock: a push on the node costs one pass over the data and never waits for the
        owner, whatever the owner is doing (training, or blocked in a collective). Requests from
-       other nodes arrive at the owner's server thread (server.py), which applies them here in
-       the same way.
+       other nodes arrive at the owner's wire thread (wire_thread.py), which applies them here
+       in the same way.
     3. A rank that cannot take a lock yields its core between bounded tries; when the holder's
        process is gone, the error names it (a lock is only ever held for one chunk's copy, so
        the holder dying is the only way to wait long).

@@ -12,8 +12,9 @@ NOTE [shard chunks]
        ``Handle.wait()`` of a push means every shard has applied it, so any rank's pull issued
        afterwards sees it too.
     3. On the owner's node the client applies to the shard in shared memory itself (NOTE [node
-       shards] in node_shards.py); to a shard on another node it sends a request to the owner's
-       server thread (NOTE [shard wire protocol] in wire.py). It issues the remote requests
+       shards] in node_shards.py); a request for a shard on another node goes through this
+       process's wire thread to the owner's (NOTE [one thread on the wire] in wire_thread.py,
+       NOTE [shard wire protocol] in wire.py). The client hands over the remote requests
        first, applies the local chunks while they travel, then waits for the replies.
     4. Sources and destinations are the caller's until the handle completes: a push reads ``x``
        and a pull writes ``out`` on the client thread (a CUDA tensor is staged through host
@@ -34,8 +35,8 @@ from ..comm import world as _world
 from ..kernels import shard as kshard
 from .layout import Layout
 from .node_shards import NodeShards
-from .server import ShardServer
-from .wire import ACK, DATA, HEADER, REPLY, Peer, header, wait_requests
+from .wire import Peer
+from .wire_thread import Endpoint, Request, wire_thread
 
 __all__ = ["ShardedTensor"]
 
@@ -98,7 +99,7 @@ class ShardedTensor:
             raise ValueError(f"ShardedTensor: ranks disagree on (shape, dtype, chunk_bytes): rank 0 "
                              f"has {everyone[0]}, " + ", ".join(f"rank {r} has {everyone[r]}" for r in odd))
         self.layout = Layout(arr.size, self.size, self.dtype.itemsize, chunk_bytes)
-        self._wire = self._server = None
+        self._wire = self._endpoint = None
         self._MPI = None
         if group.comm is None:
             node_ranks, node_comm = [0], None
@@ -124,13 +125,14 @@ class ShardedTensor:
         self._remote = [r for r in range(self.size) if r not in node_ranks]
         if group.comm is not None:
             self._wire = group.comm.Dup()
-            if self._remote:
-                if self._MPI.Query_thread() != self._MPI.THREAD_MULTIPLE:
-                    raise CommError("ShardedTensor across nodes needs MPI initialised with "
-                                    "MPI_THREAD_MULTIPLE (mpi4py's default)")
-                self._server = ShardServer(self._wire, self.rank, self._shards, self.layout,
-                                           self.dtype, self.peers, self.timeout, self.name)
+            if self._remote and self._MPI.Query_thread() != self._MPI.THREAD_MULTIPLE:
+                raise CommError("ShardedTensor across nodes needs MPI initialised with "
+                                "MPI_THREAD_MULTIPLE (mpi4py's default)")
             self._wire.Barrier()  # every shard initialised before any rank pushes
+            if self._remote:  # from here on only the wire thread uses self._wire
+                self._endpoint = Endpoint(self._wire, self.rank, self._shards, self.layout,
+                                          self.dtype, self.peers, self.timeout, self.name)
+                wire_thread().register(self._endpoint)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="terrapipe-ps-client")
         self._seq = 0
         self._failed: str | None = None
@@ -165,14 +167,19 @@ class ShardedTensor:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
-        if self._wire is not None:
-            if self._failed is None:
-                self._wire.Barrier()
-                if self._server is not None:
-                    self._server.stop()
-            self._wire.Free()
-            self._wire = None
-        self._shards.close()
+        try:
+            if self._endpoint is not None:  # the wire thread's barrier, then it frees the communicator
+                if self._failed is None:
+                    wire_thread().close(self._endpoint)
+                else:  # unusable: no barrier with ranks that may have gone
+                    wire_thread().abandon(self._endpoint, CommError(f"{self.name}: closed"))
+            elif self._wire is not None:
+                if self._failed is None:
+                    self._wire.Barrier()
+                self._wire.Free()
+        finally:
+            self._wire = self._endpoint = None
+            self._shards.close()
 
     def __enter__(self) -> ShardedTensor:
         return self
@@ -187,8 +194,8 @@ class ShardedTensor:
             raise CommError(f"{name}: the tensor is closed")
         if self._failed:
             raise CommError(f"{name}: unusable after an earlier failure: {self._failed}")
-        if self._server is not None and self._server.error:
-            raise CommError(f"{name}: {self._server.error}")
+        if self._endpoint is not None and self._endpoint.error:
+            raise CommError(f"{name}: {self._endpoint.error}")
         code = kshard.NONE
         if rule is not None:
             if rule not in kshard.RULES:
@@ -243,54 +250,32 @@ class ShardedTensor:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        pending: list = []
+        wire = wire_thread() if self._endpoint is not None else None
+        pending = [wire.submit(Request(self._endpoint, r, rule, scale, src, dst, seq,
+                                       f"{name} (shard of rank {r})"))
+                   for r in self._remote if self.layout.shard_len(r)]
         try:
-            pending += [self._issue(r, rule, scale, src, dst, seq, name) for r in self._remote
-                       if self.layout.shard_len(r)]
             for r in self._local:
                 base = self.layout.shard(r)[0]
                 for k, lo, hi in self.layout.chunks(r):
                     self._shards.apply(r, lo, hi, k, rule, scale,
                                        None if src is None else src[base + lo:base + hi],
                                        None if dst is None else dst[base + lo:base + hi], name)
-            for r, reqs, ack in pending:
-                wait_requests(self._MPI, reqs, self.timeout, f"{name} (shard of rank {r})",
-                              self.peers[r])
-                if ack is not None and int(ack[0]) != seq:
-                    raise CommError(f"{name}: rank {r} acknowledged request {int(ack[0])}, "
-                                    f"expected {seq}")
         except CollectiveTimeoutError as e:
             self._failed = str(e)
-            # A reply arriving later must not write into the caller's ``out``: cancel the
-            # receives still posted (the tensor is unusable from here on).
-            for _, reqs, _ in pending:
-                for req in reqs:
-                    if not req.Test():
-                        req.Cancel()
+            if pending:  # no reply may land in the caller's ``out`` after this raises
+                wire.abandon(self._endpoint, e)
+            raise
+        try:
+            for req in pending:
+                req.wait()
+        except CollectiveTimeoutError as e:
+            self._failed = str(e)  # its siblings were failed with it (NOTE [one thread on the wire] 3)
             raise
         if device_out is not None:
             import torch
 
             device_out.copy_(torch.from_numpy(dst).view(device_out.shape))
-
-    def _issue(self, r: int, rule: int, scale, src, dst, seq: int, name: str):
-        """Post rank ``r``'s replies' receives, then send the request (NOTE [shard wire
-        protocol] 2); returns (r, requests, ack buffer or None)."""
-        comm, base = self._wire, self.layout.shard(r)[0]
-        n = self.layout.shard_len(r)
-        reqs, ack = [], None
-        if dst is not None:
-            for _, lo, hi in self.layout.chunks(r):
-                reqs.append(comm.Irecv(dst[base + lo:base + hi], source=r, tag=REPLY))
-        else:
-            ack = np.zeros(1, np.int64)
-            reqs.append(comm.Irecv(ack, source=r, tag=ACK))
-        reqs.append(comm.Isend(header(rule, dst is not None, 0, n, float(scale), seq), dest=r,
-                               tag=HEADER))
-        if rule in (kshard.ADD, kshard.COPY):
-            for _, lo, hi in self.layout.chunks(r):
-                reqs.append(comm.Isend(src[base + lo:base + hi], dest=r, tag=DATA))
-        return r, reqs, ack
 
 
 class _Then:

@@ -10,12 +10,15 @@ NOTE [shard wire protocol]
        posts its receives before it sends the header, and every rank's client issues one request
        at a time per shard, so MPI's non-overtaking order pairs every message without matching
        sequence numbers (they are checked anyway).
-    3. Neither side ever blocks in MPI: requests are polled (``wait_requests``), which keeps
-       MPI's progress engine turning for the peer (NOTE [MPI progress] in comm/algorithms/ring.py), yields
-       the core between polls, and raises CollectiveTimeoutError naming the peer when it died
-       (same host: its pid is gone) or after the timeout.
-    4. ``close`` is collective: every rank finishes its own requests, an MPI barrier, then each
-       rank sends its own server a STOP header. No request is in flight after the barrier.
+    3. Both sides are one thread per process, the wire thread (NOTE [one thread on the wire] in
+       wire_thread.py), which never blocks in MPI: requests are polled (``wait_requests``
+       within a request it serves), which keeps MPI's progress engine turning for the peer
+       (NOTE [MPI progress] in comm/algorithms/ring.py), and a request fails with
+       CollectiveTimeoutError naming the peer when it died (same host: its pid is gone) or
+       after the timeout.
+    4. ``close`` is collective: every rank finishes its own requests, then an MPI barrier on the
+       tensor's communicator, polled by the wire thread while it serves on; no request is in
+       flight after it, and the posted header receive is cancelled.
 """
 
 from __future__ import annotations
@@ -26,11 +29,10 @@ import numpy as np
 
 from ..comm import CollectiveTimeoutError, alive, wait_until
 
-__all__ = ["HEADER", "DATA", "REPLY", "ACK", "STOP", "HEADER_WORDS", "header", "wait_requests",
+__all__ = ["HEADER", "DATA", "REPLY", "ACK", "HEADER_WORDS", "header", "wait_requests",
            "Peer"]
 
 HEADER, DATA, REPLY, ACK = 11, 12, 13, 14
-STOP = -1  # the rule field of the header that stops a server
 HEADER_WORDS = 6
 
 

@@ -1,7 +1,7 @@
 """ShardedTensor under load: concurrent adds are exact, reads are never torn within a chunk, a
 completed push is seen by every later pull, errors name what is wrong. Every body runs over
 several groups (mpi4py's way): the world on one node (shared memory), one emulated node per rank
-(every shard behind another rank's server thread), even/odd splits, and at 4 ranks two nodes of
+(every shard behind another rank's wire thread), even/odd splits, and at 4 ranks two nodes of
 two (both paths at once)."""
 
 import os
@@ -237,7 +237,7 @@ def test_close_leaves_no_thread_and_no_segment(mpi_comm):
     before = set(glob.glob(f"/dev/shm/terrapipe_{os.getuid()}_*"))
     g = Group(mpi_comm.Dup(), 60, node_size=1)
     t = ps.ShardedTensor(np.zeros(10_000, np.float32), g)
-    assert any(th.name.startswith("terrapipe-ps-server") for th in threading.enumerate())
+    assert any(th.name == "terrapipe-ps-wire" for th in threading.enumerate())
     t.push(np.ones(10_000, np.float32)).wait()
     t.close()
     t.close()  # idempotent
