@@ -39,7 +39,8 @@ def run_job(flags, worker, worker_args=(), timeout=180, during=None):
     records, stderr). ``during(proc, records)``: called once the job started, while it runs,
     with the list the records are appended to as they come."""
     mark = uuid.uuid4().hex
-    env = dict(os.environ, ELASTIC_TEST_MARK=mark)
+    # A fatal signal makes each worker print every thread's stack (what a hung job shows).
+    env = dict(os.environ, ELASTIC_TEST_MARK=mark, PYTHONFAULTHANDLER="1")
     before = segments()
     cmd = [sys.executable, "-m", "terrapipe.cli", "run", *flags, sys.executable, str(worker), *worker_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -54,7 +55,11 @@ def run_job(flags, worker, worker_args=(), timeout=180, during=None):
     try:
         if during is not None:
             during(proc, records)
-        proc.wait(timeout=timeout)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the job hung for {timeout} s; its processes' stacks:\n"
+                                 + _stacks(proc, mark, errors)) from None
         for t in readers:
             t.join(10)
         err = "".join(errors)
@@ -68,6 +73,19 @@ def run_job(flags, worker, worker_args=(), timeout=180, during=None):
     assert not marked(mark), f"processes outlived the job: {marked(mark)}"
     assert not (segments() - before), f"shared memory left behind: {segments() - before}"
     return proc.returncode, records, err
+
+
+def _stacks(proc, mark: str, errors: list[str]) -> str:
+    """SIGABRT to every process of the job but the launcher (each prints its threads' stacks,
+    PYTHONFAULTHANDLER), then the end of the job's stderr."""
+    for pid in marked(mark):
+        if pid != proc.pid:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+    time.sleep(3)
+    return "".join(errors)[-20000:]
 
 
 def wait_for(records, what, timeout=120):
