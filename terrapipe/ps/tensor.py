@@ -172,7 +172,7 @@ class ShardedTensor:
                 if self._failed is None:
                     wire_thread().close(self._endpoint)
                 else:  # unusable: no barrier with ranks that may have gone
-                    wire_thread().abandon(self._endpoint, CommError(f"{self.name}: closed"))
+                    wire_thread().drop(self._endpoint, CommError(f"{self.name}: closed"))
             elif self._wire is not None:
                 if self._failed is None:
                     self._wire.Barrier()

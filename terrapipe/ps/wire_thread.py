@@ -192,6 +192,22 @@ class WireThread:
         self._post(action)
         done.wait()
 
+    def drop(self, ep: Endpoint, error: Exception) -> None:
+        """Stop serving ``ep`` without the collective barrier (its tensor failed: some rank may
+        be gone): its requests in flight fail with ``error``, its header receive is cancelled
+        and its communicator freed; returns once done."""
+        done = threading.Event()
+
+        def action() -> None:
+            self._fail(ep, error)
+            if ep in self._endpoints:
+                self._endpoints.remove(ep)
+                self._retire(ep, free=True)
+            done.set()
+
+        self._post(action)
+        done.wait()
+
     def close(self, ep: Endpoint) -> None:
         """Collective (NOTE [one thread on the wire] 5): returns once every rank closed ``ep``
         and it is no longer served; CollectiveTimeoutError when some rank did not come within
@@ -218,6 +234,24 @@ class WireThread:
             self._cond.notify()
 
     def _loop(self) -> None:
+        try:
+            self._rounds()
+        except BaseException as e:  # a bug here must not leave a waiter waiting forever
+            error = CommError(f"the parameter server's wire thread failed: {e!r}")
+            with self._cond:
+                for req in self._active:
+                    req.error = error
+                    req._done.set()
+                for _, _, _, done, failure in self._closing:
+                    failure.append(error)
+                    done.set()
+                for ep in self._endpoints:
+                    ep.error = ep.error or str(error)
+                self._active, self._closing, self._endpoints = [], [], []
+                self._thread = None
+            raise
+
+    def _rounds(self) -> None:
         pause = 0.0
         while True:
             with self._cond:
@@ -271,14 +305,19 @@ class WireThread:
                 []))
         self._closing.remove(entry)
         self._endpoints.remove(ep)
+        self._retire(ep, free=not failure)
+        done.set()
+        return True
+
+    @staticmethod
+    def _retire(ep: Endpoint, free: bool) -> None:
+        """Cancel ``ep``'s header receive; ``free``: also free its communicator."""
         req = ep._hdr_req
         if req is not None and not req.Test():
             req.Cancel()
             req.Wait()  # a cancelled receive completes at once
-        if not failure:
+        if free:
             ep.comm.Free()
-        done.set()
-        return True
 
     def _serve_arrived(self, ep: Endpoint) -> bool:
         status = self._MPI.Status()

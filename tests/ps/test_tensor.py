@@ -6,6 +6,7 @@ two (both paths at once)."""
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -241,7 +242,22 @@ def test_close_leaves_no_thread_and_no_segment(mpi_comm):
     t.push(np.ones(10_000, np.float32)).wait()
     t.close()
     t.close()  # idempotent
-    names = [th.name for th in threading.enumerate() if th.name.startswith("terrapipe-ps")]
-    assert not names, names
+    _no_ps_thread_within(10)
+    # A tensor made unusable by a failure closes without the barrier, and its wire thread ends.
+    t = ps.ShardedTensor(np.zeros(10_000, np.float32), g)
+    t.push(np.ones(10_000, np.float32)).wait()
+    g.comm.Barrier()  # both ranks' pushes served before either stops serving
+    t._failed = "a peer timed out"  # what a request that timed out leaves (NOTE [one thread on the wire] 3)
+    t.close()
+    _no_ps_thread_within(10)
     assert set(glob.glob(f"/dev/shm/terrapipe_{os.getuid()}_*")) <= before
     g.close()
+
+
+def _no_ps_thread_within(seconds: float) -> None:
+    """The wire thread ends on its next round once its last tensor closed; the clients' with
+    their pools."""
+    deadline = time.monotonic() + seconds
+    while names := [th.name for th in threading.enumerate() if th.name.startswith("terrapipe-ps")]:
+        assert time.monotonic() < deadline, names
+        time.sleep(0.01)
