@@ -310,13 +310,7 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
     check = functools.partial(g.mismatch, coll)
     if name == "oneshot":
         gate.ready(fs.n)
-        src = fs.only()
-        dst = fd.only()
-        if src is None:
-            src = np.empty(fs.n, fs.views[0].dtype)
-            fs.read(0, fs.n, src)
-        if dst is None:
-            dst = np.empty(fd.n, fd.views[0].dtype)
+        src, dst = _single_arrays(fs, fd)
         with timeline.span("comm", "one-shot (agreement + reduce)"):
             oneshot.allreduce(g.shm, src, dst, rows_dtype, op, rkind, coll, sig, check)
         if dst is not fd.only():
@@ -328,15 +322,9 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         return
     if name == "oneshot_nodes":
         gate.ready(fs.n)
-        src, dst = fs.only(), fd.only()
-        if src is None or not src.flags.c_contiguous:
-            src = np.empty(fs.n, fs.views[0].dtype)
-            fs.read(0, fs.n, src)
-        if dst is None or not dst.flags.c_contiguous:
-            dst = np.empty(fd.n, fd.views[0].dtype)
+        src, dst = _single_arrays(fs, fd)
         with timeline.span("comm", "one-shot across nodes (agreement + reduce)"):
-            oneshot_nodes.allreduce(g.shm, src, dst, rows_dtype, op, rkind, ckind, coll, sig,
-                                    functools.partial(g.mismatch, coll), g.size)
+            oneshot_nodes.allreduce(g.shm, src, dst, rows_dtype, op, rkind, ckind, coll, sig, check, g.size)
         if dst is not fd.only():
             fd.write(0, dst)
         gate.wrote(fs.n)
@@ -354,6 +342,18 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         fs = Fused([private])
     g.agree_signature(coll, sig)
     _run_allreduce(g, name, fs, fd, op, rows_dtype, rkind, ckind, -1, gate)
+
+
+def _single_arrays(fs: Fused, fd: Fused) -> tuple[np.ndarray, np.ndarray]:
+    """(source, destination) as one array each for the one-shots: a fused message's sources
+    copied into a fresh array, a fresh destination for a fused one (the caller writes it back)."""
+    src, dst = fs.only(), fd.only()
+    if src is None:
+        src = np.empty(fs.n, fs.views[0].dtype)
+        fs.read(0, fs.n, src)
+    if dst is None:
+        dst = np.empty(fd.n, fd.views[0].dtype)
+    return src, dst
 
 
 def _overlapping(fs: Fused, fd: Fused) -> bool:

@@ -52,6 +52,16 @@ class Peer:
     def dead(self) -> bool:
         return self.host == os.uname().nodename and not alive(self.pid)
 
+    def lost(self, what: str, timed_out: bool, timeout: float) -> Exception | None:
+        """The error for a wait on this rank (``what``) when it died, or when ``timed_out``
+        after ``timeout`` seconds; None while it may still answer."""
+        if self.dead():
+            return CollectiveTimeoutError(f"{what}: rank {self.rank} (pid {self.pid}) died", [self.rank])
+        if timed_out:
+            return CollectiveTimeoutError(
+                f"{what}: timed out after {timeout:g}s waiting for rank {self.rank}", [self.rank])
+        return None
+
 
 def wait_requests(MPI, reqs: list, timeout: float, what: str, peer: Peer) -> None:
     """Poll ``reqs`` (mpi4py requests) until all complete (NOTE [shard wire protocol] 3), as
@@ -59,12 +69,5 @@ def wait_requests(MPI, reqs: list, timeout: float, what: str, peer: Peer) -> Non
     if not reqs or MPI.Request.Testall(reqs):
         return
 
-    def failure(timed_out: bool) -> Exception | None:
-        if peer.dead():
-            return CollectiveTimeoutError(f"{what}: rank {peer.rank} (pid {peer.pid}) died", [peer.rank])
-        if timed_out:
-            return CollectiveTimeoutError(
-                f"{what}: timed out after {timeout:g}s waiting for rank {peer.rank}", [peer.rank])
-        return None
-
-    wait_until(lambda: MPI.Request.Testall(reqs), timeout, failure, check_every=64)
+    wait_until(lambda: MPI.Request.Testall(reqs), timeout,
+               lambda timed_out: peer.lost(what, timed_out, timeout), check_every=64)

@@ -121,16 +121,11 @@ class Request:
                 return CommError(f"{self.what}: rank {self.r} acknowledged request {int(self._ack[0])}, "
                                  f"expected {self.seq}")
             return True
-        peer = self.ep.peers[self.r]
-        if now - self._checked > _DEATH_CHECK:
-            self._checked = now
-            if peer.dead():
-                return CollectiveTimeoutError(f"{self.what}: rank {peer.rank} (pid {peer.pid}) died",
-                                              [peer.rank])
-        if now > self._deadline:
-            return CollectiveTimeoutError(f"{self.what}: timed out after {self.ep.timeout:g}s waiting "
-                                          f"for rank {peer.rank}", [peer.rank])
-        return None
+        timed_out = now > self._deadline
+        if not timed_out and now - self._checked < _DEATH_CHECK:
+            return None
+        self._checked = now
+        return self.ep.peers[self.r].lost(self.what, timed_out, self.ep.timeout)
 
     def _cancel(self, MPI) -> None:
         for req in self._reqs:

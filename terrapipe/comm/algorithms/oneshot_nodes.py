@@ -54,7 +54,7 @@ def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, k
     """``dst`` = op over every rank's ``src`` on every node (NOTE [one-shot across nodes]), with
     the agreement on ``sig`` (``check(sigs, ranks)`` raises on a mismatch, on every rank).
 
-    ``src``, ``dst``: 1-D, C-contiguous, ``n`` elements of ``dtype`` (the rows' dtype: uint16
+    ``src``, ``dst``: 1-D, ``n`` elements of ``dtype`` (the rows' dtype: uint16
     holding 16-bit format ``kind``, 0 for native dtypes), or float32 when ``ckind`` (then equal
     to ``kind``) sends them rounded to that format; ``dst`` may be ``src``. At most
     :func:`limit` bytes exchanged. ``shm``: this node's ShmTransport, with its cross-node

@@ -67,9 +67,9 @@ class MpiTransport(OwnCollectives):
         self.comm = comm
         self.ring_comm = comm.Dup()  # ring traffic never meets MPI's own or the user's messages
         self.agree_comm = comm.Dup()  # nor does the agreement's (exchange())
-        self._others = [q for q in range(comm.Get_size()) if q != comm.Get_rank()]
-        self._message = np.empty(0, np.uint8)  # agree_tables' outgoing message, grown as needed
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._others = [q for q in range(self.size) if q != self.rank]
+        self._message = np.empty(0, np.uint8)  # agree_tables' outgoing message, grown as needed
         self.members = members
         self.timeout = timeout
         self._late_hint = late_hint
