@@ -12,6 +12,8 @@ of equal size like a bucket of gradients), in each round and interleaved:
   same reduction without pinned memory or overlap;
 * copies only: the pinned download and upload of the same bytes with no reduction (the floor of
   any CPU-staged allreduce on this machine);
+* host only: ``comm.jit_allreduce`` of the same bytes already in pinned host memory: the
+  reduction alone, no copy (the other floor: staging can hide the copies behind it, not it);
 * nccl: ``comm.allreduce`` of one flat CUDA tensor on NCCL (only with a GPU per rank).
 
 A sample is the slowest rank's time for a batch of calls ending in ``torch.cuda.synchronize()``.
@@ -27,7 +29,7 @@ import time
 
 from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
-CASES = ("jit_allreduce", "naive staging", "copies only", "nccl")
+CASES = ("jit_allreduce", "naive staging", "copies only", "host only", "nccl")
 
 
 def _worker(max_mib: int, rounds: int) -> None:
@@ -68,8 +70,10 @@ def _worker(max_mib: int, rounds: int) -> None:
             for i, t in enumerate(ts):
                 t.copy_(pinned[i * n:(i + 1) * n], non_blocking=True)
 
+        hosts = [pinned[i * n:(i + 1) * n] for i in range(8)]
         fns = {"jit_allreduce": lambda ts=ts: comm.jit_allreduce(ts, op="sum"),
-               "naive staging": naive, "copies only": copies}
+               "naive staging": naive, "copies only": copies,
+               "host only": lambda hosts=hosts: comm.jit_allreduce(hosts, op="sum")}
         if nccl_ok:
             fns["nccl"] = lambda flat=flat: comm.allreduce(flat, "sum")
         reps = max(1, min(50, (64 << 20) // nbytes))

@@ -9,7 +9,9 @@ benchmarks.loader when empty); the cases alternate in every round:
 
 * resident: one batch produced beforehand and kept on the GPU (the ceiling: no input cost);
 * fastloader: ``FastLoader(device="cuda")``: pinned uint8 batches, side-stream copies, normalize
-  on the GPU;
+  on the GPU; its pool of threads runs in the training process;
+* fastloader-process: the same with ``workers="process"``: the pool in a worker process writing
+  shared slots that the trainer pins, out of the training process's GIL;
 * dataloader: ``torch.utils.data.DataLoader(num_workers=N, pin_memory=True)`` with the
   torchvision-equivalent transforms, then ``.cuda(non_blocking=True)``, as its docs advise.
 
@@ -42,7 +44,7 @@ from .data import make_image_folder
 from .loader import DEFAULT_DATA, MEAN, STD, _TorchDataset, _torchvision_transform
 from .models import resnet
 
-CASES = ("resident", "fastloader", "dataloader")
+CASES = ("resident", "fastloader", "fastloader-process", "dataloader")
 
 
 def _timed_steps(batches, prepare, step, n_steps: int, warmup: int) -> tuple[float, float]:
@@ -98,8 +100,11 @@ def run(args) -> dict:
         opt.step()
 
     transforms = [RandomResizedCrop(224), RandomHorizontalFlip(), Normalize(MEAN, STD)]
-    fast = FastLoader(ds, transforms, batch_size=args.batch, shuffle=True, num_threads=args.threads,
-                      device=device, channels_last=args.channels_last, copy=False)
+    cases = [c for c in CASES if c in args.cases]
+    kw = dict(batch_size=args.batch, shuffle=True, num_threads=args.threads, device=device,
+              channels_last=args.channels_last)
+    fast = FastLoader(ds, transforms, **kw)
+    isolated = FastLoader(ds, transforms, workers="process", **kw) if "fastloader-process" in cases else None
     transform, baseline_kind = _torchvision_transform()
     dl = torch.utils.data.DataLoader(_TorchDataset(ds.samples, transform), batch_size=args.batch,
                                      shuffle=True, num_workers=args.threads, pin_memory=True,
@@ -110,28 +115,31 @@ def run(args) -> dict:
     def epochs(loader, first: int):
         # As a training loop would: epoch after epoch, each a fresh pass (and its start-up cost).
         for e in itertools.count(first):
-            if loader is fast:
-                fast.set_epoch(e)
+            if isinstance(loader, FastLoader):
+                loader.set_epoch(e)
             yield from loader
 
     def make(case, r):
         if case == "resident":
             return itertools.repeat(resident)
-        return epochs(fast if case == "fastloader" else dl, 1000 * r)
+        loader = {"fastloader": fast, "fastloader-process": isolated, "dataloader": dl}[case]
+        return epochs(loader, 1000 * r)
 
-    samples: dict[str, list[tuple[float, float]]] = {c: [] for c in CASES}
+    samples: dict[str, list[tuple[float, float]]] = {c: [] for c in cases}
     for r in range(args.rounds):
-        for case in CASES:
+        for case in cases:
             rate, wait = _timed_steps(make(case, r), prepare, step, args.steps, args.warmup)
             samples[case].append((rate, wait))
             print(f"round {r + 1}/{args.rounds} {case:10s} {rate:7.0f} img/s  GPU waiting {100 * wait:5.1f}%",
                   flush=True)
     fast.close()
+    if isolated is not None:
+        isolated.close()
 
-    med = {c: statistics.median(s[0] for s in samples[c]) for c in CASES}
-    wait = {c: statistics.median(s[1] for s in samples[c]) for c in CASES}
+    med = {c: statistics.median(s[0] for s in samples[c]) for c in cases}
+    wait = {c: statistics.median(s[1] for s in samples[c]) for c in cases}
     rows = [[c, med[c], f"{100 * wait[c]:.1f}%", f"{med[c] / med['resident']:.3f}",
-             f"{med['fastloader'] / med[c]:.2f}x"] for c in CASES]
+             f"{med['fastloader'] / med[c]:.2f}x"] for c in cases]
     print()
     print(f"{torch.cuda.get_device_name(device)}; ResNet-{args.model} ({model_src}), batch {args.batch}, "
           f"{args.steps} timed steps x {args.rounds} rounds, {args.threads} threads/workers, "
@@ -141,7 +149,7 @@ def run(args) -> dict:
             "threads": args.threads, "amp": args.amp, "channels_last": args.channels_last,
             "baseline": baseline_kind,
             "records": [{"case": c, "img_per_s": [s[0] for s in samples[c]],
-                         "gpu_wait_fraction": [s[1] for s in samples[c]], "median": med[c]} for c in CASES]}
+                         "gpu_wait_fraction": [s[1] for s in samples[c]], "median": med[c]} for c in cases]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -160,7 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=cores)
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES,
+                   help="cases to run (resident and fastloader always run: the ratios need them)")
     args = p.parse_args(argv)
+    args.cases = sorted({*args.cases, "resident", "fastloader"}, key=CASES.index)
     if args.warmup is None:
         args.warmup = 2 * args.threads + 3
     if not torch.cuda.is_available():
@@ -173,8 +184,9 @@ def main(argv: list[str] | None = None) -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        meds = [next(r["median"] for r in result["records"] if r["case"] == c) for c in CASES]
-        ax.bar(CASES, meds, color=["grey", "tab:blue", "tab:orange"])
+        cases = [r["case"] for r in result["records"]]
+        ax.bar(cases, [r["median"] for r in result["records"]],
+               color=["grey", "tab:blue", "tab:green", "tab:orange"][:len(cases)])
         ax.set_ylabel("images / s")
         ax.set_title(f"{result['model']} on {result['gpu']}")
         return fig

@@ -155,6 +155,24 @@ def alive(pid: int) -> bool:
     return True
 
 
+def remove_orphaned_files(directory: str, prefix: str) -> list[str]:
+    """Unlink this user's files ``<directory>/<prefix><uid>_<pid>_*`` whose creating process
+    ``pid`` no longer exists (shared memory left by a crash); returns their paths."""
+    removed = []
+    for path in glob.glob(os.path.join(directory, f"{prefix}{os.getuid()}_*")):
+        try:
+            pid = int(os.path.basename(path)[len(prefix):].split("_")[1])
+        except (IndexError, ValueError):
+            continue
+        if not alive(pid):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def kill_until_gone(find: Callable[[], list[int]], timeout: float, interval: float = 0.01) -> None:
     """SIGKILL the processes ``find()`` lists, again and again every ``interval`` s, until it
     lists none or ``timeout`` s have passed (a process can start another while being killed)."""

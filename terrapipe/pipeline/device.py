@@ -29,15 +29,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .. import launch_env, timeline
 from ..kernels import image as kimage
-from .feed import Feed
+from .feed import Alloc, Feed
 from .transforms import Plan
 
 __all__ = ["DEVICE_RING", "resolve_device", "pick_cuda_index", "normalize_into",
-           "SlotLedger", "DeviceFeed"]
+           "SlotLedger", "DeviceFeed", "register_host_memory", "unregister_host_memory"]
 
 # Device slots: the two batches the consumer may hold + one copied ahead.
 DEVICE_RING = 3
@@ -167,19 +168,31 @@ class DeviceFeed(Feed):
     device: a resolved CUDA device; host_ring: number of host slots, which hold uint8 (N, C, H, W)
     batches (pool threads write through the identity table: uint8 crosses the bus); shape:
     (N, C, H, W) of a full batch; plan: gives the consumer's image dtype and the per-channel
-    mean/std applied on the device; channels_last: the device images' memory format.
+    mean/std applied on the device; channels_last: the device images' memory format. alloc:
+    makes the host slots (pinned by torch when it is ``np.empty``); registered: (address, bytes)
+    of memory holding them that this feed pins itself (``cudaHostRegister``, undone at close):
+    a worker process's shared slots.
     """
 
     def __init__(self, device: torch.device, host_ring: int, shape: Sequence[int], plan: Plan,
-                 channels_last: bool) -> None:
+                 channels_last: bool, alloc: Alloc = np.empty,
+                 registered: tuple[int, int] | None = None) -> None:
         self.device = device
         out_dtype, norm = plan.torch_dtype, plan.norm
         self.lut = kimage.identity_lut(shape[1])
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         n = shape[0]
-        self.host_images = [torch.empty(tuple(shape), dtype=torch.uint8, pin_memory=True)
-                            for _ in range(host_ring)]
-        self.host_labels = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(host_ring)]
+        self._registered = None
+        if alloc is np.empty:
+            self.host_images = [torch.empty(tuple(shape), dtype=torch.uint8, pin_memory=True)
+                                for _ in range(host_ring)]
+            self.host_labels = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(host_ring)]
+        else:
+            self.host_images = [torch.from_numpy(alloc(tuple(shape), np.uint8)) for _ in range(host_ring)]
+            self.host_labels = [torch.from_numpy(alloc((n,), np.int64)) for _ in range(host_ring)]
+            if registered is not None:
+                register_host_memory(*registered)
+                self._registered = registered[0]
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
             self.dev_images = [torch.empty(tuple(shape), dtype=out_dtype, device=device, memory_format=fmt)
@@ -267,5 +280,24 @@ class DeviceFeed(Feed):
         return self.dev_images[d][:count], self.dev_labels[d][:count]
 
     def close(self) -> None:
-        """Wait for everything enqueued on the side stream (not the whole device)."""
+        """Wait for everything enqueued on the side stream (not the whole device); unpin
+        memory this feed pinned."""
         self.stream.synchronize()
+        if self._registered is not None:
+            unregister_host_memory(self._registered)
+            self._registered = None
+
+
+def register_host_memory(address: int, nbytes: int) -> None:
+    """Pin ``nbytes`` of host memory at ``address`` (page-aligned, e.g. a shared mapping) for
+    asynchronous copies: ``cudaHostRegister`` through torch. Raises RuntimeError with CUDA's
+    error code when the driver refuses."""
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: "
+                           f"CUDA error {int(err)}")
+
+
+def unregister_host_memory(address: int) -> None:
+    """Undo :func:`register_host_memory` (after every copy from that memory has completed)."""
+    torch.cuda.cudart().cudaHostUnregister(address)

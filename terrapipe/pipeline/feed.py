@@ -16,7 +16,10 @@ import torch
 
 from .transforms import Plan
 
-__all__ = ["Feed", "HostFeed", "host_batch"]
+__all__ = ["Feed", "HostFeed", "host_batch", "Alloc"]
+
+# Makes a host slot's array: np.empty, or SharedSlots.empty for a worker process's slots.
+Alloc = Callable[[tuple, np.dtype], np.ndarray]
 
 
 class Feed(ABC):
@@ -56,12 +59,13 @@ class Feed(ABC):
 
 
 def host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype: torch.dtype,
-               channels_last: bool) -> tuple[torch.Tensor, np.ndarray]:
+               channels_last: bool, alloc: Alloc = np.empty) -> tuple[torch.Tensor, np.ndarray]:
     """One host batch buffer: the torch tensor handed out (NCHW shape, channels_last strides if
     asked) and the NumPy view of the same memory pool threads write (kernel outputs take any
-    strides, so the layout costs nothing). 16-bit floats are stored as their uint16 bits."""
+    strides, so the layout costs nothing). 16-bit floats are stored as their uint16 bits. ``alloc``
+    makes the memory (``np.empty``'s signature; shared slots for a worker process)."""
     n, c, h, w = shape
-    arr = np.empty((n, h, w, c) if channels_last else shape, np_dtype)
+    arr = alloc((n, h, w, c) if channels_last else shape, np_dtype)
     t = torch.from_numpy(arr)
     if torch_dtype in (torch.float16, torch.bfloat16):
         t = t.view(torch_dtype)
@@ -72,17 +76,18 @@ def host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype
 
 class HostFeed(Feed):
     """Batches in host memory: ``ring`` slots of ``shape`` (N, C, H, W), written through the
-    plan's table, handed out as views (NOTE [batch buffer ownership])."""
+    plan's table, handed out as views (NOTE [batch buffer ownership]); ``alloc`` makes them."""
 
-    def __init__(self, ring: int, shape: Sequence[int], plan: Plan, channels_last: bool) -> None:
+    def __init__(self, ring: int, shape: Sequence[int], plan: Plan, channels_last: bool,
+                 alloc: Alloc = np.empty) -> None:
         self.lut = plan.lut
         self._images_t: list[torch.Tensor] = []
         self.images = []
         for _ in range(ring):
-            t, a = host_batch(tuple(shape), self.lut.dtype, plan.torch_dtype, channels_last)
+            t, a = host_batch(tuple(shape), self.lut.dtype, plan.torch_dtype, channels_last, alloc)
             self._images_t.append(t)
             self.images.append(a)
-        self.labels = [np.empty(shape[0], np.int64) for _ in range(ring)]
+        self.labels = [alloc((shape[0],), np.int64) for _ in range(ring)]
         self._labels_t = [torch.from_numpy(a) for a in self.labels]
 
     def start_pass(self) -> None:

@@ -45,78 +45,26 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from .. import launch_env, timeline
-from ..kernels import image as kimage
-from . import decode, roi_jpeg
 from .device import DeviceFeed, resolve_device
 from .feed import Feed, HostFeed
 from .order import epoch_indices
+from .samples import SampleError, SampleWriter
+from .shared_slots import SharedSlots
 from .sources import Source, TorchDataset
 from .transforms import Plan, Transform, compile_plan
+from .worker_process import ProcessWorkers
+from .workers import ThreadWorkers, Workers
 
 __all__ = ["FastLoader", "SampleError"]
 
-_CHUNK = 8  # samples per pool task: amortises task overhead, still balances across threads
-
-
-class SampleError(RuntimeError):
-    """A sample could not be read or decoded; the message names its index and path."""
-
-    def __init__(self, index: int, where: str, cause: BaseException) -> None:
-        super().__init__(f"sample {index} ({where}): {type(cause).__name__}: {cause}")
-        self.index = index
-        self.where = where
-
-
-# NOTE [loader threads yield the CPU]
-#     Feeding a GPU, loader threads run at a lower scheduling priority (nice + _NICE, Linux, per
-#     thread) than the thread that consumes batches. When the loader keeps up, the consumer never
-#     waits for a batch, and whatever delays the consumer's own work (launching CUDA kernels, the
-#     optimizer step) costs the whole training step; with every core decoding, an equal-priority
-#     consumer gets one core's fair share among num_threads + 1 runnable threads. When the loader
-#     falls behind, the consumer is blocked on a batch and the loader threads have every core
-#     anyway. Measured on 16 vCPUs, ResNet-50 AMP fed by 16 loader threads: see the README.
-#     Not on the CPU path: there the model's own compute threads (OpenMP, which spin while idle)
-#     would take the loader's cores, and that trade has not been measured.
-_NICE = 10
-
-
-def _yield_cpu_to_the_consumer() -> None:
-    if hasattr(os, "setpriority"):
-        try:
-            tid = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _NICE))
-        except OSError:  # not permitted here: equal priority is still correct, only slower
-            pass
-
-
-class _Scratch(threading.local):
-    def __init__(self) -> None:
-        self.key: tuple[int, ...] = ()
-        self.bufs: tuple[np.ndarray, ...] = ()
-        self.jpeg: roi_jpeg.RoiDecoder | None = None
-
-    def roi_decoder(self) -> roi_jpeg.RoiDecoder:
-        if self.jpeg is None:
-            self.jpeg = roi_jpeg.RoiDecoder()
-        return self.jpeg
-
-    def get(self, h: int, w: int, out_h: int, out_w: int, c: int) -> tuple[np.ndarray, ...]:
-        # Grown to the largest source this thread has seen; reused afterwards.
-        k = self.key
-        if not k or h > k[0] or w > k[1] or (out_h, out_w, c) != k[2:]:
-            h, w = max(h, k[0] if k else 0), max(w, k[1] if k else 0)
-            self.bufs = kimage.alloc_resize_scratch(h, w, out_h, out_w, c)
-            self.key = (h, w, out_h, out_w, c)
-        return self.bufs
+WORKERS = ("thread", "process")
 
 
 class FastLoader:
@@ -138,6 +86,20 @@ class FastLoader:
     rank's GPU, round-robin): host buffers are pinned, uint8 crosses the bus on a side stream and
     Normalize runs on the device; the consumer's current stream is made to wait for each batch,
     never the host (NOTE [device feed streams]). Without usable CUDA this raises at construction.
+
+    ``workers="thread"`` (default) runs the per-sample work on ``num_threads`` threads of this
+    process. ``workers="process"`` runs them in one worker process (started with spawn; the
+    dataset and transforms must be picklable) that writes batches into slots in shared memory,
+    which this process maps once and, with ``device="cuda"``, pins (``cudaHostRegister``): the
+    training process keeps only the copy to the device and a few microseconds per batch, and
+    none of the loader's Python competes with it for the GIL. Same batches bit for bit, same
+    ``state_dict``; ``close()``, ``break``, Ctrl-C or a crash of either process leave no process
+    or shared memory behind, and a worker process that dies is raised naming its pid (NOTE [the
+    loader's worker process] in pipeline/worker_process.py).
+
+    ``yield_cpu``: the workers run at a lower scheduling priority than the consumer, so the
+    thread that launches the training step is never queued behind them for a core (NOTE [loader
+    threads yield the CPU] in pipeline/workers.py); default: when feeding a GPU.
     """
 
     def __init__(
@@ -157,6 +119,8 @@ class FastLoader:
         world_size: int | None = None,
         on_error: str = "raise",
         copy: bool = False,
+        workers: str = "thread",
+        yield_cpu: bool | None = None,
     ) -> None:
         if not all(hasattr(dataset, a) for a in ("read", "describe")) and isinstance(
                 dataset, torch.utils.data.Dataset):
@@ -173,6 +137,10 @@ class FastLoader:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if workers not in WORKERS:
+            raise ValueError(f"workers must be one of {WORKERS}, got {workers!r}")
+        if yield_cpu not in (None, True, False):
+            raise ValueError(f"yield_cpu must be None, True or False, got {yield_cpu!r}")
         self.device = resolve_device(device)
         if num_threads is None:
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -193,8 +161,8 @@ class FastLoader:
         self.on_error = on_error
         self.copy = copy
         self.epoch = 0
+        self.workers = workers
         self.skipped: list[tuple[int, str, str]] = []  # (index, where, error) under "skip"
-        self._skip_lock = threading.Lock()
         self._resume_consumed = 0  # samples of the epoch's order consumed before the next pass
         self._live: weakref.ref[_EpochIterator] | None = None
         self._last_state: dict | None = None
@@ -214,15 +182,32 @@ class FastLoader:
         ring = self.prefetch + 2
         self.channels_last = bool(channels_last)
         shape = (batch_size, channels, oh, ow)
+        cuda = self.device.type == "cuda"
+        nice = cuda if yield_cpu is None else yield_cpu
+        slots = None
+        if workers == "process":  # the host slots in memory the worker process maps too
+            host_dtype = np.uint8 if cuda else plan.lut.dtype
+            arrays = [(shape, host_dtype)] * ring + [((batch_size,), np.int64)] * ring
+            slots = SharedSlots(SharedSlots.size_of(arrays))
+        alloc = np.empty if slots is None else slots.empty
         self._feed: Feed = (
-            DeviceFeed(self.device, ring, shape, plan, self.channels_last) if self.device.type == "cuda"
-            else HostFeed(ring, shape, plan, self.channels_last))
-        self._scratch = _Scratch()
-        self._roi = roi_jpeg.enabled()
-        self._pool = ThreadPoolExecutor(
-            self.num_threads, thread_name_prefix="terrapipe-loader",
-            initializer=_yield_cpu_to_the_consumer if self.device.type == "cuda" else None)
-        self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=True, cancel_futures=True)
+            DeviceFeed(self.device, ring, shape, plan, self.channels_last, alloc=alloc,
+                       registered=None if slots is None else (slots.address, slots.nbytes)) if cuda
+            else HostFeed(ring, shape, plan, self.channels_last, alloc=alloc))
+        try:
+            if slots is None:
+                writer = SampleWriter(dataset, plan, self._feed.lut, on_error)
+                writer.skipped = self.skipped
+                self._workers: Workers = ThreadWorkers(writer, self._feed.images, self._feed.labels,
+                                                       self.num_threads, nice=nice)
+            else:
+                self._workers = ProcessWorkers(dataset, list(transforms), channels, plan.out_hw, slots,
+                                               self._feed.images, self._feed.labels, self._feed.lut, on_error,
+                                               self.num_threads, nice=nice, skipped=self.skipped)
+        except BaseException:
+            self._feed.close()
+            raise
+        self._finalizer = weakref.finalize(self, _close, self._workers, self._feed)
         self._closed = False
 
     # -- order ------------------------------------------------------------------------------
@@ -286,80 +271,6 @@ class FastLoader:
         self._resume_consumed = consumed
         self._last_state = None
 
-    # -- per-sample work (pool threads) -------------------------------------------------------
-    def _decode_into(self, index: int, out: np.ndarray, seed: int, epoch: int) -> int:
-        rec = timeline.enabled()  # read, decode, kernel on the timeline at one clock read each
-        t = timeline.now() if rec else 0
-        payload, label = self.dataset.read(index)
-        if rec:
-            t = timeline.phase("loader", "read", t, {"index": index})
-        plan = self.plan
-        oh, ow = plan.out_hw
-        # Each path gives the pixels ``arr`` holding [ox, ox + W) x [oy, oy + H) of an
-        # img_w x img_h image (the whole of it but for the region decoder), and the box in it.
-        if isinstance(payload, np.ndarray):
-            arr = payload if payload.ndim == 3 else payload[:, :, None]
-            ox = oy = 0
-            img_h, img_w = arr.shape[:2]
-            box = plan.box(img_w, img_h, seed, epoch, index)
-        else:
-            region = None
-            if self._roi:
-                # libjpeg-turbo decodes only what the crop reads, without the GIL; anything it
-                # declines (not a JPEG, CMYK, corrupt data) goes to Pillow below.
-                dec = self._scratch.roi_decoder()
-                size = dec.header(payload)
-                if size is not None:
-                    region = dec.decode(plan.box(*size, seed, epoch, index), plan.out_hw)
-            if region is not None:
-                arr, ox, oy, img_w, img_h, box = region
-                if rec:
-                    t = timeline.phase("loader", "decode region", t)
-            else:
-                im = decode.open_image(payload)
-                w, h = im.size
-                box = decode.draft_box(im, plan.box(w, h, seed, epoch, index), plan.out_hw)
-                arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
-                ox = oy = 0
-                img_h, img_w = arr.shape[:2]
-                if rec:
-                    t = timeline.phase("loader", "decode", t)
-        if arr.shape[2] < plan.channels:
-            raise ValueError(f"expected {plan.channels} channels, got image of shape {arr.shape}")
-        if not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr)
-        scratch = self._scratch.get(arr.shape[0], arr.shape[1], oh, ow, arr.shape[2])
-        flip = plan.flip(seed, epoch, index)
-        kimage.resize_crop_bilinear_region(arr, ox, oy, img_w, img_h, box[0], box[1], box[2], box[3], out,
-                                           self._feed.lut, flip, *scratch)
-        if rec:
-            timeline.phase("loader", "kernel", t)
-        return label
-
-    def _fill(self, slot: int, row0: int, indices: np.ndarray, seed: int, epoch: int) -> None:
-        images, labels = self._feed.images[slot], self._feed.labels[slot]
-        n = len(self.dataset)
-        for k, index in enumerate(indices):
-            index = int(index)
-            try:
-                labels[row0 + k] = self._decode_into(index, images[row0 + k], seed, epoch)
-            except Exception as exc:
-                err = SampleError(index, self.dataset.describe(index), exc)
-                if self.on_error == "raise":
-                    raise err from exc
-                # Deterministic replacement: the next readable sample in dataset order.
-                with self._skip_lock:
-                    self.skipped.append((index, err.where, str(exc)))
-                for step in range(1, n):
-                    alt = (index + step) % n
-                    try:
-                        labels[row0 + k] = self._decode_into(alt, images[row0 + k], seed, epoch)
-                        break
-                    except Exception:
-                        continue
-                else:
-                    raise err from exc
-
     # -- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> _EpochIterator:
         if self._closed:
@@ -383,7 +294,6 @@ class FastLoader:
         if live is not None:
             live.close()
         self._finalizer()
-        self._feed.close()
 
     def __enter__(self) -> FastLoader:
         return self
@@ -410,8 +320,9 @@ class _EpochIterator:
         self.position = 0  # the next batch to yield
         self.finished = False
         self._ring = loader.prefetch + 2
-        self._pending: dict[int, list[Future]] = {}
+        self._submitted: set[int] = set()
         loader._feed.start_pass()
+        loader._workers.start_pass()
 
     def state_dict(self) -> dict:
         loader = self._loader
@@ -427,16 +338,14 @@ class _EpochIterator:
         return min(self._loader.batch_size, len(self._indices) - b * self._loader.batch_size)
 
     def _submit(self, b: int) -> None:
-        if b >= self.num_batches or b in self._pending:
+        if b >= self.num_batches or b in self._submitted:
             return
         loader = self._loader
         slot = b % self._ring
         loader._feed.slot_writable(slot)
         bs = loader.batch_size
-        idx = self._indices[b * bs:(b + 1) * bs]
-        self._pending[b] = [
-            loader._pool.submit(loader._fill, slot, r, idx[r:r + _CHUNK], self.seed, self.epoch)
-            for r in range(0, len(idx), _CHUNK)]
+        loader._workers.submit(b, slot, self._indices[b * bs:(b + 1) * bs], self.seed, self.epoch)
+        self._submitted.add(b)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.finished or self.position >= self.num_batches:
@@ -447,16 +356,14 @@ class _EpochIterator:
         try:
             for ahead in range(b, b + loader.prefetch + 1):
                 self._submit(ahead)
-            futures = self._pending.pop(b)
+            workers = loader._workers
 
             def filled() -> None:
-                for f in futures:
-                    f.result()  # re-raises a SampleError from a worker
+                workers.wait(b)  # re-raises a SampleError from a worker
 
             with timeline.span("loader", "wait batch", args={"batch": b}):
                 images, labels = loader._feed.deliver(b, b % self._ring, self._rows(b), filled)
-            nxt = self._pending.get(b + 1)
-            if nxt and all(f.done() and f.exception() is None for f in nxt):
+            if b + 1 in self._submitted and workers.done(b + 1):
                 loader._feed.copy_ahead(b + 1, (b + 1) % self._ring, self._rows(b + 1))
         except BaseException:
             self.close()  # the error is this iterator's end; no thread keeps writing its slots
@@ -471,17 +378,7 @@ class _EpochIterator:
         if self.finished:
             return
         self.finished = True
-        pending, self._pending = self._pending, {}
-        for fs in pending.values():
-            for f in fs:
-                f.cancel()
-        for fs in pending.values():
-            for f in fs:
-                if not f.cancelled():
-                    try:
-                        f.result()
-                    except Exception:
-                        pass
+        self._loader._workers.stop()
         if 0 < self.position < self.num_batches:  # stopped early: state_dict() says where
             self._loader._last_state = self.state_dict()
 
@@ -490,3 +387,11 @@ class _EpochIterator:
             self.close()
         except Exception:
             pass
+
+
+def _close(workers: Workers, feed: Feed) -> None:
+    """End a loader's workers, then its feed (a weakref finalizer: holds no loader)."""
+    try:
+        workers.close()
+    finally:
+        feed.close()

@@ -178,14 +178,36 @@ def test_cuda_batches_equal_the_cpu_path(dtype, channels_last):
 
 
 @cuda
-def test_cuda_slow_consumer_never_sees_a_batch_overwritten():
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_batches_from_a_worker_process_equal_the_cpu_path(channels_last):
+    # workers="process": the host slots are shared memory this process pinned with
+    # cudaHostRegister (NOTE [the loader's worker process]); unpinned at close.
+    ds = _dataset(n=50)
+    transforms = [RandomResizedCrop(24), RandomHorizontalFlip(), Normalize(MEAN, STD, dtype=torch.float16)]
+    ref = _cpu_batches(ds, transforms, batch_size=6, seed=3)
+    with FastLoader(ds, transforms, batch_size=6, seed=3, device="cuda", channels_last=channels_last,
+                    workers="process") as loader:
+        assert all(t.is_pinned() for t in loader._feed.host_images + loader._feed.host_labels)
+        got = [(x.cpu(), y.cpu()) for x, y in loader]
+        got += [(x.cpu(), y.cpu()) for x, y in loader]  # a second epoch (same seed and epoch: same)
+        feed = loader._feed
+    assert not any(t.is_pinned() for t in feed.host_images)
+    assert len(got) == 2 * len(ref)
+    for (x, y), (rx, ry) in zip(got, ref + ref, strict=True):
+        assert x.dtype == rx.dtype and torch.equal(x, rx) and torch.equal(y, ry)
+
+
+@cuda
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_cuda_slow_consumer_never_sees_a_batch_overwritten(workers):
     # The consumer's stream sleeps on the GPU before reading each batch, while its Python thread
     # races ahead and requests more: a copy into a slot still in use would change the sums.
     ds = _dataset(n=64)
     transforms = [RandomResizedCrop(24), Normalize(MEAN, STD)]
     ref = _cpu_batches(ds, transforms, batch_size=4, seed=2)
     sums, held = [], []
-    with FastLoader(ds, transforms, batch_size=4, seed=2, device="cuda", prefetch=2) as loader:
+    with FastLoader(ds, transforms, batch_size=4, seed=2, device="cuda", prefetch=2,
+                    workers=workers) as loader:
         for k, (x, y) in enumerate(loader):
             torch.cuda._sleep(20_000_000)
             sums.append((x.double().sum(), y.sum()))
@@ -247,6 +269,14 @@ def test_cpu_loader_threads_keep_the_consumers_priority():
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     with FastLoader(_dataset(), [RandomResizedCrop(16)], batch_size=8, num_threads=2) as loader:
         assert _loader_nice(loader) == {mine}
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")
+def test_cpu_loader_threads_yield_the_cpu_when_asked():
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with FastLoader(_dataset(), [RandomResizedCrop(16)], batch_size=8, num_threads=2,
+                    yield_cpu=True) as loader:
+        assert _loader_nice(loader) == {min(19, mine + 10)}
 
 
 @cuda

@@ -48,7 +48,6 @@ NOTE [shared segment reservation]
 
 from __future__ import annotations
 
-import glob
 import mmap
 import os
 
@@ -57,7 +56,7 @@ import numpy as np
 from ... import settings
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
-from ...launch_env import alive
+from ...launch_env import alive, remove_orphaned_files
 from . import cma, hugepages
 from .base import Transport
 from .board import LOST, SIG_WORDS, Board, wait_mode
@@ -83,19 +82,7 @@ def row_bytes(local_size: int) -> int:
 
 def remove_stale() -> list[str]:
     """Unlink terrapipe segments whose creating process no longer exists; returns their paths."""
-    removed = []
-    for path in glob.glob(os.path.join(_SHM_DIR, f"{PREFIX}{os.getuid()}_*")):
-        try:
-            pid = int(os.path.basename(path).split("_")[2])
-        except (IndexError, ValueError):
-            continue
-        if not alive(pid):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-    return removed
+    return remove_orphaned_files(_SHM_DIR, PREFIX)
 
 
 class Segment:

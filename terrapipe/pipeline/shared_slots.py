@@ -1,0 +1,118 @@
+"""The loader's batch slots in shared memory, mapped by the loader and by its worker process.
+
+One file in ``/dev/shm`` holds every host slot of the ring (images and labels). The loader
+creates it, reserves its pages (``posix_fallocate``: a full ``/dev/shm`` is refused at once,
+naming the bytes needed, never a SIGBUS in a worker later), carves the slots out of it, and
+unlinks the name as soon as the worker process has mapped it: after that the memory lives only
+as long as the two mappings, so no crash of either process leaves anything in ``/dev/shm``.
+A crash inside the create-to-unlink window can: :func:`remove_stale` deletes files whose
+creating process is gone, at every loader's construction.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import mmap
+import os
+import shutil
+
+import numpy as np
+
+from ..launch_env import remove_orphaned_files
+
+__all__ = ["SharedSlots", "remove_stale", "PREFIX"]
+
+PREFIX = "terrapipe_loader_"
+_SHM_DIR = "/dev/shm"
+_ALIGN = 4096  # each array page-aligned: a kernel's rows never share a page with another slot's
+_counter = itertools.count()
+
+
+def remove_stale() -> list[str]:
+    """Unlink slot files whose creating process no longer exists; returns their paths."""
+    return remove_orphaned_files(_SHM_DIR, PREFIX)
+
+
+class SharedSlots:
+    """A shared mapping of ``nbytes`` that arrays are carved out of (:meth:`empty`).
+
+    The creating process calls :meth:`empty` for each slot array and sends :meth:`layout` and
+    :attr:`path` to the worker, which calls :meth:`attach`; the creator then calls
+    :meth:`unlink`. Arrays (and tensors made from them) keep the mapping alive.
+    """
+
+    def __init__(self, nbytes: int, *, path: str | None = None) -> None:
+        self.nbytes = int(nbytes)
+        if path is not None:  # attach: the worker's side
+            self.path = path
+            fd = os.open(path, os.O_RDWR)
+        else:
+            if not os.path.isdir(_SHM_DIR):
+                raise RuntimeError(f"workers='process': {_SHM_DIR} does not exist on this system")
+            remove_stale()
+            self.path = os.path.join(_SHM_DIR, f"{PREFIX}{os.getuid()}_{os.getpid()}_{next(_counter)}")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            except OSError as exc:
+                os.close(fd)
+                os.unlink(self.path)
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    free = shutil.disk_usage(_SHM_DIR).free
+                    raise RuntimeError(
+                        f"workers='process': the loader's batch slots need {self.nbytes / 2**20:.1f} MiB of "
+                        f"{_SHM_DIR}, which has {free / 2**20:.1f} MiB free (a container's --shm-size); "
+                        f"use a smaller batch_size or prefetch, or workers='thread'") from None
+                raise
+        try:
+            self._mm = mmap.mmap(fd, self.nbytes)
+        finally:
+            os.close(fd)
+        self._base = np.frombuffer(self._mm, np.uint8)
+        self._offset = 0
+
+    @classmethod
+    def attach(cls, path: str, nbytes: int) -> SharedSlots:
+        """The worker's mapping of the creator's file."""
+        return cls(nbytes, path=path)
+
+    @property
+    def address(self) -> int:
+        """The mapping's first byte in this process (what ``cudaHostRegister`` takes)."""
+        return int(self._base.ctypes.data)
+
+    @staticmethod
+    def size_of(arrays: list[tuple[tuple[int, ...], np.dtype]]) -> int:
+        """Bytes a mapping needs for arrays of these (shape, dtype), each page-aligned."""
+        return sum(-(-int(np.prod(s)) * np.dtype(d).itemsize // _ALIGN) * _ALIGN for s, d in arrays) or _ALIGN
+
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """A C-contiguous array of ``shape`` and ``dtype`` in the mapping (uninitialised)."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        start = self._offset
+        if start + n > self.nbytes:
+            raise ValueError(f"SharedSlots: {n} more bytes do not fit ({start} of {self.nbytes} used)")
+        self._offset = start + -(-n // _ALIGN) * _ALIGN
+        return self._base[start:start + n].view(dtype).reshape(shape)
+
+    def describe(self, arr: np.ndarray) -> tuple[int, tuple[int, ...], tuple[int, ...], str]:
+        """(byte offset, shape, strides, dtype) of ``arr``, a view into this mapping: what the
+        worker's :meth:`view` rebuilds it from."""
+        offset = int(arr.ctypes.data) - self.address
+        if not 0 <= offset < self.nbytes:
+            raise ValueError("SharedSlots.describe: the array is not in this mapping")
+        return offset, tuple(arr.shape), tuple(arr.strides), arr.dtype.str
+
+    def view(self, offset: int, shape, strides, dtype: str) -> np.ndarray:
+        """The array :meth:`describe` described, in this process's mapping."""
+        return np.ndarray(tuple(shape), np.dtype(dtype), buffer=self._mm, offset=offset,
+                          strides=tuple(strides))
+
+    def unlink(self) -> None:
+        """Remove the file's name (the mappings stay); idempotent."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

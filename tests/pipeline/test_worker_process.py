@@ -1,0 +1,289 @@
+"""FastLoader(workers="process"): the per-sample work in a worker process writing shared slots
+(NOTE [the loader's worker process]). The same batches bit for bit as the threads, resume,
+errors naming the sample, a worker that dies, Ctrl-C and a crashed trainer, and nothing left
+behind: no process, no thread, no file in /dev/shm."""
+
+import errno
+import glob
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from terrapipe import FastLoader
+from terrapipe.launch_env import alive
+from terrapipe.pipeline import (
+    ArrayDataset,
+    Normalize,
+    RandomHorizontalFlip,
+    RandomResizedCrop,
+    SampleError,
+    shared_slots,
+)
+
+from .sources_for_workers import Jpegs, Slow, Unpicklable
+from .test_interrupt import as_at_a_terminal
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+TRAIN = [RandomResizedCrop(24), RandomHorizontalFlip(), Normalize(MEAN, STD)]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _ours() -> list[str]:
+    return glob.glob(f"/dev/shm/{shared_slots.PREFIX}{os.getuid()}_{os.getpid()}_*")
+
+
+def _leftovers() -> tuple:
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("terrapipe-loader")]
+    return threads, multiprocessing.active_children(), _ours()
+
+
+def _batches(loader, epochs=(0,)):
+    out = []
+    for e in epochs:
+        loader.set_epoch(e)
+        out += [(x.clone(), y.clone()) for x, y in loader]
+    return out
+
+
+def _same(a, b) -> None:
+    assert len(a) == len(b)
+    for i, ((x, y), (u, v)) in enumerate(zip(a, b, strict=True)):
+        assert x.dtype == u.dtype and x.stride() == u.stride(), i
+        assert torch.equal(x, u) and torch.equal(y, v), f"batch {i} differs"
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("source", ["jpegs", "arrays"])
+def test_same_batches_bit_for_bit_as_the_threads(source, channels_last):
+    if source == "jpegs":
+        ds, transforms = Jpegs(70), TRAIN
+    else:
+        g = np.random.default_rng(2)
+        ds = ArrayDataset(g.integers(0, 256, (70, 30, 40, 3), dtype=np.uint8), np.arange(70))
+        transforms = TRAIN[:2]
+    kw = dict(batch_size=16, shuffle=True, seed=5, num_threads=3, channels_last=channels_last)
+    with FastLoader(ds, transforms, **kw) as threads:
+        want = _batches(threads, (0, 1))
+    with FastLoader(ds, transforms, workers="process", **kw) as proc:
+        got = _batches(proc, (0, 1))
+        assert alive(proc._workers.pid)
+        pid = proc._workers.pid
+    _same(want, got)
+    assert not alive(pid) and _leftovers() == ([], [], [])
+
+
+def test_resume_mid_epoch_and_break_then_a_new_epoch():
+    ds = Jpegs(90)
+    kw = dict(batch_size=8, shuffle=True, seed=9, num_threads=2)
+    with FastLoader(ds, TRAIN, **kw) as threads:
+        want = _batches(threads)
+    with FastLoader(ds, TRAIN, workers="process", **kw) as proc:
+        first = []
+        for i, (x, y) in enumerate(proc):  # break mid-epoch with batches queued in the worker
+            first.append((x.clone(), y.clone()))
+            if i == 4:
+                break
+        state = proc.state_dict()
+        assert state["batch"] == 5
+    with FastLoader(ds, TRAIN, workers="process", **kw) as again:
+        again.load_state_dict(state)
+        rest = [(x.clone(), y.clone()) for x, y in again]
+        # After a break, the same loader runs a whole epoch again.
+        whole = [(x.clone(), y.clone()) for x, y in again]
+    _same(want, first + rest)
+    _same(want, whole)
+    assert _leftovers() == ([], [], [])
+
+
+def test_a_bad_sample_is_named_or_skipped_as_with_threads():
+    ds = Jpegs(40, bad=13)
+    with FastLoader(ds, TRAIN, batch_size=8, workers="process", num_threads=2) as loader:
+        with pytest.raises(SampleError, match=r"sample 13 \(jpegs\[13\]\): ") as e:
+            for _ in loader:
+                pass
+        assert e.value.index == 13 and e.value.where == "jpegs[13]"
+        first = next(iter(loader))  # a new pass after the error: batches before the bad one come
+        assert first[0].shape == (8, 3, 24, 24)
+    kw = dict(batch_size=8, num_threads=2, on_error="skip")
+    with FastLoader(ds, TRAIN, **kw) as threads:
+        want = _batches(threads)
+    with FastLoader(ds, TRAIN, workers="process", **kw) as proc:
+        got = _batches(proc)
+        assert [s[:2] for s in proc.skipped] == [s[:2] for s in threads.skipped] == [(13, "jpegs[13]")]
+    _same(want, got)
+
+
+def test_a_worker_process_that_dies_is_named_never_waited_for():
+    ds = Slow(np.zeros((4000, 8, 8, 3), np.uint8), np.zeros(4000, np.int64), delay=0.002)
+    loader = FastLoader(ds, batch_size=32, workers="process", num_threads=2)
+    it = iter(loader)
+    next(it)
+    pid = loader._workers.pid
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    died = rf"worker process \(pid {pid}\) died during batch \d+: killed by SIGKILL"
+    with pytest.raises(RuntimeError, match=died):
+        for _ in it:
+            pass
+    assert time.monotonic() - start < 10
+    loader.close()
+    assert _leftovers() == ([], [], [])
+
+
+def test_refusals_name_the_argument_and_leave_nothing(monkeypatch):
+    images, labels = np.zeros((10, 8, 8, 3), np.uint8), np.zeros(10, np.int64)
+    with pytest.raises(ValueError, match="workers must be one of"):
+        FastLoader(ArrayDataset(images, labels), batch_size=4, workers="processes")
+    with pytest.raises(TypeError, match="by pickling"):
+        FastLoader(Unpicklable(images, labels), batch_size=4, workers="process")
+    assert _leftovers() == ([], [], [])
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(RuntimeError, match=r"need 0\.\d MiB of /dev/shm.*workers='thread'"):
+        FastLoader(ArrayDataset(images, labels), batch_size=4, workers="process")
+    assert _ours() == []
+
+
+def test_a_stale_slot_file_of_a_dead_process_is_removed():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True)
+    path = f"/dev/shm/{shared_slots.PREFIX}{os.getuid()}_{int(dead.stdout)}_0"
+    with open(path, "wb") as f:
+        f.write(b"x")
+    with FastLoader(ArrayDataset(np.zeros((4, 8, 8, 3), np.uint8), np.zeros(4)), batch_size=2,
+                    workers="process") as loader:
+        assert len(list(loader)) == 2
+    assert not os.path.exists(path)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing, os, signal, sys, threading, time
+    import numpy as np
+    from terrapipe import FastLoader
+    from tests.pipeline.sources_for_workers import Slow
+
+    if __name__ == "__main__":
+        how = sys.argv[1]
+        if how == "fork":  # the user's own start method does not change the worker's
+            multiprocessing.set_start_method("fork", force=True)
+        ds = Slow(np.zeros((100000, 16, 16, 3), np.uint8), np.zeros(100000, np.int64), delay=0.005)
+        try:
+            loader = FastLoader(ds, batch_size=32, num_threads=3, prefetch=4, workers="process")
+            print("WORKER", loader._workers.pid, flush=True)
+            for i, (x, y) in enumerate(loader):
+                if i == 2:
+                    print("ITERATING", flush=True)
+                    if how == "crash":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if how == "fork":
+                        break
+            loader.close()
+            print("CLOSED", len(multiprocessing.active_children()), flush=True)
+        except KeyboardInterrupt:
+            loader.close()
+            left = [t.name for t in threading.enumerate() if t.name.startswith("terrapipe-loader")]
+            print("INTERRUPTED", len(left), len(multiprocessing.active_children()), flush=True)
+    """
+)
+
+
+def _run_script(how: str, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, preexec_fn=as_at_a_terminal,
+                            start_new_session=True)
+    worker = None
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line.strip())
+        if line.startswith("WORKER"):
+            worker = int(line.split()[1])
+        if line.startswith("ITERATING"):
+            break
+    assert worker is not None and lines[-1] == "ITERATING", (lines, proc.stderr.read() if proc.poll() else "")
+    return proc, worker, lines
+
+
+def _gone(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        if not alive(pid) or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _files_of(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/{shared_slots.PREFIX}{os.getuid()}_{pid}_*")
+
+
+def test_ctrl_c_mid_epoch_stops_the_worker_and_leaves_nothing(tmp_path):
+    proc, worker, _ = _run_script("interrupt", tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: the whole foreground group
+    out, err = proc.communicate(timeout=60)
+    assert "INTERRUPTED 0 0" in out, (out, err)
+    assert _gone(worker, 10) and _files_of(proc.pid) == []
+
+
+def test_a_crashed_trainer_takes_its_worker_along(tmp_path):
+    proc, worker, _ = _run_script("crash", tmp_path)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert _gone(worker, 10), "the worker outlived its trainer"
+    assert _files_of(proc.pid) == []
+
+
+def test_a_script_that_starts_processes_with_fork(tmp_path):
+    proc, worker, _ = _run_script("fork", tmp_path)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "CLOSED 0" in out, (out, err)
+    assert _gone(worker, 10) and _files_of(proc.pid) == []
+
+
+def _nice_values(pid: int) -> list[int]:
+    """Nice values of every thread of process ``pid`` (from /proc; Python's thread names do not
+    reach the kernel, so the pool's threads are told apart by their count)."""
+    values = []
+    for task in glob.glob(f"/proc/{pid}/task/*"):
+        with open(f"{task}/stat") as f:
+            stat = f.read()
+        values.append(int(stat[stat.rindex(")") + 2:].split()[16]))  # field 19, nice
+    return values
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")
+@pytest.mark.parametrize("yield_cpu", [True, False])
+def test_the_worker_processs_threads_yield_the_cpu_when_asked(yield_cpu):
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    # Slow reads keep every thread of the pool busy, so it has started all three.
+    ds = Slow(np.zeros((64, 8, 8, 3), np.uint8), np.zeros(64, np.int64), delay=0.02)
+    with FastLoader(ds, batch_size=8, num_threads=3, workers="process", yield_cpu=yield_cpu) as loader:
+        next(iter(loader))  # the pool starts its threads on the first batch
+        values = _nice_values(loader._workers.pid)
+    lowered = [v for v in values if v == min(19, mine + 10)]
+    assert len(lowered) == (3 if yield_cpu else 0) and len(values) - len(lowered) >= 1, values
+    with pytest.raises(ValueError, match="yield_cpu"):
+        FastLoader(ds, batch_size=8, yield_cpu="yes")
