@@ -61,8 +61,10 @@ def _same(a, b) -> None:
         assert torch.equal(x, u) and torch.equal(y, v), f"batch {i} differs"
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
-@pytest.mark.parametrize("source", ["jpegs", "arrays"])
+@pytest.mark.parametrize("source, channels_last", [
+    ("jpegs", True), ("arrays", False),
+    pytest.param("jpegs", False, marks=pytest.mark.full),
+    pytest.param("arrays", True, marks=pytest.mark.full)])
 def test_same_batches_bit_for_bit_as_the_threads(source, channels_last):
     if source == "jpegs":
         ds, transforms = Jpegs(70), TRAIN
@@ -275,7 +277,7 @@ def _nice_values(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")
-@pytest.mark.parametrize("yield_cpu", [True, False])
+@pytest.mark.parametrize("yield_cpu", [True, pytest.param(False, marks=pytest.mark.full)])
 def test_the_worker_processs_threads_yield_the_cpu_when_asked(yield_cpu):
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     # Slow reads keep every thread of the pool busy, so it has started all three.
