@@ -190,10 +190,15 @@ class FastLoader:
             arrays = [(shape, host_dtype)] * ring + [((batch_size,), np.int64)] * ring
             slots = SharedSlots(SharedSlots.size_of(arrays))
         alloc = np.empty if slots is None else slots.empty
-        self._feed: Feed = (
-            DeviceFeed(self.device, ring, shape, plan, self.channels_last, alloc=alloc,
-                       registered=None if slots is None else (slots.address, slots.nbytes)) if cuda
-            else HostFeed(ring, shape, plan, self.channels_last, alloc=alloc))
+        try:
+            self._feed: Feed = (
+                DeviceFeed(self.device, ring, shape, plan, self.channels_last, alloc=alloc,
+                           registered=None if slots is None else (slots.address, slots.nbytes)) if cuda
+                else HostFeed(ring, shape, plan, self.channels_last, alloc=alloc))
+        except BaseException:
+            if slots is not None:
+                slots.unlink()  # no worker will map it: the name would outlive the failure
+            raise
         try:
             if slots is None:
                 writer = SampleWriter(dataset, plan, self._feed.lut, on_error)

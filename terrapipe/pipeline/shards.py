@@ -315,6 +315,21 @@ class TarShards:
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_fds, self._fds)
 
+    # Pickled for a loader's worker process (NOTE [the loader's worker process] in
+    # pipeline/worker_process.py): the index travels; file descriptors, the lock and the
+    # finalizer are this process's own, and the copy opens its shards again on first read.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for own in ("_fds", "_lock", "_finalizer"):
+            del state[own]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._fds = [None] * len(self.shards)
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
+
     @property
     def targets(self) -> list[int]:
         return self.labels.tolist()

@@ -4,6 +4,7 @@ import gzip
 import io
 import json
 import os
+import pickle
 import random
 import subprocess
 import sys
@@ -113,6 +114,21 @@ def test_same_batches_as_the_image_folder(packed, threads):
             c.load_state_dict(state)
             rest = [x.clone() for x, _ in c]
         assert len(rest) == len(ref) and all(torch.equal(p, q) for p, q in zip(ref, rest, strict=True))
+
+
+def test_shards_feed_a_loaders_worker_process(packed):
+    # TarShards pickles without its file descriptors, lock and finalizer (the worker process
+    # opens the shards again), and the worker's batches equal the threads'.
+    _, paths, _ = packed
+    shards = TarShards(paths)
+    shards.read(0)  # a descriptor open here, which the copy does not take
+    copy = pickle.loads(pickle.dumps(shards))
+    assert copy._fds == [None] * len(paths) and copy.read(3) == shards.read(3)
+    kw = dict(batch_size=5, shuffle=True, seed=7, num_threads=2)
+    with FastLoader(shards, TRAIN, **kw) as threads, \
+            FastLoader(shards, TRAIN, workers="process", **kw) as proc:
+        for (xa, ya), (xb, yb) in zip(threads, proc, strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
 
 
 def test_concurrent_reads_from_many_threads(packed):
