@@ -242,8 +242,11 @@ def run(mib: int = 256, rounds: int = 7, photos: Path | None = None, samples: in
         print(f"\nper sample, ours / Pillow: chain {photo_info['chain_ours_over_pillow']:.2f}, "
               f"resampling alone {photo_info['resize_ours_over_pillow']:.2f} (below 1: ours is faster); "
               f"vector lanes: {resample_ir.vector_lanes()} x int32")
+    import PIL
+
+    # Pillow-SIMD installs under Pillow's name: its version ("...post..") tells the two apart.
     return {"mib": mib, "rounds": rounds, "copy_gbs": copy_bw, "vector_lanes": resample_ir.vector_lanes(),
-            **photo_info, "records": records}
+            "image_library": f"Pillow {PIL.__version__}", **photo_info, "records": records}
 
 
 def main(argv: list[str] | None = None) -> None:
