@@ -4,6 +4,7 @@ errors naming the sample, a worker that dies, Ctrl-C and a crashed trainer, and 
 behind: no process, no thread, no file in /dev/shm."""
 
 import errno
+import gc
 import glob
 import multiprocessing
 import os
@@ -290,3 +291,34 @@ def test_the_worker_processs_threads_yield_the_cpu_when_asked(yield_cpu):
     assert len(lowered) == (3 if yield_cpu else 0) and len(values) - len(lowered) >= 1, values
     with pytest.raises(ValueError, match="yield_cpu"):
         FastLoader(ds, batch_size=8, yield_cpu="yes")
+
+
+@pytest.mark.full  # about a minute on two cores: make test-full
+def test_many_loaders_made_and_dropped_leave_no_descriptor_process_or_file():
+    # A loader a job builds per epoch or per evaluation, closed or only dropped (the finalizer):
+    # after the first, the count of open descriptors stays put, and nothing else is left.
+    pixels = np.random.default_rng(0).integers(0, 256, (50, 20, 20, 3), dtype=np.uint8)
+    ds = ArrayDataset(pixels, np.arange(50))
+
+    def descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    counts = []
+    for k in range(16):
+        loader = FastLoader(ds, [RandomResizedCrop(8)], batch_size=7, workers="process", num_threads=2,
+                            prefetch=1, drop_last=k % 2 == 0, shuffle=True)
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            assert sum(1 for _ in loader) == (7 if k % 2 == 0 else 8)
+        it = iter(loader)
+        next(it)
+        del it  # a pass stopped early, its batches queued in the worker
+        if k % 3 == 0:
+            del loader
+            gc.collect()
+        else:
+            loader.close()
+            del loader
+        counts.append(descriptors())
+    assert max(counts[1:]) <= counts[1], counts
+    assert _leftovers() == ([], [], [])
