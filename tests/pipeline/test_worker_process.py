@@ -63,7 +63,8 @@ def _same(a, b) -> None:
 
 
 @pytest.mark.parametrize("source, channels_last", [
-    ("jpegs", True), ("arrays", False),
+    ("jpegs", True),
+    pytest.param("arrays", False, marks=pytest.mark.full),
     pytest.param("jpegs", False, marks=pytest.mark.full),
     pytest.param("arrays", True, marks=pytest.mark.full)])
 def test_same_batches_bit_for_bit_as_the_threads(source, channels_last):
