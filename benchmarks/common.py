@@ -8,6 +8,7 @@ gives the median, min and max per case and the ratio of medians against the base
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -164,6 +165,15 @@ def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> 
 
 
 _RESULTS_TAG = "RESULTS "
+
+
+def endless_epochs(loader, first: int = 0):
+    """Batches of ``loader`` epoch after epoch, as a training loop takes them: each epoch a fresh
+    pass (with its start-up cost), numbered from ``first`` for loaders that have ``set_epoch``."""
+    for e in itertools.count(first):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(e)
+        yield from loader
 
 
 def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] | None = None,

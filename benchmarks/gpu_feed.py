@@ -39,7 +39,7 @@ import torch
 from terrapipe import FastLoader
 from terrapipe.pipeline import ImageFolder, Normalize, RandomHorizontalFlip, RandomResizedCrop
 
-from .common import format_table, save
+from .common import endless_epochs, format_table, save
 from .data import make_image_folder
 from .loader import DEFAULT_DATA, MEAN, STD, _TorchDataset, _torchvision_transform
 from .models import resnet
@@ -112,18 +112,11 @@ def run(args) -> dict:
     x0, y0 = next(iter(fast))
     resident = (x0.clone(), y0.clone())
 
-    def epochs(loader, first: int):
-        # As a training loop would: epoch after epoch, each a fresh pass (and its start-up cost).
-        for e in itertools.count(first):
-            if isinstance(loader, FastLoader):
-                loader.set_epoch(e)
-            yield from loader
-
     def make(case, r):
         if case == "resident":
             return itertools.repeat(resident)
         loader = {"fastloader": fast, "fastloader-process": isolated, "dataloader": dl}[case]
-        return epochs(loader, 1000 * r)
+        return endless_epochs(loader, 1000 * r)
 
     samples: dict[str, list[tuple[float, float]]] = {c: [] for c in cases}
     for r in range(args.rounds):

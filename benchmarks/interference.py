@@ -26,7 +26,6 @@ trainer's way"): isolated <= 1.25x at >= 0.85 of the threaded loader's img/s.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import time
@@ -37,7 +36,7 @@ import torch
 from terrapipe import FastLoader
 from terrapipe.pipeline import ImageFolder, Normalize, RandomHorizontalFlip, RandomResizedCrop
 
-from .common import format_table, save
+from .common import endless_epochs, format_table, save
 from .data import make_image_folder
 from .loader import DEFAULT_DATA, MEAN, STD, _photo_folder, _TorchDataset, _torchvision_transform
 
@@ -84,13 +83,6 @@ def make_probed_step(ops: int, delays: list):
 SLOW = 200e-6  # an operation this slow waited (for the GIL or a core): alone they take ~2-3 us
 
 
-def _endless(loader):
-    for e in itertools.count():
-        if isinstance(loader, FastLoader):
-            loader.set_epoch(e)
-        yield from loader
-
-
 def _sample(batches, step, steps: int, batch: int) -> tuple[float, float]:
     """(median step seconds, img/s) over ``steps`` iterations of: next batch, then the step
     (``batches`` None: the step alone; ``step`` None: the loader alone)."""
@@ -124,7 +116,7 @@ def run(args) -> dict:
             num_workers=args.threads, persistent_workers=True, prefetch_factor=2,
             worker_init_fn=_lower_priority),
     }
-    streams = {name: _endless(loader) for name, loader in loaders.items()}
+    streams = {name: endless_epochs(loader) for name, loader in loaders.items()}
     step = make_step(args.ops)
     for name in LOADERS:  # warm-up: worker start-up, compilation, a full prefetch
         _sample(streams[name], step, args.warmup, args.batch)

@@ -10,6 +10,7 @@ other torch.distributed launchers (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import shutil
 import sys
@@ -153,6 +154,28 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+_shm_files = itertools.count(1)
+
+
+def create_shm_file(directory: str, prefix: str, nbytes: int, reserve: bool) -> str:
+    """A new file ``<directory>/<prefix><uid>_<pid>_<n>`` of ``nbytes`` (the name
+    :func:`remove_orphaned_files` reads back), with ``reserve`` its pages allocated now
+    (``posix_fallocate``: a full tmpfs refuses here, never with a SIGBUS on first touch).
+    Returns its path; on OSError nothing is left and the error propagates."""
+    path = os.path.join(directory, f"{prefix}{os.getuid()}_{os.getpid()}_{next(_shm_files)}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        if reserve:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
 
 
 def remove_orphaned_files(directory: str, prefix: str) -> list[str]:

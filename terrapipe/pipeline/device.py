@@ -34,7 +34,8 @@ import torch
 
 from .. import launch_env, timeline
 from ..kernels import image as kimage
-from .feed import Alloc, Feed
+from .feed import Feed
+from .shared_slots import SharedSlots
 from .transforms import Plan
 
 __all__ = ["DEVICE_RING", "resolve_device", "pick_cuda_index", "normalize_into",
@@ -168,31 +169,29 @@ class DeviceFeed(Feed):
     device: a resolved CUDA device; host_ring: number of host slots, which hold uint8 (N, C, H, W)
     batches (pool threads write through the identity table: uint8 crosses the bus); shape:
     (N, C, H, W) of a full batch; plan: gives the consumer's image dtype and the per-channel
-    mean/std applied on the device; channels_last: the device images' memory format. alloc:
-    makes the host slots (pinned by torch when it is ``np.empty``); registered: (address, bytes)
-    of memory holding them that this feed pins itself (``cudaHostRegister``, undone at close):
-    a worker process's shared slots.
+    mean/std applied on the device; channels_last: the device images' memory format; shared: a
+    worker process's slots to hold the host slots, which this feed pins (``cudaHostRegister``,
+    undone at close), else torch's pinned memory.
     """
 
     def __init__(self, device: torch.device, host_ring: int, shape: Sequence[int], plan: Plan,
-                 channels_last: bool, alloc: Alloc = np.empty,
-                 registered: tuple[int, int] | None = None) -> None:
+                 channels_last: bool, shared: SharedSlots | None = None) -> None:
         self.device = device
         out_dtype, norm = plan.torch_dtype, plan.norm
         self.lut = kimage.identity_lut(shape[1])
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         n = shape[0]
         self._registered = None
-        if alloc is np.empty:
+        if shared is None:
             self.host_images = [torch.empty(tuple(shape), dtype=torch.uint8, pin_memory=True)
                                 for _ in range(host_ring)]
             self.host_labels = [torch.empty(n, dtype=torch.int64, pin_memory=True) for _ in range(host_ring)]
         else:
-            self.host_images = [torch.from_numpy(alloc(tuple(shape), np.uint8)) for _ in range(host_ring)]
-            self.host_labels = [torch.from_numpy(alloc((n,), np.int64)) for _ in range(host_ring)]
-            if registered is not None:
-                register_host_memory(*registered)
-                self._registered = registered[0]
+            self.host_images = [torch.from_numpy(shared.empty(tuple(shape), np.uint8))
+                                for _ in range(host_ring)]
+            self.host_labels = [torch.from_numpy(shared.empty((n,), np.int64)) for _ in range(host_ring)]
+            register_host_memory(shared.address, shared.nbytes)
+            self._registered = shared.address
         with torch.cuda.device(device):
             self.stream = torch.cuda.Stream(device)
             self.dev_images = [torch.empty(tuple(shape), dtype=out_dtype, device=device, memory_format=fmt)

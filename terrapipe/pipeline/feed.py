@@ -14,11 +14,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from .shared_slots import SharedSlots
 from .transforms import Plan
 
 __all__ = ["Feed", "HostFeed", "host_batch", "Alloc"]
 
-# Makes a host slot's array: np.empty, or SharedSlots.empty for a worker process's slots.
+# Makes a host slot's array (np.empty's signature): np.empty, or SharedSlots.empty.
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
 
 
@@ -76,10 +77,12 @@ def host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype
 
 class HostFeed(Feed):
     """Batches in host memory: ``ring`` slots of ``shape`` (N, C, H, W), written through the
-    plan's table, handed out as views (NOTE [batch buffer ownership]); ``alloc`` makes them."""
+    plan's table, handed out as views (NOTE [batch buffer ownership]); in ``shared`` (a worker
+    process's slots) when given."""
 
     def __init__(self, ring: int, shape: Sequence[int], plan: Plan, channels_last: bool,
-                 alloc: Alloc = np.empty) -> None:
+                 shared: SharedSlots | None = None) -> None:
+        alloc = np.empty if shared is None else shared.empty
         self.lut = plan.lut
         self._images_t: list[torch.Tensor] = []
         self.images = []

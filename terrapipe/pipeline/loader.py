@@ -189,20 +189,17 @@ class FastLoader:
             host_dtype = np.uint8 if cuda else plan.lut.dtype
             arrays = [(shape, host_dtype)] * ring + [((batch_size,), np.int64)] * ring
             slots = SharedSlots(SharedSlots.size_of(arrays))
-        alloc = np.empty if slots is None else slots.empty
         try:
             self._feed: Feed = (
-                DeviceFeed(self.device, ring, shape, plan, self.channels_last, alloc=alloc,
-                           registered=None if slots is None else (slots.address, slots.nbytes)) if cuda
-                else HostFeed(ring, shape, plan, self.channels_last, alloc=alloc))
+                DeviceFeed(self.device, ring, shape, plan, self.channels_last, shared=slots) if cuda
+                else HostFeed(ring, shape, plan, self.channels_last, shared=slots))
         except BaseException:
             if slots is not None:
                 slots.unlink()  # no worker will map it: the name would outlive the failure
             raise
         try:
             if slots is None:
-                writer = SampleWriter(dataset, plan, self._feed.lut, on_error)
-                writer.skipped = self.skipped
+                writer = SampleWriter(dataset, plan, self._feed.lut, on_error, self.skipped)
                 self._workers: Workers = ThreadWorkers(writer, self._feed.images, self._feed.labels,
                                                        self.num_threads, nice=nice)
             else:

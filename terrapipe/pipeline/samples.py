@@ -60,15 +60,17 @@ class SampleWriter:
     plan: the compiled transforms; lut: (C, 256), the table the kernel writes through (the
     plan's own on the host, the identity where normalization runs on the device); on_error:
     "raise" or "skip" (a failed sample is replaced by the next readable one in dataset order, and
-    recorded in ``skipped`` as (index, where, error)). Threads share nothing but ``skipped``.
+    appended to ``skipped`` as (index, where, error): the caller's list when given). Threads
+    share nothing but ``skipped``.
     """
 
-    def __init__(self, dataset: Source, plan: Plan, lut: np.ndarray, on_error: str) -> None:
+    def __init__(self, dataset: Source, plan: Plan, lut: np.ndarray, on_error: str,
+                 skipped: list | None = None) -> None:
         self.dataset = dataset
         self.plan = plan
         self.lut = lut
         self.on_error = on_error
-        self.skipped: list[tuple[int, str, str]] = []
+        self.skipped: list[tuple[int, str, str]] = [] if skipped is None else skipped
         self._skip_lock = threading.Lock()
         self._scratch = _Scratch()
         self._roi = roi_jpeg.enabled()

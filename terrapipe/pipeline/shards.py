@@ -311,6 +311,11 @@ class TarShards:
         self.labels = np.concatenate([ix["labels"] for ix, _ in built])
         self._shard_of = np.repeat(np.arange(len(self.shards), dtype=np.int32), counts)
         self._names: dict[int, np.ndarray | None] = {}
+        self._own_files()
+
+    def _own_files(self) -> None:
+        """This process's descriptors of the shards (opened on first read), their lock and the
+        finalizer that closes them."""
         self._fds: list[int | None] = [None] * len(self.shards)
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_fds, self._fds)
@@ -326,9 +331,7 @@ class TarShards:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._fds = [None] * len(self.shards)
-        self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
+        self._own_files()
 
     @property
     def targets(self) -> list[int]:

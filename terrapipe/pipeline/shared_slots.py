@@ -12,21 +12,19 @@ creating process is gone, at every loader's construction.
 from __future__ import annotations
 
 import errno
-import itertools
 import mmap
 import os
 import shutil
 
 import numpy as np
 
-from ..launch_env import remove_orphaned_files
+from ..launch_env import create_shm_file, remove_orphaned_files
 
 __all__ = ["SharedSlots", "remove_stale", "PREFIX"]
 
 PREFIX = "terrapipe_loader_"
 _SHM_DIR = "/dev/shm"
 _ALIGN = 4096  # each array page-aligned: a kernel's rows never share a page with another slot's
-_counter = itertools.count()
 
 
 def remove_stale() -> list[str]:
@@ -37,9 +35,9 @@ def remove_stale() -> list[str]:
 class SharedSlots:
     """A shared mapping of ``nbytes`` that arrays are carved out of (:meth:`empty`).
 
-    The creating process calls :meth:`empty` for each slot array and sends :meth:`layout` and
-    :attr:`path` to the worker, which calls :meth:`attach`; the creator then calls
-    :meth:`unlink`. Arrays (and tensors made from them) keep the mapping alive.
+    The creating process calls :meth:`empty` for each slot array and sends :attr:`path` and
+    each array's :meth:`describe` to the worker, which calls :meth:`attach` and :meth:`view`;
+    the creator then calls :meth:`unlink`. Arrays (and tensors made from them) keep the mapping alive.
     """
 
     def __init__(self, nbytes: int, *, path: str | None = None) -> None:
@@ -51,13 +49,9 @@ class SharedSlots:
             if not os.path.isdir(_SHM_DIR):
                 raise RuntimeError(f"workers='process': {_SHM_DIR} does not exist on this system")
             remove_stale()
-            self.path = os.path.join(_SHM_DIR, f"{PREFIX}{os.getuid()}_{os.getpid()}_{next(_counter)}")
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.posix_fallocate(fd, 0, self.nbytes)
+                self.path = create_shm_file(_SHM_DIR, PREFIX, self.nbytes, reserve=True)
             except OSError as exc:
-                os.close(fd)
-                os.unlink(self.path)
                 if exc.errno in (errno.ENOSPC, errno.EFBIG):
                     free = shutil.disk_usage(_SHM_DIR).free
                     raise RuntimeError(
@@ -65,6 +59,7 @@ class SharedSlots:
                         f"{_SHM_DIR}, which has {free / 2**20:.1f} MiB free (a container's --shm-size); "
                         f"use a smaller batch_size or prefetch, or workers='thread'") from None
                 raise
+            fd = os.open(self.path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, self.nbytes)
         finally:

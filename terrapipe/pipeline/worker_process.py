@@ -46,7 +46,7 @@ import numpy as np
 
 from .samples import SampleError, SampleWriter
 from .shared_slots import SharedSlots
-from .workers import CHUNK, Workers, lower_priority
+from .workers import Workers, cancel_and_wait, submit_chunks, thread_pool
 
 __all__ = ["ProcessWorkers"]
 
@@ -242,20 +242,19 @@ def _main(conn, dataset, transforms: list, lut: np.ndarray, config: dict) -> Non
         if plan.out_hw is None:
             plan = plan.with_size(tuple(config["out_hw"]))
         writer = SampleWriter(dataset, plan, lut, config["on_error"])
-        pool = concurrent.futures.ThreadPoolExecutor(
-            config["num_threads"], thread_name_prefix="terrapipe-loader",
-            initializer=lower_priority if config["nice"] else None)
+        pool = thread_pool(config["num_threads"], config["nice"])
     except BaseException as exc:
         _send(conn, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         conn.close()
         return
     lock = threading.Lock()  # the pipe's sends, the batch table and the skipped count
     batches: dict[tuple[int, int], _Batch] = {}
-    reported = [0]
+    reported = 0  # skipped samples already sent
 
     def answer(key: tuple[int, int], entry: _Batch) -> None:  # under lock
-        skipped = writer.skipped[reported[0]:]
-        reported[0] += len(skipped)
+        nonlocal reported
+        skipped = writer.skipped[reported:]
+        reported += len(skipped)
         head: dict = {"op": "done", "pass": key[0], "batch": key[1], "skipped": [list(s) for s in skipped]}
         if entry.errors:
             exc = entry.errors[min(entry.errors)]  # the first failing chunk, as the threads' order
@@ -288,10 +287,8 @@ def _main(conn, dataset, transforms: list, lut: np.ndarray, config: dict) -> Non
             if op == "batch":
                 key = (head["pass"], head["batch"])
                 indices = np.frombuffer(payload, np.int64)
-                images_s, labels_s = images[head["slot"]], labels[head["slot"]]
-                seed, epoch = head["seed"], head["epoch"]
-                futures = [pool.submit(writer.fill, images_s, labels_s, r, indices[r:r + CHUNK], seed, epoch)
-                           for r in range(0, len(indices), CHUNK)]
+                futures = submit_chunks(pool, writer, images[head["slot"]], labels[head["slot"]], indices,
+                                        head["seed"], head["epoch"])
                 with lock:
                     batches[key] = _Batch(futures)
                 for k, f in enumerate(futures):
@@ -301,10 +298,7 @@ def _main(conn, dataset, transforms: list, lut: np.ndarray, config: dict) -> Non
                     entries = [e for key, e in batches.items() if key[0] == head["pass"]]
                     for e in entries:
                         e.stopped = True
-                futures = [f for e in entries for f in e.futures]
-                for f in futures:
-                    f.cancel()
-                concurrent.futures.wait(futures)
+                cancel_and_wait([f for e in entries for f in e.futures])
                 with lock:
                     _send(conn, {"op": "stopped", "pass": head["pass"]})
             elif op == "exit":

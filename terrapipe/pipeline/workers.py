@@ -10,6 +10,7 @@ written).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -19,7 +20,8 @@ import numpy as np
 
 from .samples import SampleWriter
 
-__all__ = ["Workers", "ThreadWorkers", "CHUNK", "NICE", "lower_priority"]
+__all__ = ["Workers", "ThreadWorkers", "CHUNK", "NICE", "lower_priority", "thread_pool", "submit_chunks",
+           "cancel_and_wait"]
 
 CHUNK = 8  # samples per task: amortises task overhead, still balances across threads
 
@@ -44,6 +46,29 @@ def lower_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICE))
         except OSError:  # not permitted here: equal priority is still correct, only slower
             pass
+
+
+def thread_pool(num_threads: int, nice: bool) -> ThreadPoolExecutor:
+    """The pool that runs a loader's per-sample work (``nice``: NOTE [loader threads yield the
+    CPU]), in the training process or in its worker process."""
+    return ThreadPoolExecutor(num_threads, thread_name_prefix="terrapipe-loader",
+                              initializer=lower_priority if nice else None)
+
+
+def submit_chunks(pool: ThreadPoolExecutor, writer: SampleWriter, images: np.ndarray, labels: np.ndarray,
+                  indices: np.ndarray, seed: int, epoch: int) -> list[Future]:
+    """Queue one batch on ``pool``: ``writer.fill`` of ``images`` / ``labels`` (one slot's views)
+    from ``indices``, CHUNK samples a task; the futures in row order."""
+    return [pool.submit(writer.fill, images, labels, r, indices[r:r + CHUNK], seed, epoch)
+            for r in range(0, len(indices), CHUNK)]
+
+
+def cancel_and_wait(futures: list[Future]) -> None:
+    """Cancel what has not started and wait for what has (its errors are the pass's end, not
+    raised): once this returns, none of ``futures`` writes anything."""
+    for f in futures:
+        f.cancel()
+    concurrent.futures.wait(futures)
 
 
 class Workers(ABC):
@@ -85,17 +110,15 @@ class ThreadWorkers(Workers):
                  num_threads: int, nice: bool) -> None:
         self._writer = writer
         self._images, self._labels = images, labels
-        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="terrapipe-loader",
-                                        initializer=lower_priority if nice else None)
+        self._pool = thread_pool(num_threads, nice)
         self._pending: dict[int, list[Future]] = {}
 
     def start_pass(self) -> None:
         self._pending = {}
 
     def submit(self, batch: int, slot: int, indices: np.ndarray, seed: int, epoch: int) -> None:
-        images, labels, fill = self._images[slot], self._labels[slot], self._writer.fill
-        self._pending[batch] = [self._pool.submit(fill, images, labels, r, indices[r:r + CHUNK], seed, epoch)
-                                for r in range(0, len(indices), CHUNK)]
+        self._pending[batch] = submit_chunks(self._pool, self._writer, self._images[slot], self._labels[slot],
+                                             indices, seed, epoch)
 
     def wait(self, batch: int) -> None:
         for f in self._pending.pop(batch):
@@ -107,16 +130,7 @@ class ThreadWorkers(Workers):
 
     def stop(self) -> None:
         pending, self._pending = self._pending, {}
-        for fs in pending.values():
-            for f in fs:
-                f.cancel()
-        for fs in pending.values():
-            for f in fs:
-                if not f.cancelled():
-                    try:
-                        f.result()
-                    except Exception:
-                        pass
+        cancel_and_wait([f for fs in pending.values() for f in fs])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -56,7 +56,7 @@ import numpy as np
 from ... import settings
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
-from ...launch_env import alive, remove_orphaned_files
+from ...launch_env import alive, create_shm_file, remove_orphaned_files
 from . import cma, hugepages
 from .base import Transport
 from .board import LOST, SIG_WORDS, Board, wait_mode
@@ -91,24 +91,14 @@ class Segment:
     ``node_comm`` is an mpi4py communicator of the node's ranks.
     """
 
-    _count = 0
-
     def __init__(self, node_comm, nbytes: int, reserve: bool = False) -> None:
         nbytes = max(int(nbytes), mmap.PAGESIZE)
         name = None
         if node_comm.rank == 0:
-            Segment._count += 1
-            name = os.path.join(_SHM_DIR, f"{PREFIX}{os.getuid()}_{os.getpid()}_{Segment._count}")
-            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                if reserve:  # NOTE [shared segment reservation]: refuse now, not SIGBUS later
-                    os.posix_fallocate(fd, 0, nbytes)
+            try:  # reserve: NOTE [shared segment reservation], refuse now, not SIGBUS later
+                name = create_shm_file(_SHM_DIR, PREFIX, nbytes, reserve)
             except OSError as e:
-                os.unlink(name)
                 name = [e.errno, f"{e.strerror}: {nbytes} bytes in {_SHM_DIR}"]
-            finally:
-                os.close(fd)
         name = node_comm.bcast(name, root=0)
         if isinstance(name, list):  # every rank of the node raises alike
             raise OSError(*name)
