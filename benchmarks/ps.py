@@ -2,20 +2,29 @@
 asynchronous training modes against synchronous data parallelism with one slowed rank.
 
     python -m benchmarks.ps -n 2 [--rounds 5] [--sizes 4096,1048576,67108864] [--train-rounds 3]
+    python -m benchmarks.ps --cluster 2x1 --link 1gbit --train-rounds 0     # as root
 
 Throughput. Every rank holds one shard of a float32 tensor and every rank pushes ("add") or
 pulls the whole tensor at once, waiting for each call: a sample is the slowest rank's mean time
 per call, the cases interleaved in every round. Cases:
   ``tp``      terrapipe.ps on one node (each rank applies to the shards in shared memory);
-  ``tp-mpi``  terrapipe.ps with one emulated node per rank (every shard behind its owner's
-              server thread, over MPI: the path between nodes);
+  ``tp-wire`` terrapipe.ps with one emulated node per rank (every shard behind its owner's
+              wire thread, over its TCP connections: the path between nodes, on one host);
   ``rpc``     the pattern of PyTorch's parameter-server tutorial, sharded the same way: each rank
               owns a shard object and serves ``rpc_async`` calls that add (under the shard's lock)
               or return a copy (TensorPipe backend, the default).
 Reported per size: GB/s per rank (tensor bytes / time per call), requests/s per rank, and the
-ratios tp/rpc and tp-mpi/rpc. The physical limit on one node is memory bandwidth: a push reads
+ratios tp/rpc and tp-wire/rpc. The physical limit on one node is memory bandwidth: a push reads
 the source and reads and writes the shard (3 passes), a pull reads the shard and writes the
 destination (2 passes), over p ranks sharing the node's bandwidth.
+
+``--cluster NxK --link RATE`` runs the throughput cases across N emulated nodes of K ranks
+(``terrapipe.testing.cluster``; needs root): ``tp`` then crosses the links (its own TCP
+connections between nodes, shared memory within one), ``rpc`` rendezvouses at node 0's address
+and moves everything over TCP (TensorPipe's ``uv`` transport: its shared-memory and
+cross-memory-attach paths would go around the emulated link, one kernel serving every node),
+and the table adds each case's share of the link's bound: a push or a pull of the whole tensor
+by every rank moves K(N-1)/N of it over each node's link, each way.
 
 Time to loss. A 3-layer MLP on a synthetic regression; the last rank is made 2x slower (it
 sleeps as long as its step took). Modes, interleaved per round: ``sync`` (terrapipe.engine's
@@ -32,10 +41,10 @@ import statistics
 import threading
 import time
 
-from .common import format_table, report_from_rank0, run_ranks, save
+from .common import format_table, link_bits_per_second, report_from_rank0, run_ranks, save
 
 SIZES = (4096, 1 << 20, 64 << 20)
-THROUGHPUT_CASES = ("tp", "tp-mpi", "rpc")
+THROUGHPUT_CASES = ("tp", "tp-wire", "rpc")
 MODES = ("sync", "downpour", "easgd", "averaging")
 TARGET_LOSS = 0.02
 
@@ -83,7 +92,9 @@ class RpcShardedTensor:
 
 
 # -- workers -------------------------------------------------------------------------------------
-def _throughput(mpi, rounds: int, sizes: list[int]) -> dict:
+def _throughput(mpi, rounds: int, sizes: list[int], cluster: bool) -> dict:
+    import socket
+
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -92,11 +103,18 @@ def _throughput(mpi, rounds: int, sizes: list[int]) -> dict:
     from terrapipe import ps
     from terrapipe.comm import Group
 
-    port = mpi.bcast(_free_port() if mpi.rank == 0 else None, root=0)
+    addr = socket.gethostbyname(socket.gethostname()) if cluster else "127.0.0.1"
+    port = mpi.bcast((addr, _free_port(addr)) if mpi.rank == 0 else None, root=0)
+    # Across emulated nodes TensorPipe would take its shared-memory and cross-memory-attach
+    # paths (one kernel, one pid namespace) around the link: TCP only, as between machines.
+    wire = dict(_transports=["uv"], _channels=["basic"]) if cluster else {}
     rpc.init_rpc(f"w{mpi.rank}", rank=mpi.rank, world_size=mpi.size,
                  rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                     init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=8, rpc_timeout=600))
-    groups = {"tp": Group(mpi.Dup(), 300), "tp-mpi": Group(mpi.Dup(), 300, node_size=1)}
+                     init_method=f"tcp://{port[0]}:{port[1]}", num_worker_threads=8, rpc_timeout=600,
+                     **wire))
+    groups = {"tp": Group(mpi.Dup(), 300)}
+    if not cluster:  # across nodes, "tp" is already the path between them
+        groups["tp-wire"] = Group(mpi.Dup(), 300, node_size=1)
     result = {}
     for nbytes in sizes:
         n = nbytes // 4
@@ -137,11 +155,11 @@ def _throughput(mpi, rounds: int, sizes: list[int]) -> dict:
     return result
 
 
-def _free_port() -> int:
+def _free_port(addr: str) -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 
@@ -225,13 +243,13 @@ def _time_to_loss(mpi, rounds: int, max_seconds: float) -> dict:
     return samples
 
 
-def _worker(rounds: int, sizes: list[int], train_rounds: int) -> None:
+def _worker(rounds: int, sizes: list[int], train_rounds: int, cluster: bool) -> None:
     from mpi4py import MPI
 
     mpi = MPI.COMM_WORLD
     payload = {"p": mpi.size}
     if sizes:
-        payload["throughput"] = _throughput(mpi, rounds, sizes)
+        payload["throughput"] = _throughput(mpi, rounds, sizes, cluster)
     if train_rounds:
         payload["time_to_loss"] = _time_to_loss(mpi, train_rounds, max_seconds=60.0)
     if mpi.rank == 0:
@@ -245,17 +263,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes; empty: skip")
     parser.add_argument("--train-rounds", type=int, default=3, help="0: skip time to loss")
+    parser.add_argument("--cluster", default=None, metavar="NxK",
+                        help="N emulated nodes of K ranks (needs root); 'x' inside one")
+    parser.add_argument("--link", default="1gbit", help="the emulated links' rate (tc syntax)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.worker:
-        _worker(args.rounds, sizes, args.train_rounds)
+        _worker(args.rounds, sizes, args.train_rounds, args.cluster is not None)
         return
-    data = run_ranks("benchmarks.ps", args.n, ["--rounds", str(args.rounds), "--sizes", args.sizes,
-                                               "--train-rounds", str(args.train_rounds)],
-                     env={"OMP_NUM_THREADS": "1"})
+    worker_args = ["--rounds", str(args.rounds), "--sizes", args.sizes,
+                   "--train-rounds", str(args.train_rounds)]
+    nodes = per_node = 0
+    if args.cluster is not None:
+        from terrapipe.testing.cluster import Cluster
+
+        nodes, per_node = (int(v) for v in args.cluster.lower().split("x"))
+        with Cluster(nodes, args.link) as c:
+            data = run_ranks("benchmarks.ps", nodes * per_node, worker_args + ["--cluster", "x"],
+                             env={"OMP_NUM_THREADS": "1"}, launcher=c.mpiexec_args(per_node))
+    else:
+        data = run_ranks("benchmarks.ps", args.n, worker_args, env={"OMP_NUM_THREADS": "1"})
     p = data["p"]
     result: dict = {"ranks": p}
+    if nodes:
+        result.update(nodes=nodes, ranks_per_node=per_node, link=args.link)
+        rate = link_bits_per_second(args.link)
+
+        def bound(b: int) -> float:  # seconds: every rank's whole tensor, K(N-1)/N of it per link
+            return per_node * (nodes - 1) / nodes * b * 8 / rate
     if "throughput" in data:
         rows, table = [], {}
         for nbytes, samples in data["throughput"].items():
@@ -264,12 +300,17 @@ def main(argv: list[str] | None = None) -> None:
             for op in ("push", "pull"):
                 rpc = med[f"rpc {op}"]
                 for c in THROUGHPUT_CASES:
+                    if f"{c} {op}" not in med:
+                        continue
                     t = med[f"{c} {op}"]
                     rows.append([_size(int(nbytes)), op, c, f"{int(nbytes) / t / 1e9:.3f}",
-                                 f"{1 / t:.0f}", f"{rpc / t:.2f}"])
-        print(f"\n{p} ranks: push/pull of the whole tensor by every rank at once, median of "
+                                 f"{1 / t:.0f}", f"{rpc / t:.2f}"]
+                                + ([f"{bound(int(nbytes)) / t:.0%}"] if nodes else []))
+        where = f"{p} ranks" if not nodes else f"{nodes} emulated nodes x {per_node} ranks, {args.link} links"
+        print(f"\n{where}: push/pull of the whole tensor by every rank at once, median of "
               f"{args.rounds} interleaved rounds (slowest rank)")
-        print(format_table(["size", "op", "case", "GB/s per rank", "requests/s", "x rpc"], rows))
+        print(format_table(["size", "op", "case", "GB/s per rank", "requests/s", "x rpc",
+                            *(["of link bound"] if nodes else [])], rows))
         result["throughput_median_s"] = table
     if "time_to_loss" in data:
         samples = data["time_to_loss"]
@@ -288,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         if "throughput_median_s" in result:
             sizes_b = [int(s) for s in result["throughput_median_s"]]
             for c in THROUGHPUT_CASES:
+                if not any(f"{c} push" in m for m in result["throughput_median_s"].values()):
+                    continue
                 for op, style in (("push", "-o"), ("pull", "--s")):
                     axes[0].plot(sizes_b, [b / result["throughput_median_s"][str(b) if str(b) in
                                  result["throughput_median_s"] else b][f"{c} {op}"] / 1e9
@@ -304,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
         fig.suptitle(f"terrapipe.ps, {p} ranks")
         return fig
 
-    for f in save(f"ps_n{p}", result, plot):
+    name = f"ps_n{p}" if not nodes else f"ps_cluster_{nodes}x{per_node}_{args.link}"
+    for f in save(name, result, plot):
         print(f"wrote {f}")
 
 

@@ -24,9 +24,9 @@ __all__ = ["Setting", "SETTINGS", "get", "table"]
 class Setting:
     """One variable: ``kind`` is ``"choice"`` (one of ``choices``, case-insensitive, returned
     lower-case), ``"flag"`` (``0``/``1``: bool), ``"bytes"`` (a positive integer), ``"seconds"``
-    (a positive number: float), ``"count"`` (an integer >= 0) or ``"path"`` (a string; empty is
-    unset). ``default`` is what an unset (or empty) variable reads as; ``doc``: one line for the
-    table; ``layer``: who reads it."""
+    (a positive number: float), ``"count"`` (an integer >= 0), ``"text"`` or ``"path"`` (a
+    string; empty is unset). ``default`` is what an unset (or empty) variable reads as;
+    ``doc``: one line for the table; ``layer``: who reads it."""
 
     name: str
     kind: str
@@ -67,7 +67,7 @@ class Setting:
             if not value > 0:
                 raise ValueError(f"{self.name}: expected a positive number of seconds, got {raw!r}")
             return value
-        return raw  # path
+        return raw  # text, path
 
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -94,10 +94,14 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_CUDA_COMM", "choice", "auto",
             "CUDA tensors over NCCL (`nccl`), staged through the host (`staged`), or NCCL where "
             "every rank has a GPU of its own (`auto`)", "comm", ("auto", "nccl", "staged")),
-    Setting("TERRAPIPE_ELASTIC", "path", "",
+    Setting("TERRAPIPE_SOCKET_IFNAME", "text", "",
+            "The network interface whose address this rank's own TCP connections between nodes "
+            "use (the parameter server's); default: every interface's, loopback first on one host",
+            "comm"),
+    Setting("TERRAPIPE_ELASTIC", "text", "",
             "Set by the elastic launcher for its workers: `host:port` of the job's rendezvous store "
             "(the world comes from it, a generation at a time)", "comm"),
-    Setting("TERRAPIPE_ELASTIC_WORKER", "path", "",
+    Setting("TERRAPIPE_ELASTIC_WORKER", "text", "",
             "Set by the elastic launcher: this worker's id in the job (`host:n`, n counting the "
             "workers started)", "comm"),
     Setting("TERRAPIPE_ELASTIC_FIRST", "count", 1,
@@ -148,7 +152,8 @@ def table() -> str:
     rows = ["| variable | values | default | read by | what |", "|---|---|---|---|---|"]
     for s in SETTINGS.values():
         values = {"choice": " / ".join(f"`{c}`" for c in s.choices), "flag": "`0` / `1`",
-                  "bytes": "bytes", "count": "integer", "seconds": "seconds", "path": "path"}[s.kind]
+                  "bytes": "bytes", "count": "integer", "seconds": "seconds", "path": "path",
+                  "text": "text"}[s.kind]
         if s.default is None or s.default == "":
             default = "unset"
         elif s.kind == "flag":

@@ -50,6 +50,7 @@ def test_failing_rank_traceback_is_shown(pytester, monkeypatch):
     assert "rank 0 of 2 failed" not in out
 
 
+@pytest.mark.full  # make test-full: a check of the test harness itself, not of terrapipe (CI time)
 def test_hung_rank_is_named_and_killed(pytester, monkeypatch):
     _inner_project(
         pytester,
@@ -117,6 +118,7 @@ def test_skip_on_every_rank_skips_and_on_one_rank_fails(pytester, monkeypatch):
     assert "rank 1 of 2 skipped" in out and "rank one has no widget" in out
 
 
+@pytest.mark.full  # make test-full: a check of the test harness itself, not of terrapipe (CI time)
 def test_a_module_shares_one_job_and_a_broken_test_breaks_only_itself(pytester, monkeypatch):
     # NOTE [one job per module] in tests/mpi_plugin.py: tests of one module at one rank count run
     # in the same rank processes, one at a time; a hang, a crash or a one-rank failure ends that
@@ -178,6 +180,7 @@ def test_a_module_shares_one_job_and_a_broken_test_breaks_only_itself(pytester, 
     assert len({pid["a.0"], pid["a.1"]}) == 2
 
 
+@pytest.mark.full  # make test-full: a check of the test harness itself, not of terrapipe (CI time)
 def test_each_test_starts_without_the_last_ones_world(pytester, monkeypatch):
     # Clause 2: a test that leaves terrapipe.comm initialised (with its timeout), Horovod running
     # or a variable set does not hand them to the next test of its job.
@@ -208,6 +211,7 @@ def test_each_test_starts_without_the_last_ones_world(pytester, monkeypatch):
     result.assert_outcomes(passed=2)
 
 
+@pytest.mark.full  # make test-full: a check of the test harness itself, not of terrapipe (CI time)
 def test_a_rank_that_cannot_exit_fails_the_jobs_last_test(pytester, monkeypatch):
     # Clause 4: a thread left running keeps a rank from exiting; the job's last test says so.
     _inner_project(

@@ -38,6 +38,7 @@ from .dtypes import DTYPES, DType
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, SetupAbandoned
 from .ops import OPS, Op
 from .rendezvous import Generations, WorkerRemoved, is_elastic, pending_update
+from .sockets import connect_ranks, interface_addresses
 from .store import StoreComm, hosted_tcp_store
 from .transports.shm import Segment, alive
 from .wait import wait_until
@@ -49,5 +50,5 @@ __all__ = [
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "SetupAbandoned",
     "Generations", "WorkerRemoved", "is_elastic", "pending_update", "StoreComm", "Segment", "alive",
-    "wait_until", "hosted_tcp_store", "OPS", "Op", "DTYPES", "DType",
+    "wait_until", "hosted_tcp_store", "connect_ranks", "interface_addresses", "OPS", "Op", "DTYPES", "DType",
 ]

@@ -30,13 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..comm import CollectiveTimeoutError, CommError, Handle
+from ..comm import CollectiveTimeoutError, CommError, Handle, connect_ranks
 from ..comm import world as _world
 from ..kernels import shard as kshard
+from .connections import Endpoint, Request
 from .layout import Layout
 from .node_shards import NodeShards
 from .wire import Peer
-from .wire_thread import Endpoint, Request, wire_thread
+from .wire_thread import wire_thread
 
 __all__ = ["ShardedTensor"]
 
@@ -100,14 +101,10 @@ class ShardedTensor:
                              f"has {everyone[0]}, " + ", ".join(f"rank {r} has {everyone[r]}" for r in odd))
         self.layout = Layout(arr.size, self.size, self.dtype.itemsize, chunk_bytes)
         self._wire = self._endpoint = None
-        self._MPI = None
         if group.comm is None:
             node_ranks, node_comm = [0], None
             self.peers = [Peer(0, os.uname().nodename, os.getpid())]
         else:
-            from mpi4py import MPI
-
-            self._MPI = MPI
             node_ranks = group.node_ranks
             node_comm = group.comm.Split(min(node_ranks), key=self.rank)
             self.peers = [Peer(r, h, p) for r, (h, p) in
@@ -123,16 +120,20 @@ class ShardedTensor:
         me = node_ranks.index(self.rank)
         self._local = node_ranks[me:] + node_ranks[:me]  # own shard first: less lock contention
         self._remote = [r for r in range(self.size) if r not in node_ranks]
-        if group.comm is not None:
+        if self._remote:
+            # Also the barrier: no rank pushes before every shard is initialised.
+            try:
+                servers, clients = connect_ranks(group.comm, self.rank, self._remote, self._remote,
+                                                 self.timeout, self.name)
+            except BaseException:
+                self._shards.close()
+                raise
+            self._endpoint = Endpoint(self.rank, self._shards, self.layout, self.dtype, self.peers,
+                                      self.timeout, self.name, servers, clients)
+            wire_thread().register(self._endpoint)
+        elif group.comm is not None:
             self._wire = group.comm.Dup()
-            if self._remote and self._MPI.Query_thread() != self._MPI.THREAD_MULTIPLE:
-                raise CommError("ShardedTensor across nodes needs MPI initialised with "
-                                "MPI_THREAD_MULTIPLE (mpi4py's default)")
             self._wire.Barrier()  # every shard initialised before any rank pushes
-            if self._remote:  # from here on only the wire thread uses self._wire
-                self._endpoint = Endpoint(self._wire, self.rank, self._shards, self.layout,
-                                          self.dtype, self.peers, self.timeout, self.name)
-                wire_thread().register(self._endpoint)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="terrapipe-ps-client")
         self._seq = 0
         self._failed: str | None = None
@@ -168,7 +169,7 @@ class ShardedTensor:
         self._closed = True
         self._pool.shutdown(wait=True)
         try:
-            if self._endpoint is not None:  # the wire thread's barrier, then it frees the communicator
+            if self._endpoint is not None:  # every client's CLOSE (NOTE [shard wire protocol] 4)
                 if self._failed is None:
                     wire_thread().close(self._endpoint)
                 else:  # unusable: no barrier with ranks that may have gone

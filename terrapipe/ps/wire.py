@@ -1,46 +1,44 @@
-"""Messages between a client and the server of a shard on another node, and how both wait.
+"""Messages between a client and the server of a shard on another node, and how a lost peer is
+named.
 
 NOTE [shard wire protocol]
-    1. Every sharded tensor has its own duplicate of the group's communicator, so its tags meet
-       nothing else. A request is a header (``HEADER``, int64[HEADER_WORDS]: rule, whether the
-       client wants the result back, first element, element count, scale as float64 bits, the
-       client's sequence number) followed, for ADD and COPY, by one DATA message per chunk.
-    2. The server answers a request with one REPLY message per chunk when the client wants the
-       result (a pull or push-pull), else with one ACK holding the sequence number. The client
-       posts its receives before it sends the header, and every rank's client issues one request
-       at a time per shard, so MPI's non-overtaking order pairs every message without matching
-       sequence numbers (they are checked anyway).
-    3. Both sides are one thread per process, the wire thread (NOTE [one thread on the wire] in
-       wire_thread.py), which never blocks in MPI: requests are polled (``wait_requests``
-       within a request it serves), which keeps MPI's progress engine turning for the peer
-       (NOTE [MPI progress] in comm/algorithms/ring.py), and a request fails with
-       CollectiveTimeoutError naming the peer when it died (same host: its pid is gone) or
-       after the timeout.
-    4. ``close`` is collective: every rank finishes its own requests, then an MPI barrier on the
-       tensor's communicator, polled by the wire thread while it serves on; no request is in
-       flight after it, and the posted header receive is cancelled.
+    1. Every sharded tensor has its own TCP connections (terrapipe.comm.connect_ranks, NOTE
+       [connecting ranks] in comm/sockets.py): one from each rank to each rank of another node
+       whose shard it uses, that rank's requests going one way and the answers the other. A
+       request never shares a connection with the requests of the rank it is answered by, so
+       a server that stops reading while its answers wait to leave (2) never waits on a client
+       that does the same.
+    2. A request is ``REQUEST`` (rule, whether the client wants the result back, element
+       count, scale as float64, the client's sequence number), followed, for ADD and COPY, by
+       the elements themselves; the server applies them chunk by chunk as they arrive. The
+       answer is ``REPLY`` (sequence number, element count: the shard's length when the
+       client wants the result, else 0) followed by that many elements; without the result it
+       is sent once every chunk is applied, so its arrival acknowledges the push. A server
+       holds at most ``OUT_BUFFERS`` answer chunks not yet sent per connection and reads no
+       more of a request until one has left: memory per client is bounded whatever the shard's
+       size.
+    3. Every rank's client issues one request at a time per shard, so a connection carries at
+       most one request at a time and answers need no matching beyond the sequence number,
+       which is checked.
+    4. Closing a tensor sends ``REQUEST`` with rule ``CLOSE`` on each of the rank's request
+       connections once its own requests are answered, and waits for every client's
+       ``CLOSE``: after it no request for this rank's shard can arrive. A connection that ends
+       before its ``CLOSE`` names its rank: it died, or the link between the nodes failed.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 
-import numpy as np
+from ..comm import CollectiveTimeoutError, alive
 
-from ..comm import CollectiveTimeoutError, alive, wait_until
+__all__ = ["REQUEST", "REPLY", "CLOSE", "OUT_BUFFERS", "Peer"]
 
-__all__ = ["HEADER", "DATA", "REPLY", "ACK", "HEADER_WORDS", "header", "wait_requests",
-           "Peer"]
-
-HEADER, DATA, REPLY, ACK = 11, 12, 13, 14
-HEADER_WORDS = 6
-
-
-def header(rule: int, want: bool, lo: int, n: int, scale: float, seq: int) -> np.ndarray:
-    h = np.empty(HEADER_WORDS, np.int64)
-    h[:] = (rule, int(want), lo, n, 0, seq)
-    h[4:5].view(np.float64)[0] = float(scale)
-    return h
+REQUEST = struct.Struct("<qqqdq")  # rule, want, elements, scale, sequence number
+REPLY = struct.Struct("<qq")  # sequence number, elements that follow
+CLOSE = -1  # the rule of the request that closes a connection (NOTE [shard wire protocol] 4)
+OUT_BUFFERS = 2  # answer chunks a server holds per connection (NOTE [shard wire protocol] 2)
 
 
 class Peer:
@@ -62,12 +60,10 @@ class Peer:
                 f"{what}: timed out after {timeout:g}s waiting for rank {self.rank}", [self.rank])
         return None
 
-
-def wait_requests(MPI, reqs: list, timeout: float, what: str, peer: Peer) -> None:
-    """Poll ``reqs`` (mpi4py requests) until all complete (NOTE [shard wire protocol] 3), as
-    every wait on a peer does (terrapipe.comm.wait_until): yield, then sleep between polls."""
-    if not reqs or MPI.Request.Testall(reqs):
-        return
-
-    wait_until(lambda: MPI.Request.Testall(reqs), timeout,
-               lambda timed_out: peer.lost(what, timed_out, timeout), check_every=64)
+    def disconnected(self, what: str, reason: str) -> Exception:
+        """The error for this rank's connection ending (``reason``: how)."""
+        if self.dead():
+            return CollectiveTimeoutError(f"{what}: rank {self.rank} (pid {self.pid}) died", [self.rank])
+        return CollectiveTimeoutError(
+            f"{what}: lost the connection to rank {self.rank} on {self.host} (pid {self.pid}): "
+            f"{reason}; it died or the link between the nodes failed", [self.rank])

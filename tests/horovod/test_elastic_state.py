@@ -113,7 +113,7 @@ def _dealt(n, shuffle, seed, epoch, processed, size):
     return out
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)  # examples: the profile's (tests/conftest.py; fewer in CI)
 @given(n=st.integers(1, 200), size=st.integers(1, 5), shuffle=st.booleans(), seed=st.integers(0, 99),
        epoch=st.integers(0, 5), data=st.data())
 def test_the_rest_of_an_epoch_is_dealt_once_over_any_world(n, size, shuffle, seed, epoch, data):

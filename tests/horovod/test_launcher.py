@@ -38,6 +38,7 @@ def test_unmodified_script_trains_over_mpi_and_gloo(tmp_path):
     assert not list(tmp_path.glob("timeline.json.rank*"))  # the parts were merged
 
 
+@pytest.mark.full  # make test-full (CI time): the --gloo run above starts ranks the same way
 def test_gloo_ranks_find_the_jobs_store_already_listening():
     # Regression: --gloo picked a free port, closed it, and left it for rank 0 to bind; another
     # process took it in between and rank 0 failed with EADDRINUSE (seen in a CI run). The

@@ -212,23 +212,98 @@ def test_a_lock_held_by_a_dead_process_is_named():
         shards.apply(0, 16, 24, 2, 0, np.int64(1), np.ones(8, np.int64), None, "push")
 
 
-def test_a_server_that_died_or_never_answers_is_named():
+def _endpoint(rank, peers, servers, clients, timeout):
+    """An endpoint of a 1000-element float64 tensor over two ranks (8 elements per chunk),
+    its shard in private memory, served by this process's wire thread."""
+    from terrapipe.ps.connections import Endpoint
+    from terrapipe.ps.layout import Layout
+    from terrapipe.ps.node_shards import NodeShards
+    from terrapipe.ps.wire_thread import wire_thread
+
+    layout = Layout(1000, 2, 8, 64)
+    shards = NodeShards(None, [rank], rank, layout, np.dtype(np.float64), timeout)
+    ep = Endpoint(rank, shards, layout, np.float64, peers, timeout, "ps tensor t", servers, clients)
+    wire_thread().register(ep)
+    return ep
+
+
+def _stand_in(sock):
+    """A process holding the far end of ``sock`` and never answering (the parent's copy closed)."""
     import subprocess
     import sys
 
-    from mpi4py import MPI
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                             pass_fds=(sock.fileno(),))
+    sock.close()
+    return child
 
-    from terrapipe.ps.wire import Peer, wait_requests
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    never = MPI.COMM_SELF.Irecv(np.zeros(1), source=0, tag=99)
-    with pytest.raises(CollectiveTimeoutError, match=rf"pull: rank 3 \(pid {dead.pid}\) died"):
-        wait_requests(MPI, [never], 60, "pull", Peer(3, os.uname().nodename, dead.pid))
-    with pytest.raises(CollectiveTimeoutError, match="pull: timed out after 0.3s waiting for rank 2"):
-        wait_requests(MPI, [never], 0.3, "pull", Peer(2, os.uname().nodename, os.getpid()))
-    never.Cancel()
-    never.Wait()
+def test_a_server_that_never_answers_or_dies_is_named():
+    import socket
+
+    from terrapipe.kernels import shard as kshard
+    from terrapipe.ps.connections import Request
+    from terrapipe.ps.wire import Peer
+    from terrapipe.ps.wire_thread import wire_thread
+
+    me = os.uname().nodename
+    for fate in ("silent", "killed"):
+        mine, theirs = socket.socketpair()
+        mine.setblocking(False)
+        child = _stand_in(theirs)
+        try:
+            timeout = 0.5 if fate == "silent" else 60
+            ep = _endpoint(0, [Peer(0, me, os.getpid()), Peer(1, me, child.pid)], {1: mine}, {}, timeout)
+            dst = np.empty(1000)
+            req = wire_thread().submit(Request(ep, 1, 3, 1.0, None, dst, 1, "pull (shard of rank 1)"))
+            if fate == "silent":
+                expected = "pull \\(shard of rank 1\\): timed out after 0.5s waiting for rank 1"
+            else:
+                time.sleep(0.2)
+                child.kill()
+                child.wait()
+                # Its connection ends as it exits, maybe before its pid is gone: either names it.
+                expected = (rf"rank 1 \(pid {child.pid}\) died"
+                            rf"|lost the connection to rank 1 on .* \(pid {child.pid}\)")
+            start = time.monotonic()
+            with pytest.raises(CollectiveTimeoutError, match=expected):
+                req.wait()
+            assert time.monotonic() - start < 10
+            # The tensor is unusable from then on: the next request fails at once, same error.
+            again = wire_thread().submit(Request(ep, 1, kshard.ADD, 1.0, np.ones(1000), None, 2, "push"))
+            with pytest.raises(CollectiveTimeoutError, match=expected):
+                again.wait()
+            wire_thread().drop(ep, CommError("closed"))
+        finally:
+            child.kill()
+            child.wait()
+    _no_ps_thread_within(10)
+
+
+def test_a_client_that_dies_mid_request_is_named_and_its_partial_chunk_never_lands():
+    import socket
+
+    from terrapipe.kernels import shard as kshard
+    from terrapipe.ps.wire import REQUEST, Peer
+    from terrapipe.ps.wire_thread import wire_thread
+
+    me = os.uname().nodename
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    ep = _endpoint(1, [Peer(0, me, os.getpid()), Peer(1, me, os.getpid())], {}, {0: mine}, 60)
+    # Rank 0 asks to add ones to the whole 500-element shard, sends 250 of them and is gone.
+    theirs.sendall(REQUEST.pack(kshard.ADD, 0, 500, 1.0, 1) + np.ones(250).tobytes())
+    theirs.close()
+    deadline = time.monotonic() + 10
+    while ep.error is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "rank 0" in ep.error and "lost the connection" in ep.error, ep.error
+    shard = ep.shards.shards[1]
+    assert (shard[:248] == 1).all() and (shard[248:] == 0).all()  # 31 whole chunks of 8, no more
+    with pytest.raises(CollectiveTimeoutError, match="lost the connection to rank 0"):
+        wire_thread().close(ep)
+    _no_ps_thread_within(10)
 
 
 @pytest.mark.mpi(ranks=(2,), timeout=120)
@@ -251,7 +326,25 @@ def test_close_leaves_no_thread_and_no_segment(mpi_comm):
     t.close()
     _no_ps_thread_within(10)
     assert set(glob.glob(f"/dev/shm/terrapipe_{os.getuid()}_*")) <= before
+    # No connection outlives its tensor (the wire thread's own wake-up pair lives on).
+    sockets = _sockets()
+    for _ in range(3):
+        with ps.ShardedTensor(np.zeros(10_000, np.float32), g) as t:
+            t.push_pull(np.ones(10_000, np.float32)).wait()
+    _no_ps_thread_within(10)
+    assert _sockets() == sockets
     g.close()
+
+
+def _sockets() -> int:
+    """Sockets this process holds, the MPI library's own aside (they come and go by themselves)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
 
 
 def _no_ps_thread_within(seconds: float) -> None:

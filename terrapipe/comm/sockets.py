@@ -1,0 +1,251 @@
+"""TCP connections between ranks, for layers that move their own bytes between nodes beside the
+collectives (the parameter server's wire): this host's addresses, and a verified set of
+connections among a group's ranks made in one collective call.
+
+NOTE [connecting ranks]
+    1. Every rank listens on a port of its own (any address) and the group exchanges, once,
+       each rank's host name, port, addresses (interface, port) and a random 64-bit nonce. A rank
+       connects to each peer it was asked to reach, trying the peer's addresses in order:
+       loopback first when both run on the same host, then the peer's interfaces
+       (``TERRAPIPE_SOCKET_IFNAME`` restricts a rank to one interface, as ``GLOO_SOCKET_IFNAME``
+       and ``NCCL_SOCKET_IFNAME`` do).
+    2. An address can reach the wrong process: hosts share addresses that are not routed
+       between them (a container bridge's ``172.17.0.1``), and a port free on the peer's host
+       may be another program's here. So the connecting rank sends a hello (a magic word, its
+       rank, the peer's nonce) and the listening rank answers one byte only when the nonce is
+       its own and the rank is one it expects; anything else is closed, and the connecting
+       rank goes on with the peer's next address. An attempt that gets no answer within
+       ``ATTEMPT_S`` moves on too.
+    3. Every rank connects and accepts at the same time in one non-blocking loop, so no rank
+       waits for a peer that is itself waiting to be accepted; the call returns once each of
+       this rank's connections is verified from its side, and fails naming the ranks not
+       reached (and the addresses tried) after the timeout.
+    4. The returned sockets are non-blocking, with ``TCP_NODELAY``:
+       their owner multiplexes them with ``selectors``. Closing them is the owner's.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import ipaddress
+import os
+import secrets
+import selectors
+import socket
+import struct
+import time
+
+from .. import settings
+from .errors import CommError
+
+__all__ = ["interface_addresses", "connect_ranks", "ATTEMPT_S"]
+
+ATTEMPT_S = 3.0  # seconds one address is given to answer (NOTE [connecting ranks] 2)
+_HELLO = struct.Struct("<4sqQ")  # magic, the connecting rank, the listening rank's nonce
+_MAGIC = b"TPw1"
+_OK = b"\x01"
+_SIOCGIFADDR = 0x8915
+_RETRY_S = 0.2  # seconds between rounds over a peer's addresses
+
+
+def interface_addresses(ifname: str | None = None) -> list[str]:
+    """This host's IPv4 addresses, one per interface that has one, loopback left out;
+    ``ifname`` (default: ``TERRAPIPE_SOCKET_IFNAME``, when set): only that interface's
+    (loopback too, when named), and a CommError naming it when it has none."""
+    ifname = ifname or settings.get("TERRAPIPE_SOCKET_IFNAME") or None
+    names = [ifname] if ifname else [name for _, name in socket.if_nameindex()]
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for name in names:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, req)[20:24])
+            except OSError:
+                continue  # down, or no IPv4 address
+            if ifname or not ipaddress.ip_address(addr).is_loopback:
+                found.append(addr)
+    if ifname and not found:
+        raise CommError(f"interface {ifname!r} (TERRAPIPE_SOCKET_IFNAME) has no IPv4 address here")
+    return found
+
+
+class _Attempt:
+    """Reaching one peer: its addresses in order, the socket of the current try."""
+
+    def __init__(self, rank: int, addresses: list[tuple[str, int]], nonce: int) -> None:
+        self.rank, self.addresses, self.nonce = rank, addresses, nonce
+        self.index = -1
+        self.sock: socket.socket | None = None
+        self.deadline = 0.0
+        self.sent = False
+        self.tried: list[str] = []
+
+    def next(self, sel: selectors.BaseSelector) -> None:
+        """Start the try at the next address; after the last one, wait ``_RETRY_S`` and start
+        over (a peer's host may not route to it yet)."""
+        self.drop(sel)
+        self.index += 1
+        if self.index >= len(self.addresses):
+            self.index = -1
+            self.deadline = time.monotonic() + _RETRY_S
+            return
+        addr = self.addresses[self.index]
+        self.tried.append(f"{addr[0]}:{addr[1]}")
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setblocking(False)
+        self.deadline = time.monotonic() + ATTEMPT_S
+        self.sent = False
+        code = self.sock.connect_ex(addr)
+        if code not in (0, errno.EINPROGRESS):
+            self.next(sel)
+            return
+        sel.register(self.sock, selectors.EVENT_WRITE, ("out", self))
+
+    def drop(self, sel: selectors.BaseSelector) -> None:
+        if self.sock is not None:
+            sel.unregister(self.sock)
+            self.sock.close()
+            self.sock = None
+
+
+def connect_ranks(comm, rank: int, reach: list[int], expect: list[int], timeout: float,
+                  what: str) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
+    """NOTE [connecting ranks]. Collective over ``comm`` (an mpi4py communicator; ``rank`` is
+    this process's rank in it): connect to every rank in ``reach`` and accept a connection from
+    every rank in ``expect`` (whoever reaches this rank must be expected by it). Returns
+    ``(reached, accepted)``: one non-blocking TCP socket per rank, the caller's to close.
+    Raises CommError naming ``what`` and the ranks not reached within ``timeout`` seconds."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(max(16, len(expect) + 4))
+    listener.setblocking(False)
+    nonce = secrets.randbits(63)
+    host = os.uname().nodename
+    port = listener.getsockname()[1]
+    try:
+        mine = [(addr, port) for addr in interface_addresses()]
+        everyone = comm.allgather((host, port, mine, nonce))
+        reached, accepted = _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what)
+    finally:
+        listener.close()
+    for sock in (*reached.values(), *accepted.values()):
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return reached, accepted
+
+
+def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what):
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, ("listen", None))
+    attempts = {}
+    for r in reach:
+        peer_host, peer_port, addrs, peer_nonce = everyone[r]
+        order = [("127.0.0.1", peer_port)] if peer_host == host else []
+        order += [tuple(a) for a in addrs]
+        if not order:
+            raise CommError(f"{what}: rank {r} on {peer_host} has no IPv4 address but loopback, "
+                            "and runs on another host")
+        attempts[r] = _Attempt(r, order, peer_nonce)
+        attempts[r].next(sel)
+    reached: dict[int, socket.socket] = {}
+    accepted: dict[int, socket.socket] = {}
+    hellos: dict[socket.socket, bytearray] = {}
+    waiting = set(expect)
+    deadline = time.monotonic() + timeout
+    try:
+        while attempts or waiting:
+            now = time.monotonic()
+            if now > deadline:
+                missing = [f"rank {r} (tried {', '.join(dict.fromkeys(a.tried))})"
+                           for r, a in attempts.items()]
+                missing += [f"rank {r} never connected" for r in sorted(waiting)]
+                raise CommError(f"{what}: no TCP connection within {timeout:g}s: " + "; ".join(missing))
+            for key, _ in sel.select(0.05):
+                kind, att = key.data
+                if kind == "listen":
+                    try:
+                        conn, _ = listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(False)
+                    hellos[conn] = bytearray()
+                    sel.register(conn, selectors.EVENT_READ, ("hello", None))
+                elif kind == "hello":
+                    conn = key.fileobj
+                    peer = _read_hello(conn, hellos, sel, nonce, waiting)
+                    if peer is not None:
+                        waiting.discard(peer)
+                        accepted[peer] = conn
+                elif kind == "out" and not att.sent:
+                    if att.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        att.next(sel)
+                        continue
+                    att.sock.setblocking(True)
+                    att.sock.settimeout(ATTEMPT_S)
+                    try:
+                        att.sock.sendall(_HELLO.pack(_MAGIC, rank, att.nonce))
+                    except OSError:
+                        att.next(sel)
+                        continue
+                    att.sock.setblocking(False)
+                    att.sent = True
+                    sel.modify(att.sock, selectors.EVENT_READ, ("out", att))
+                elif kind == "out":
+                    try:
+                        answer = att.sock.recv(1)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        answer = b""
+                    if answer == _OK:
+                        sel.unregister(att.sock)
+                        reached[att.rank], att.sock = att.sock, None
+                        del attempts[att.rank]
+                    else:  # the wrong process, or gone: the next address
+                        att.next(sel)
+            now = time.monotonic()
+            for att in list(attempts.values()):
+                if now > att.deadline:
+                    att.next(sel)
+    except BaseException:
+        for sock in (*reached.values(), *accepted.values(), *hellos):
+            sock.close()
+        for att in attempts.values():
+            att.drop(sel)
+        raise
+    finally:
+        for conn in hellos:
+            if conn not in accepted.values():
+                conn.close()
+        sel.close()
+    return reached, accepted
+
+
+def _read_hello(conn, hellos, sel, nonce, waiting) -> int | None:
+    """The rank of a verified hello on ``conn`` (answered and unregistered), else None (more to
+    read, or closed: not for this rank)."""
+    buf = hellos[conn]
+    try:
+        data = conn.recv(_HELLO.size - len(buf))
+    except BlockingIOError:
+        return None
+    except OSError:
+        data = b""
+    buf += data
+    if data and len(buf) < _HELLO.size:
+        return None
+    sel.unregister(conn)
+    del hellos[conn]
+    if data:
+        magic, peer, their_nonce = _HELLO.unpack(bytes(buf))
+        if magic == _MAGIC and their_nonce == nonce and peer in waiting:
+            try:
+                conn.setblocking(True)
+                conn.settimeout(ATTEMPT_S)
+                conn.sendall(_OK)
+                return peer
+            except OSError:
+                pass
+    conn.close()
+    return None
