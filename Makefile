@@ -4,6 +4,9 @@ PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip -q --disable-pip-version-check
+# --no-compile: Python compiles what is imported on first import; byte-compiling every file of
+# torch and the rest at install cost about 25 s of a newcomer's first `make` here.
+INSTALL     := $(PIP) install --no-compile
 STAMP       := $(VENV)/.terrapipe-installed
 # The CPU build on this machine's disk; any torch >= 2.1 already in the venv is kept.
 TORCH_SPEC  ?= torch==2.13.0
@@ -15,13 +18,13 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py terrapipe/pipeline/_jpeg.c Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)"
 	@# Also compiles the libjpeg-turbo region decoder (setup.py) against the system libjpeg.
-	$(PIP) install -e ".[mpi,bench,dev]"
+	$(INSTALL) -e ".[mpi,bench,dev]"
 	@# pillow-simd installs under Pillow's import name: swap it in (built from source, ~20 s,
 	@# then cached by pip); if it cannot build here, plain Pillow stays and everything still works.
 	@$(PIP) uninstall -y pillow pillow-simd
-	@$(PIP) install --no-deps "$(PILLOW_SIMD)" || $(PIP) install pillow
+	@$(INSTALL) --no-deps "$(PILLOW_SIMD)" || $(INSTALL) pillow
 	@$(PY) -c "import PIL; print('image library:', PIL.__version__)"
 	@$(PY) -c "from terrapipe.pipeline import roi_jpeg; print('libjpeg-turbo region decoder:', roi_jpeg.available())"
 	@touch $(STAMP)
@@ -70,7 +73,7 @@ bench: setup
 # link, an API page whose object is gone).
 DOCS_STAMP  := $(VENV)/.terrapipe-docs-installed
 $(DOCS_STAMP): $(STAMP)
-	$(PIP) install -e ".[docs]"
+	$(INSTALL) -e ".[docs]"
 	@touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
@@ -89,7 +92,7 @@ clean:
 # SUITE_FILTER narrows it (pytest -k), e.g. SUITE_FILTER=all_reduce.
 SUITE_FILTER ?=
 torch-suite: setup
-	@$(PIP) install expecttest
+	@$(INSTALL) expecttest
 	@for b in gloo terrapipe; do \
 	  echo "== BACKEND=$$b"; tmp=$$(mktemp -d); \
 	  BACKEND=$$b WORLD_SIZE=2 TEMP_DIR=$$tmp $(PY) -m pytest -q -p no:randomly tests/distributed/torch_suite.py \

@@ -229,7 +229,9 @@ def test_a_mismatch_across_algorithms_leaves_every_later_call_exact(mpi_comm):
     _mismatch_then_exact(g, (oneshot.limit(g.shm) // 4 + 1000, 100))
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=180, ci_ranks=(4,), one_node=True)
+# make test-full (CI time): CI crosses nodes at 2x2 for real (tests/testing) and emulated at 2
+# ranks (test_emulated_nodes_of_one_rank_each), and keeps the 4-rank mismatch test below.
+@pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True)
 def test_emulated_two_nodes_of_two(mpi_comm):
     os.environ["TERRAPIPE_NODE_SIZE"] = "2"
     g = comm.init(timeout=60)

@@ -464,7 +464,9 @@ open(os.path.join(os.environ["OK_DIR"], f"rank{r}"), "w").close()
 """
 
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.full)])  # 4: make test-full (CI time)
+# make test-full (CI time): CI runs torchrun over the store in the DDP example's test below.
+@pytest.mark.full
+@pytest.mark.parametrize("ranks", [2, 4])
 def test_under_torchrun_over_the_store(tmp_path, ranks):
     import os
     import subprocess

@@ -85,6 +85,7 @@ def test_same_batches_bit_for_bit_as_the_threads(source, channels_last):
     assert not alive(pid) and _leftovers() == ([], [], [])
 
 
+@pytest.mark.full  # make test-full (CI time): CI keeps the bit-for-bit, death, Ctrl-C and crash tests
 def test_resume_mid_epoch_and_break_then_a_new_epoch():
     ds = Jpegs(90)
     kw = dict(batch_size=8, shuffle=True, seed=9, num_threads=2)
@@ -108,6 +109,7 @@ def test_resume_mid_epoch_and_break_then_a_new_epoch():
     assert _leftovers() == ([], [], [])
 
 
+@pytest.mark.full  # make test-full (CI time): CI keeps the bit-for-bit, death, Ctrl-C and crash tests
 def test_a_bad_sample_is_named_or_skipped_as_with_threads():
     ds = Jpegs(40, bad=13)
     with FastLoader(ds, TRAIN, batch_size=8, workers="process", num_threads=2) as loader:
@@ -171,6 +173,7 @@ def test_refusals_name_the_argument_and_leave_nothing(monkeypatch):
     assert _ours() == []
 
 
+@pytest.mark.full  # make test-full (CI time): CI keeps the bit-for-bit, death, Ctrl-C and crash tests
 def test_a_stale_slot_file_of_a_dead_process_is_removed():
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True)
