@@ -4,9 +4,9 @@ PYTHON      ?= python3
 VENV        := .venv
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip -q --disable-pip-version-check
-# --no-compile: Python compiles what is imported on first import; byte-compiling every file of
-# torch and the rest at install cost about 25 s of a newcomer's first `make` here.
-INSTALL     := $(PIP) install --no-compile
+# Installs byte-compile (pip's default): where PYTHONDONTWRITEBYTECODE is set, as on CI's
+# machines, a module without a .pyc is compiled again by every process that imports it.
+INSTALL     := $(PIP) install
 STAMP       := $(VENV)/.terrapipe-installed
 # The CPU build on this machine's disk; any torch >= 2.1 already in the venv is kept.
 TORCH_SPEC  ?= torch==2.13.0

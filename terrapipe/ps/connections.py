@@ -124,8 +124,8 @@ class ToServer(Conn):
                 seq, count = REPLY.unpack(self._hdr)
                 expected = self.ep.layout.shard_len(self.r) if req.dst is not None else 0
                 if seq != req.seq or count != expected:
-                    raise ConnectionLost(f"protocol error: answer {seq} with {count} elements, expected "
-                                f"{req.seq} with {expected}")
+                    raise ConnectionLost(f"protocol error: answer {seq} with {count} elements, "
+                                         f"expected {req.seq} with {expected}")
                 if count:
                     base = self.ep.layout.shard(self.r)[0]
                     self._body = _bytes(req.dst[base:base + count])
@@ -218,7 +218,7 @@ class FromClient(Conn):
             raise ConnectionLost(f"protocol error: request {seq} with rule {rule}")
         if n != self.ep.layout.shard_len(self.ep.rank):
             raise ConnectionLost(f"protocol error: request {seq} for {n} elements, the shard has "
-                        f"{self.ep.layout.shard_len(self.ep.rank)}")
+                                 f"{self.ep.layout.shard_len(self.ep.rank)}")
         self._rule, self._want, self._n, self._seq, self._k = rule, bool(want), n, seq, 0
         self._scale = self.ep.dtype.type(scale)
         self._deadline = time.monotonic() + self.ep.timeout
