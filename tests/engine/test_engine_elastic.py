@@ -14,6 +14,9 @@ from tests.elastic_jobs import epochs_covered_once, run_job
 WORKER = Path(__file__).resolve().parent / "elastic_engine_worker.py"
 
 
+# make test-full (CI time: four ranks on two cores): CI keeps Horovod's elastic job with a worker
+# killed (tests/horovod/test_elastic_job.py) and the loader's resume at another world size.
+@pytest.mark.full
 def test_a_rank_killed_at_four_training_goes_on_at_three_without_a_sample_lost():
     code, records, err = run_job(["-np", "4", "--min-np", "2", "-H", "localhost:4"], WORKER,
                                  ["--kill-rank", "3", "--kill-step", "7"], timeout=300)

@@ -164,8 +164,8 @@ def test_terrapipe_run_timeline_then_summary(tmp_path):
         assert abs(rank["data"] + rank["compute"] + rank["comm"] - 1) < 1e-6
 
 
-# torchrun in make test-full (CI time): its ranks end the trace as terrapipe run's do.
-@pytest.mark.parametrize("launcher", ["terrapipe run", "mpiexec",
+# mpiexec and torchrun in make test-full (CI time): their ranks end the trace as terrapipe run's do.
+@pytest.mark.parametrize("launcher", ["terrapipe run", pytest.param("mpiexec", marks=pytest.mark.full),
                                       pytest.param("torchrun", marks=pytest.mark.full)])
 def test_the_variable_alone_ends_with_one_trace_of_every_rank(tmp_path, launcher):
     """NOTE [one trace per job] in terrapipe/timeline.py: ``TERRAPIPE_TIMELINE=job.json`` (a
