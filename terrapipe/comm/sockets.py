@@ -209,15 +209,14 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
                 if now > att.deadline:
                     att.next(sel)
     except BaseException:
-        for sock in (*reached.values(), *accepted.values(), *hellos):
+        for sock in (*reached.values(), *accepted.values()):
             sock.close()
         for att in attempts.values():
             att.drop(sel)
         raise
     finally:
-        for conn in hellos:
-            if conn not in accepted.values():
-                conn.close()
+        for conn in hellos:  # connections never verified (accepted ones left this dict)
+            conn.close()
         sel.close()
     return reached, accepted
 

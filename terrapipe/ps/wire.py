@@ -62,8 +62,9 @@ class Peer:
 
     def disconnected(self, what: str, reason: str) -> Exception:
         """The error for this rank's connection ending (``reason``: how)."""
-        if self.dead():
-            return CollectiveTimeoutError(f"{what}: rank {self.rank} (pid {self.pid}) died", [self.rank])
+        died = self.lost(what, False, 0.0)
+        if died is not None:
+            return died
         return CollectiveTimeoutError(
             f"{what}: lost the connection to rank {self.rank} on {self.host} (pid {self.pid}): "
             f"{reason}; it died or the link between the nodes failed", [self.rank])

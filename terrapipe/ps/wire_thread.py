@@ -159,7 +159,7 @@ class WireThread:
                 for closing in self._closing:
                     closing.failure.append(error)
                     closing.done.set()
-                for ep in self._endpoints:
+                for ep in list(self._endpoints):  # _retire removes each from the list
                     ep.error = ep.error or str(error)
                     self._retire(ep)
                 self._active, self._closing, self._endpoints = [], [], []
