@@ -123,6 +123,27 @@ def machine() -> dict[str, object]:
     }
 
 
+def gpu() -> dict[str, object] | None:
+    """The CUDA device this process uses, its driver and the torch build, or None without one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    driver = None
+    try:  # nvidia-ml-py, where installed: the driver's own version string
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+    except Exception:
+        pass
+    return {"name": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
+            "cuda": torch.version.cuda}
+
+
 def command() -> str:
     """The command line that reproduces this run (``python -m benchmarks.<name> ...``)."""
     main = sys.modules.get("__main__")
@@ -145,6 +166,10 @@ def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> 
     name = stem
     out = [RESULTS / f"{name}.json"]
     payload = {"benchmark": name, "date": today, "command": command(), "machine": machine(), **payload}
+    if "gpu" not in payload or isinstance(payload["gpu"], str):
+        info = gpu()
+        if info is not None:
+            payload["gpu_device"] = info
     out[0].write_text(json.dumps(payload, indent=2))
     if plot is not None:
         try:

@@ -1,6 +1,6 @@
 """Feeding a GPU: FastLoader(device="cuda") vs data already on the GPU vs torch DataLoader.
 
-    python -m benchmarks.gpu_feed [--data DIR] [--model 50] [--batch 128] [--steps 30]
+    python -m benchmarks.gpu_feed [--data DIR | --photos DIR] [--model 50] [--batch 128] [--steps 30]
                                   [--threads N] [--rounds 3] [--amp] [--channels-last]
 
 Every case runs the same ResNet training step (SGD, momentum 0.9; bf16 autocast with --amp) on
@@ -12,6 +12,11 @@ benchmarks.loader when empty); the cases alternate in every round:
   on the GPU; its pool of threads runs in the training process;
 * fastloader-process: the same with ``workers="process"``: the pool in a worker process writing
   shared slots that the trainer pins, out of the training process's GIL;
+* fastloader-gpu: ``decode="gpu"``: nvJPEG decodes every image and the crop/resize/flip run on
+  the GPU; the threads take only what nvJPEG declines;
+* fastloader-auto: ``decode="auto"`` with ``workers="process"``: the worker process decodes,
+  and the GPU takes the share of each batch by which it falls behind (the share it took is
+  reported);
 * dataloader: ``torch.utils.data.DataLoader(num_workers=N, pin_memory=True)`` with the
   torchvision-equivalent transforms, then ``.cuda(non_blocking=True)``, as its docs advise.
 
@@ -41,10 +46,12 @@ from terrapipe.pipeline import ImageFolder, Normalize, RandomHorizontalFlip, Ran
 
 from .common import endless_epochs, format_table, save
 from .data import make_image_folder
-from .loader import DEFAULT_DATA, MEAN, STD, _TorchDataset, _torchvision_transform
+from .loader import DEFAULT_DATA, MEAN, STD, _photo_folder, _TorchDataset, _torchvision_transform
 from .models import resnet
 
-CASES = ("resident", "fastloader", "fastloader-process", "dataloader")
+CASES = ("resident", "fastloader", "fastloader-process", "fastloader-gpu", "fastloader-auto", "dataloader")
+COLORS = dict(zip(CASES, ["grey", "tab:blue", "tab:green", "tab:purple", "tab:red", "tab:orange"],
+                  strict=True))
 
 
 def _timed_steps(batches, prepare, step, n_steps: int, warmup: int) -> tuple[float, float]:
@@ -78,7 +85,10 @@ def _timed_steps(batches, prepare, step, n_steps: int, warmup: int) -> tuple[flo
 
 def run(args) -> dict:
     device = torch.device("cuda")
-    make_image_folder(args.data, args.images)
+    if args.photos is not None:
+        args.data = _photo_folder(args.photos)
+    else:
+        make_image_folder(args.data, args.images)
     ds = ImageFolder(args.data)
     if len(ds) < args.batch:
         raise SystemExit(f"--data has {len(ds)} images, fewer than one batch of {args.batch}")
@@ -105,6 +115,9 @@ def run(args) -> dict:
               channels_last=args.channels_last)
     fast = FastLoader(ds, transforms, **kw)
     isolated = FastLoader(ds, transforms, workers="process", **kw) if "fastloader-process" in cases else None
+    on_gpu = FastLoader(ds, transforms, decode="gpu", **kw) if "fastloader-gpu" in cases else None
+    auto = (FastLoader(ds, transforms, decode="auto", workers="process", **kw) if "fastloader-auto" in cases
+            else None)
     transform, baseline_kind = _torchvision_transform()
     dl = torch.utils.data.DataLoader(_TorchDataset(ds.samples, transform), batch_size=args.batch,
                                      shuffle=True, num_workers=args.threads, pin_memory=True,
@@ -115,7 +128,8 @@ def run(args) -> dict:
     def make(case, r):
         if case == "resident":
             return itertools.repeat(resident)
-        loader = {"fastloader": fast, "fastloader-process": isolated, "dataloader": dl}[case]
+        loader = {"fastloader": fast, "fastloader-process": isolated, "fastloader-gpu": on_gpu,
+                  "fastloader-auto": auto, "dataloader": dl}[case]
         return endless_epochs(loader, 1000 * r)
 
     samples: dict[str, list[tuple[float, float]]] = {c: [] for c in cases}
@@ -125,9 +139,10 @@ def run(args) -> dict:
             samples[case].append((rate, wait))
             print(f"round {r + 1}/{args.rounds} {case:10s} {rate:7.0f} img/s  GPU waiting {100 * wait:5.1f}%",
                   flush=True)
-    fast.close()
-    if isolated is not None:
-        isolated.close()
+    share = auto.gpu_share if auto is not None else None
+    for loader in (fast, isolated, on_gpu, auto):
+        if loader is not None:
+            loader.close()
 
     med = {c: statistics.median(s[0] for s in samples[c]) for c in cases}
     wait = {c: statistics.median(s[1] for s in samples[c]) for c in cases}
@@ -137,10 +152,12 @@ def run(args) -> dict:
     print(f"{torch.cuda.get_device_name(device)}; ResNet-{args.model} ({model_src}), batch {args.batch}, "
           f"{args.steps} timed steps x {args.rounds} rounds, {args.threads} threads/workers, "
           f"amp={args.amp}, channels_last={args.channels_last}; baseline transforms: {baseline_kind}")
+    if share is not None:
+        print(f"decode='auto': the GPU decoded {100 * share:.1f}% of the rows")
     print(format_table(["case", "img/s median", "GPU waiting", "of resident", "fast/this"], rows))
     return {"gpu": torch.cuda.get_device_name(device), "model": f"resnet{args.model}", "batch": args.batch,
             "threads": args.threads, "amp": args.amp, "channels_last": args.channels_last,
-            "baseline": baseline_kind,
+            "baseline": baseline_kind, "auto_gpu_share": share,
             "records": [{"case": c, "img_per_s": [s[0] for s in samples[c]],
                          "gpu_wait_fraction": [s[1] for s in samples[c]], "median": med[c]} for c in cases]}
 
@@ -148,6 +165,7 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--photos", type=Path, default=None, help="real photographs (see benchmarks.loader)")
     p.add_argument("--images", type=int, default=3000, help="images to generate if --data is empty")
     p.add_argument("--model", type=int, default=50, choices=(18, 50), help="ResNet depth")
     p.add_argument("--batch", type=int, default=128)
@@ -179,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         cases = [r["case"] for r in result["records"]]
         ax.bar(cases, [r["median"] for r in result["records"]],
-               color=["grey", "tab:blue", "tab:green", "tab:orange"][:len(cases)])
+               color=[COLORS[c] for c in cases])
         ax.set_ylabel("images / s")
         ax.set_title(f"{result['model']} on {result['gpu']}")
         return fig

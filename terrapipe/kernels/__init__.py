@@ -18,9 +18,23 @@ Modules:
   oneshot a small allreduce through shared rows (publish, wait, check, reduce) in one call
   shard   the parameter server's update rules applied to a shard under its lock
   geometry the crop boxes of random-resized-crop and center crop (pure arithmetic)
+  taps    the resize's filter taps for a batch of crops, for resampling by matrix products
 """
 
-from . import floats, geometry, image, llvm_ir, object_cache, oneshot, reduce, resample_ir, rng, shard, sync
+from . import (
+    floats,
+    geometry,
+    image,
+    llvm_ir,
+    object_cache,
+    oneshot,
+    reduce,
+    resample_ir,
+    rng,
+    shard,
+    sync,
+    taps,
+)
 from .floats import BF16, F16, compress, decompress
 from .image import (
     alloc_resize_scratch,
@@ -48,6 +62,7 @@ __all__ = [
     "rng",
     "shard",
     "sync",
+    "taps",
     "BF16",
     "F16",
     "compress",

@@ -210,6 +210,10 @@ class DeviceFeed(Feed):
         self.host_free = [torch.cuda.Event() for _ in range(host_ring)]
         self.mark = torch.cuda.Event()
         self.ledger = SlotLedger()
+        # Set by a loader that decodes on the GPU: (slot, count) -> (k, device rows for batch
+        # rows [k, count), their event) or None (NOTE [GPU decode share] in gpu_decode.py).
+        self.device_part: Callable[[int, int], tuple[int, torch.Tensor, torch.cuda.Event] | None] | None
+        self.device_part = None
 
         self.images = [t.numpy() for t in self.host_images]
         self.labels = [t.numpy() for t in self.host_labels]
@@ -250,18 +254,21 @@ class DeviceFeed(Feed):
             if was_handed_out:
                 self.stream.wait_event(self.mark)
             out = self.dev_images[d][:count]
-            src = self.host_images[slot][:count]
+            part = self.device_part(slot, count) if self.device_part is not None else None
+            k = count if part is None else part[0]  # rows [0, k) come from the host slot
+            staged = out if self.staging is None else self.staging[:count]
             # On the timeline: the host's time to queue the copy and the normalize kernels (the
             # device runs them later on the side stream).
             with timeline.span("loader", "host-to-device copy queued", args={"batch": batch}):
                 self.dev_labels[d][:count].copy_(self.host_labels[slot][:count], non_blocking=True)
-                if self.staging is None:
-                    out.copy_(src, non_blocking=True)
-                    self.host_free[slot].record(self.stream)
-                else:
-                    staged = self.staging[:count]
-                    staged.copy_(src, non_blocking=True)
-                    self.host_free[slot].record(self.stream)
+                if k:
+                    staged[:k].copy_(self.host_images[slot][:k], non_blocking=True)
+                if part is not None:
+                    _, rows, ready = part
+                    self.stream.wait_event(ready)
+                    staged[k:].copy_(rows)
+                # After both copies: it fences the host slot and the GPU decoder's rows.
+                self.host_free[slot].record(self.stream)
             if self.staging is not None:
                 with timeline.span("loader", "device normalize queued", args={"batch": batch}):
                     if self.norm:

@@ -54,6 +54,7 @@ import torch
 from .. import launch_env, timeline
 from .device import DeviceFeed, resolve_device
 from .feed import Feed, HostFeed
+from .gpu_decode import DECODE, DecodeShare, GpuDecoder, SplitWorkers, nvjpeg_decoder
 from .order import epoch_indices
 from .samples import SampleError, SampleWriter
 from .shared_slots import SharedSlots
@@ -100,6 +101,14 @@ class FastLoader:
     ``yield_cpu``: the workers run at a lower scheduling priority than the consumer, so the
     thread that launches the training step is never queued behind them for a core (NOTE [loader
     threads yield the CPU] in pipeline/workers.py); default: when feeding a GPU.
+
+    ``decode="gpu"`` (with ``device="cuda"``) decodes every JPEG on the GPU (nvJPEG, through
+    torchvision) and crops, resamples and flips it there with the CPU path's filter; the
+    workers then only take what nvJPEG declines. ``decode="auto"`` gives the GPU the share of
+    each batch by which the workers fall behind, so CPU and GPU decode add up. Rows decoded on
+    the GPU differ from the CPU path's by a few levels (decoder and rounding); ``"auto"``
+    batches are not reproducible bit for bit (NOTE [GPU decode share] in
+    pipeline/gpu_decode.py). ``gpu_share`` says what fraction of rows the GPU decoded.
     """
 
     def __init__(
@@ -121,6 +130,7 @@ class FastLoader:
         copy: bool = False,
         workers: str = "thread",
         yield_cpu: bool | None = None,
+        decode: str = "cpu",
     ) -> None:
         if not all(hasattr(dataset, a) for a in ("read", "describe")) and isinstance(
                 dataset, torch.utils.data.Dataset):
@@ -139,9 +149,14 @@ class FastLoader:
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if workers not in WORKERS:
             raise ValueError(f"workers must be one of {WORKERS}, got {workers!r}")
+        if decode not in DECODE:
+            raise ValueError(f"decode must be one of {DECODE}, got {decode!r}")
         if yield_cpu not in (None, True, False):
             raise ValueError(f"yield_cpu must be None, True or False, got {yield_cpu!r}")
         self.device = resolve_device(device)
+        if decode != "cpu" and self.device.type != "cuda":
+            raise ValueError(f"decode={decode!r} decodes on a CUDA device: pass device='cuda', "
+                             f"got device={str(device)!r}")
         if num_threads is None:
             num_threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         if num_threads <= 0:
@@ -177,6 +192,11 @@ class FastLoader:
             if not isinstance(first, np.ndarray):
                 raise ValueError("transforms: encoded images need a crop/resize so batches have one size")
             plan = plan.with_size(first.shape[:2])
+        if decode != "cpu" and isinstance(first, np.ndarray):
+            raise ValueError(f"decode={decode!r}: this dataset yields decoded arrays (sample 0 is "
+                             f"{first.dtype} {first.shape}); there is nothing to decode")
+        self.decode = decode
+        self._share: DecodeShare | None = None
         self.plan: Plan = plan
         oh, ow = plan.out_hw
         ring = self.prefetch + 2
@@ -206,11 +226,32 @@ class FastLoader:
                 self._workers = ProcessWorkers(dataset, list(transforms), channels, plan.out_hw, slots,
                                                self._feed.images, self._feed.labels, self._feed.lut, on_error,
                                                self.num_threads, nice=nice, skipped=self.skipped)
+            if decode != "cpu":
+                self._workers = self._split(self._workers, decode, shape, ring)
         except BaseException:
             self._feed.close()
             raise
         self._finalizer = weakref.finalize(self, _close, self._workers, self._feed)
         self._closed = False
+
+    def _split(self, workers: Workers, decode: str, shape: tuple[int, ...], ring: int) -> Workers:
+        """``workers`` sharing each batch with a GPU decode thread (NOTE [GPU decode share])."""
+        try:
+            fallback = SampleWriter(self.dataset, self.plan, self._feed.lut, self.on_error, self.skipped)
+            gpu = GpuDecoder(self.dataset, self.plan, self.device, shape, ring, self._feed.labels, fallback,
+                             nvjpeg_decoder(self.device))
+        except BaseException:
+            workers.close()
+            raise
+        self._share = DecodeShare(decode, self.batch_size)
+        split = SplitWorkers(workers, gpu, self._share)
+        self._feed.device_part = split.device_part
+        return split
+
+    @property
+    def gpu_share(self) -> float:
+        """The fraction of rows decoded on the GPU so far (0.0 with ``decode="cpu"``)."""
+        return 0.0 if self._share is None else self._share.fraction
 
     # -- order ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
