@@ -15,7 +15,10 @@ NOTE [connecting ranks]
        rank, the peer's nonce) and the listening rank answers one byte only when the nonce is
        its own and the rank is one it expects; anything else is closed, and the connecting
        rank goes on with the peer's next address. An attempt that gets no answer within
-       ``ATTEMPT_S`` moves on too.
+       ``ATTEMPT_S`` moves on too, but keeps waiting for that answer beside the next tries:
+       the peer may only be slow. The first answer wins: the connecting rank sends one more
+       byte on that connection ("chosen") and closes its others, and the listening rank counts
+       a connection only once it reads that byte, so both sides keep the same one.
     3. Every rank connects and accepts at the same time in one non-blocking loop, so no rank
        waits for a peer that is itself waiting to be accepted; the call returns once each of
        this rank's connections is verified from its side, and fails naming the ranks not
@@ -45,6 +48,7 @@ ATTEMPT_S = 3.0  # seconds one address is given to answer (NOTE [connecting rank
 _HELLO = struct.Struct("<4sqQ")  # magic, the connecting rank, the listening rank's nonce
 _MAGIC = b"TPw1"
 _OK = b"\x01"
+_CHOSEN = b"\x02"
 _SIOCGIFADDR = 0x8915
 _RETRY_S = 0.2  # seconds between rounds over a peer's addresses
 
@@ -71,15 +75,31 @@ def interface_addresses(ifname: str | None = None) -> list[str]:
 
 
 class _Attempt:
-    """Reaching one peer: its addresses in order, the socket of the current try."""
+    """Reaching one peer: its addresses in order, the socket of the current try, and the
+    earlier tries that sent their hello and still wait for an answer (``asked``)."""
 
     def __init__(self, rank: int, addresses: list[tuple[str, int]], nonce: int) -> None:
         self.rank, self.addresses, self.nonce = rank, addresses, nonce
         self.index = -1
         self.sock: socket.socket | None = None
+        self.asked: list[socket.socket] = []
         self.deadline = 0.0
         self.sent = False
         self.tried: list[str] = []
+
+    def expire(self, sel: selectors.BaseSelector) -> None:
+        """The current try had its ``ATTEMPT_S``: keep waiting for its answer if it asked, and
+        start the next one."""
+        if self.sock is not None and self.sent:
+            self.asked.append(self.sock)
+            self.sock = None
+        self.next(sel)
+
+    def forget(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        """An earlier try answered wrong or closed: drop it."""
+        self.asked.remove(sock)
+        sel.unregister(sock)
+        sock.close()
 
     def next(self, sel: selectors.BaseSelector) -> None:
         """Start the try at the next address; after the last one, wait ``_RETRY_S`` and start
@@ -103,10 +123,16 @@ class _Attempt:
         sel.register(self.sock, selectors.EVENT_WRITE, ("out", self))
 
     def drop(self, sel: selectors.BaseSelector) -> None:
+        """Close the current try."""
         if self.sock is not None:
             sel.unregister(self.sock)
             self.sock.close()
             self.sock = None
+
+    def drop_all(self, sel: selectors.BaseSelector) -> None:
+        self.drop(sel)
+        for sock in list(self.asked):
+            self.forget(sel, sock)
 
 
 def connect_ranks(comm, rank: int, reach: list[int], expect: list[int], timeout: float,
@@ -151,6 +177,7 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
     reached: dict[int, socket.socket] = {}
     accepted: dict[int, socket.socket] = {}
     hellos: dict[socket.socket, bytearray] = {}
+    answered: dict[socket.socket, int] = {}  # verified hellos, waiting for "chosen"
     waiting = set(expect)
     deadline = time.monotonic() + timeout
     try:
@@ -163,6 +190,9 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
                 raise CommError(f"{what}: no TCP connection within {timeout:g}s: " + "; ".join(missing))
             for key, _ in sel.select(0.05):
                 kind, att = key.data
+                if kind == "out" and (attempts.get(att.rank) is not att
+                                      or (key.fileobj is not att.sock and key.fileobj not in att.asked)):
+                    continue  # closed earlier in this round (its attempt succeeded or moved on)
                 if kind == "listen":
                     try:
                         conn, _ = listener.accept()
@@ -175,9 +205,24 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
                     conn = key.fileobj
                     peer = _read_hello(conn, hellos, sel, nonce, waiting)
                     if peer is not None:
+                        answered[conn] = peer
+                        sel.register(conn, selectors.EVENT_READ, ("chosen", None))
+                elif kind == "chosen":
+                    conn = key.fileobj
+                    try:
+                        mark = conn.recv(1)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        mark = b""
+                    sel.unregister(conn)
+                    peer = answered.pop(conn)
+                    if mark == _CHOSEN and peer in waiting:
                         waiting.discard(peer)
                         accepted[peer] = conn
-                elif kind == "out" and not att.sent:
+                    else:  # a try the connecting rank did not choose
+                        conn.close()
+                elif kind == "out" and key.fileobj is att.sock and not att.sent:
                     if att.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                         att.next(sel)
                         continue
@@ -192,33 +237,54 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
                     att.sent = True
                     sel.modify(att.sock, selectors.EVENT_READ, ("out", att))
                 elif kind == "out":
+                    sock = key.fileobj
                     try:
-                        answer = att.sock.recv(1)
+                        answer = sock.recv(1)
                     except BlockingIOError:
                         continue
                     except OSError:
                         answer = b""
-                    if answer == _OK:
-                        sel.unregister(att.sock)
-                        reached[att.rank], att.sock = att.sock, None
+                    if answer == _OK and _send_chosen(sock):
+                        if sock is att.sock:
+                            att.sock = None
+                        else:
+                            att.asked.remove(sock)
+                        sel.unregister(sock)
+                        att.drop_all(sel)
+                        reached[att.rank] = sock
                         del attempts[att.rank]
-                    else:  # the wrong process, or gone: the next address
+                    elif sock is att.sock:  # the wrong process, or gone: the next address
                         att.next(sel)
+                    else:
+                        att.forget(sel, sock)
             now = time.monotonic()
             for att in list(attempts.values()):
                 if now > att.deadline:
-                    att.next(sel)
+                    att.expire(sel)
     except BaseException:
         for sock in (*reached.values(), *accepted.values()):
             sock.close()
         for att in attempts.values():
-            att.drop(sel)
+            att.drop_all(sel)
         raise
     finally:
-        for conn in hellos:  # connections never verified (accepted ones left this dict)
+        for conn in (*hellos, *answered):  # connections never verified or never chosen
             conn.close()
         sel.close()
     return reached, accepted
+
+
+def _send_chosen(sock: socket.socket) -> bool:
+    """Tell the listening rank this is the connection kept (NOTE [connecting ranks] 2)."""
+    try:
+        sock.setblocking(True)
+        sock.settimeout(ATTEMPT_S)
+        sock.sendall(_CHOSEN)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.setblocking(False)
 
 
 def _read_hello(conn, hellos, sel, nonce, waiting) -> int | None:
@@ -243,6 +309,7 @@ def _read_hello(conn, hellos, sel, nonce, waiting) -> int | None:
                 conn.setblocking(True)
                 conn.settimeout(ATTEMPT_S)
                 conn.sendall(_OK)
+                conn.setblocking(False)
                 return peer
             except OSError:
                 pass

@@ -163,3 +163,33 @@ def test_interface_addresses_leave_out_loopback_and_name_a_missing_interface(mon
     with pytest.raises(CommError, match="no-such-if0"):
         monkeypatch.setenv("TERRAPIPE_SOCKET_IFNAME", "no-such-if0")
         interface_addresses()
+
+
+def test_an_answer_later_than_the_attempt_window_still_gives_one_connection(monkeypatch):
+    """Regression: rank 1 answers rank 0's hello after rank 0 had moved on to its next address.
+    Rank 1 took the first connection as verified while rank 0 had closed it, then refused rank
+    0's next hello (rank 0 was no longer expected): rank 1 returned a dead socket and rank 0
+    failed after the timeout. Now a connection counts on both sides only once the connecting
+    rank has chosen it (NOTE [connecting ranks] 2)."""
+    monkeypatch.setattr(tsockets, "ATTEMPT_S", 0.2)
+    slow_once = threading.Event()
+    original = tsockets._read_hello
+
+    def late(conn, *args):
+        if not slow_once.is_set():
+            slow_once.set()
+            threading.Event().wait(0.6)  # rank 1 busy: the answer comes after rank 0's window
+        return original(conn, *args)
+
+    monkeypatch.setattr(tsockets, "_read_hello", late)
+    comm = ThreadComm(2)
+    results, errors = _run_ranks(2, lambda r: connect_ranks(
+        RankView(comm, r), r, [1] if r == 0 else [], [0] if r == 1 else [], 8, "t"))
+    assert errors == [None, None]
+    assert slow_once.is_set()
+    try:
+        results[0][0][1].sendall(b"y")
+        results[1][1][0].settimeout(10)
+        assert results[1][1][0].recv(1) == b"y"
+    finally:
+        _close_all(results)
