@@ -323,7 +323,7 @@ def test_auto_gives_the_gpu_the_rows_the_cpu_cannot_keep_up_with(slow):
         assert share.gpu_rows == start - 6 * share.step
 
 
-def test_decode_on_the_gpu_is_checked_at_construction(tmp_path):
+def test_decode_on_the_gpu_is_checked_at_construction():
     ds = _Bytes([_jpeg(_photo(0, 40, 40))] * 4, [0] * 4)
     with pytest.raises(ValueError, match="decode must be one of"):
         FastLoader(ds, TRANSFORMS, batch_size=2, decode="nvjpeg")
