@@ -11,6 +11,9 @@ STAMP       := $(VENV)/.terrapipe-installed
 # The CPU build on this machine's disk; any torch >= 2.1 already in the venv is kept.
 TORCH_SPEC  ?= torch==2.13.0
 PILLOW_SIMD ?= pillow-simd==12.1.1.post0
+# Pillow-SIMD's own install instructions: compile with AVX2 where the CPU has it (without it, its
+# SSE4 code). Setting CFLAGS instead would replace the optimisation flags (an -O0 build).
+PILLOW_CC   := $(if $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo y),CC="cc -mavx2",)
 
 .PHONY: setup demo test test-full test-cluster soak bench lint clean torch-suite docs
 
@@ -24,7 +27,7 @@ $(STAMP): pyproject.toml setup.py terrapipe/pipeline/_jpeg.c Makefile
 	@# pillow-simd installs under Pillow's import name: swap it in (built from source, ~20 s,
 	@# then cached by pip); if it cannot build here, plain Pillow stays and everything still works.
 	@$(PIP) uninstall -y pillow pillow-simd
-	@$(INSTALL) --no-deps "$(PILLOW_SIMD)" || $(INSTALL) pillow
+	@$(PILLOW_CC) $(INSTALL) --no-deps "$(PILLOW_SIMD)" || $(INSTALL) pillow
 	@$(PY) -c "import PIL; print('image library:', PIL.__version__)"
 	@$(PY) -c "from terrapipe.pipeline import roi_jpeg; print('libjpeg-turbo region decoder:', roi_jpeg.available())"
 	@touch $(STAMP)
