@@ -15,6 +15,15 @@ PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 # SSE4 code). Setting CFLAGS instead would replace the optimisation flags (an -O0 build).
 PILLOW_CC   := $(if $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo y),CC="cc -mavx2",)
 
+# pillow-simd installs under Pillow's import name: swap it in (built from source, about a
+# minute; not from pip's wheel cache, which may hold a build without AVX2); if it cannot build
+# here, plain Pillow stays and everything still works. Every install of the package pulls plain
+# Pillow back over it (the dependency is named pillow), so each one is followed by the swap.
+define swap_pillow
+	@$(PIP) uninstall -y pillow pillow-simd
+	@$(PILLOW_CC) $(INSTALL) --no-cache-dir --no-deps "$(PILLOW_SIMD)" || $(INSTALL) pillow
+endef
+
 .PHONY: setup demo test test-full test-cluster soak bench lint clean torch-suite docs
 
 setup: $(STAMP)
@@ -24,10 +33,7 @@ $(STAMP): pyproject.toml setup.py terrapipe/pipeline/_jpeg.c Makefile
 	@$(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)"
 	@# Also compiles the libjpeg-turbo region decoder (setup.py) against the system libjpeg.
 	$(INSTALL) -e ".[mpi,bench,dev]"
-	@# pillow-simd installs under Pillow's import name: swap it in (built from source, ~20 s,
-	@# then cached by pip); if it cannot build here, plain Pillow stays and everything still works.
-	@$(PIP) uninstall -y pillow pillow-simd
-	@$(PILLOW_CC) $(INSTALL) --no-deps "$(PILLOW_SIMD)" || $(INSTALL) pillow
+	$(swap_pillow)
 	@$(PY) -c "import PIL; print('image library:', PIL.__version__)"
 	@$(PY) -c "from terrapipe.pipeline import roi_jpeg; print('libjpeg-turbo region decoder:', roi_jpeg.available())"
 	@touch $(STAMP)
@@ -77,6 +83,7 @@ bench: setup
 DOCS_STAMP  := $(VENV)/.terrapipe-docs-installed
 $(DOCS_STAMP): $(STAMP)
 	$(INSTALL) -e ".[docs]"
+	$(swap_pillow)
 	@touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
