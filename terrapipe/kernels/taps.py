@@ -30,15 +30,14 @@ def batch_taps_size(boxes: np.ndarray, out_h: int, out_w: int) -> tuple[int, int
 
 
 @njit(nogil=True, cache=True)
-def batch_taps(sizes, boxes, flips, regions, xidx, xw, yidx, yw):
-    """Taps of N crops resampled to one output size, relative to each crop's source region.
+def batch_taps(sizes, boxes, flips, xidx, xw, yidx, yw):
+    """Taps of N crops resampled to one output size, in each source image's pixels.
 
     sizes: int64 (N, 2) ``(w, h)`` of each source image; boxes: float64 (N, 4) ``(x0, y0, x1,
     y1)`` inside it; flips: bool (N,), mirror the output horizontally.
-    Filled (all owned by the caller, overwritten): regions int64 (N, 4) ``(cx0, cy0, cx1, cy1)``,
-    the source pixels any tap reads; xidx int64 (N, OW, KX) and xw float32 (N, OW, KX): output
-    column o of sample i is ``sum_t xw[i, o, t] * row[cx0 + xidx[i, o, t]]``; yidx / yw (N, OH,
-    KY) likewise for rows. Unused taps have index 0 and weight 0. KX, KY from
+    Filled (all owned by the caller, overwritten): xidx int64 (N, OW, KX) and xw float32 (N, OW,
+    KX): output column o of sample i is ``sum_t xw[i, o, t] * row[xidx[i, o, t]]``; yidx / yw
+    (N, OH, KY) likewise for rows. Unused taps have index 0 and weight 0. KX, KY from
     :func:`batch_taps_size` (else ValueError from bilinear_coeffs).
     """
     n = sizes.shape[0]
@@ -53,29 +52,21 @@ def batch_taps(sizes, boxes, flips, regions, xidx, xw, yidx, yw):
     for i in range(n):
         bilinear_coeffs(sizes[i, 0], boxes[i, 0], boxes[i, 2], out_w, xbounds, xweights)
         bilinear_coeffs(sizes[i, 1], boxes[i, 1], boxes[i, 3], out_h, ybounds, yweights)
-        # First taps only grow with the output pixel, and so do last taps: the region is the
-        # first pixel's first tap to the last pixel's last.
-        cx0 = xbounds[0, 0]
-        cy0 = ybounds[0, 0]
-        regions[i, 0] = cx0
-        regions[i, 1] = cy0
-        regions[i, 2] = xbounds[out_w - 1, 0] + xbounds[out_w - 1, 1]
-        regions[i, 3] = ybounds[out_h - 1, 0] + ybounds[out_h - 1, 1]
-        _relative(xbounds, xweights, cx0, flips[i], xidx[i], xw[i])
-        _relative(ybounds, yweights, cy0, False, yidx[i], yw[i])
+        _axis(xbounds, xweights, flips[i], xidx[i], xw[i])
+        _axis(ybounds, yweights, False, yidx[i], yw[i])
 
 
 @njit(nogil=True, cache=True)
-def _relative(bounds, weights, first, flip, idx, w):
-    # One axis of one sample: taps relative to ``first``, weights as floats, output pixels in
-    # reverse order when flipped; unused taps index 0 with weight 0.
+def _axis(bounds, weights, flip, idx, w):
+    # One axis of one sample: tap indices, weights as floats, output pixels in reverse order
+    # when flipped; unused taps index 0 with weight 0.
     out = idx.shape[0]
     one = 1.0 / float(1 << PRECISION_BITS)
     for o in range(out):
         dst = out - 1 - o if flip else o
         for t in range(idx.shape[1]):
             if t < bounds[o, 1]:
-                idx[dst, t] = bounds[o, 0] + t - first
+                idx[dst, t] = bounds[o, 0] + t
                 w[dst, t] = weights[o, t] * one
             else:
                 idx[dst, t] = 0

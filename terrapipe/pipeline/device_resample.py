@@ -41,26 +41,26 @@ from ..kernels import taps as ktaps
 
 __all__ = ["GROUP_PIXELS", "plan_groups", "resample_into"]
 
-# Region pixels per group (NOTE [resampling by matrix products], clause 2): 32 samples of
-# 512 x 512, about 140 MB of float32 work on the device.
+# Block pixels per group (NOTE [resampling by matrix products], clause 2): 32 images of
+# 512 x 512, about 100 MB of working memory on the device.
 GROUP_PIXELS = 32 * 512 * 512
 
 
-def plan_groups(regions: np.ndarray, limit: int = GROUP_PIXELS) -> list[tuple[int, int]]:
-    """Consecutive ``[start, end)`` groups of samples whose zero-padded block (count x largest
-    height x largest width) holds at most ``limit`` pixels; a sample too large for any group is
-    a group of its own. regions: int (N, 4) ``(x0, y0, x1, y1)`` of each sample's pixels."""
+def plan_groups(sizes: np.ndarray, limit: int = GROUP_PIXELS) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` groups of images whose zero-padded block (count x largest
+    height x largest width) holds at most ``limit`` pixels; an image too large for any group is
+    a group of its own. sizes: int (N, 2) ``(w, h)`` of each image."""
     groups: list[tuple[int, int]] = []
     start, hmax, wmax = 0, 0, 0
-    for i, (x0, y0, x1, y1) in enumerate(regions):
-        h, w = int(y1 - y0), int(x1 - x0)
+    for i, (w, h) in enumerate(sizes):
+        h, w = int(h), int(w)
         nh, nw = max(hmax, h), max(wmax, w)
         if i > start and (i - start + 1) * nh * nw > limit:
             groups.append((start, i))
             start, nh, nw = i, h, w
         hmax, wmax = nh, nw
-    if len(regions):
-        groups.append((start, len(regions)))
+    if len(sizes):
+        groups.append((start, len(sizes)))
     return groups
 
 
@@ -109,22 +109,15 @@ def resample_into(images: Sequence[torch.Tensor], boxes: np.ndarray, flips: np.n
     flips = np.ascontiguousarray(flips, dtype=np.bool_).reshape(n)
     sizes = np.array([[im.shape[2], im.shape[1]] for im in images], dtype=np.int64)
     kx, ky = ktaps.batch_taps_size(boxes, out_h, out_w)
-    regions = np.empty((n, 4), np.int64)
     xidx = np.empty((n, out_w, kx), np.int64)
     xw = np.empty((n, out_w, kx), np.float32)
     yidx = np.empty((n, out_h, ky), np.int64)
     yw = np.empty((n, out_h, ky), np.float32)
-    ktaps.batch_taps(sizes, boxes, flips, regions, xidx, xw, yidx, yw)
-    # Taps relative to each image's origin (the block holds whole images). An unused tap keeps
-    # weight 0 at the region's first pixel, which is inside the image.
-    xidx += regions[:, 0, None, None]
-    yidx += regions[:, 1, None, None]
-    whole = np.zeros((n, 4), np.int64)
-    whole[:, 2:] = sizes
+    ktaps.batch_taps(sizes, boxes, flips, xidx, xw, yidx, yw)  # in image pixels: the block holds whole images
     device = out.device
     if dtype is None:
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-    for a, b in plan_groups(whole, group_pixels):
+    for a, b in plan_groups(sizes, group_pixels):
         x = _padded(images[a:b], c, dtype)  # (G, C, hmax, wmax)
         hmax, wmax = x.shape[2], x.shape[3]
         wx = _dense(xidx[a:b], xw[a:b], wmax, device, dtype)  # (G, OW, wmax)

@@ -202,11 +202,12 @@ class GpuDecoder:
                 else:
                     cpu_rows.append(r)
         with self._streams(), timeline.span("loader", "gpu decode queued", args={"rows": len(indices)}):
-            decoded = self._decode_many(payloads)
-            ok = [(r, im) for r, im in zip(jpeg_rows, decoded, strict=True)
-                  if im is not None and im.dim() == 3 and im.shape[0] >= c]
-            cpu_rows += [r for r, im in zip(jpeg_rows, decoded, strict=True)
-                         if im is None or im.dim() != 3 or im.shape[0] < c]
+            ok = []
+            for r, im in zip(jpeg_rows, self._decode_many(payloads), strict=True):
+                if im is not None and im.dim() == 3 and im.shape[0] >= c:
+                    ok.append((r, im))
+                else:
+                    cpu_rows.append(r)
             if ok:
                 boxes = np.array([plan.box(im.shape[2], im.shape[1], seed, epoch, int(indices[r]))
                                   for r, im in ok], dtype=np.float64)

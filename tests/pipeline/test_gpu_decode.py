@@ -168,8 +168,7 @@ def test_device_resampling_is_within_one_level_of_the_cpu_kernel(seed, n, out_h,
 @given(st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), max_size=40),
        st.integers(1, 200_000))
 def test_groups_cover_every_sample_in_order_within_the_limit(sizes, limit):
-    regions = np.array([[0, 0, w, h] for w, h in sizes], dtype=np.int64).reshape(-1, 4)
-    groups = plan_groups(regions, limit)
+    groups = plan_groups(np.array(sizes, dtype=np.int64).reshape(-1, 2), limit)
     assert [i for a, b in groups for i in range(a, b)] == list(range(len(sizes)))
     for a, b in groups:
         block = (b - a) * max(h for _, h in sizes[a:b]) * max(w for w, _ in sizes[a:b])
