@@ -134,6 +134,15 @@ class _Attempt:
         for sock in list(self.asked):
             self.forget(sel, sock)
 
+    def keep(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        """``sock`` (the current try or an earlier one) won: take it out, close the others."""
+        if sock is self.sock:
+            self.sock = None
+        else:
+            self.asked.remove(sock)
+        sel.unregister(sock)
+        self.drop_all(sel)
+
 
 def connect_ranks(comm, rank: int, reach: list[int], expect: list[int], timeout: float,
                   what: str) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
@@ -209,12 +218,9 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
                         sel.register(conn, selectors.EVENT_READ, ("chosen", None))
                 elif kind == "chosen":
                     conn = key.fileobj
-                    try:
-                        mark = conn.recv(1)
-                    except BlockingIOError:
+                    mark = _recv_byte(conn)
+                    if mark is None:
                         continue
-                    except OSError:
-                        mark = b""
                     sel.unregister(conn)
                     peer = answered.pop(conn)
                     if mark == _CHOSEN and peer in waiting:
@@ -226,31 +232,19 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
                     if att.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                         att.next(sel)
                         continue
-                    att.sock.setblocking(True)
-                    att.sock.settimeout(ATTEMPT_S)
-                    try:
-                        att.sock.sendall(_HELLO.pack(_MAGIC, rank, att.nonce))
-                    except OSError:
+                    if not _send(att.sock, _HELLO.pack(_MAGIC, rank, att.nonce)):
                         att.next(sel)
                         continue
-                    att.sock.setblocking(False)
                     att.sent = True
                     sel.modify(att.sock, selectors.EVENT_READ, ("out", att))
                 elif kind == "out":
                     sock = key.fileobj
-                    try:
-                        answer = sock.recv(1)
-                    except BlockingIOError:
+                    answer = _recv_byte(sock)
+                    if answer is None:
                         continue
-                    except OSError:
-                        answer = b""
-                    if answer == _OK and _send_chosen(sock):
-                        if sock is att.sock:
-                            att.sock = None
-                        else:
-                            att.asked.remove(sock)
-                        sel.unregister(sock)
-                        att.drop_all(sel)
+                    # The first answer wins: tell the listening rank this is the one kept.
+                    if answer == _OK and _send(sock, _CHOSEN):
+                        att.keep(sel, sock)
                         reached[att.rank] = sock
                         del attempts[att.rank]
                     elif sock is att.sock:  # the wrong process, or gone: the next address
@@ -274,17 +268,28 @@ def _connect(listener, rank, nonce, host, everyone, reach, expect, timeout, what
     return reached, accepted
 
 
-def _send_chosen(sock: socket.socket) -> bool:
-    """Tell the listening rank this is the connection kept (NOTE [connecting ranks] 2)."""
+def _send(sock: socket.socket, data: bytes) -> bool:
+    """Send a few bytes of the handshake, waiting at most ``ATTEMPT_S``; False if the
+    connection failed. The socket is non-blocking again afterwards."""
     try:
         sock.setblocking(True)
         sock.settimeout(ATTEMPT_S)
-        sock.sendall(_CHOSEN)
+        sock.sendall(data)
         return True
     except OSError:
         return False
     finally:
         sock.setblocking(False)
+
+
+def _recv_byte(sock: socket.socket) -> bytes | None:
+    """One byte of an answer; None while nothing has arrived, b"" when the connection ended."""
+    try:
+        return sock.recv(1)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 def _read_hello(conn, hellos, sel, nonce, waiting) -> int | None:
@@ -304,14 +309,7 @@ def _read_hello(conn, hellos, sel, nonce, waiting) -> int | None:
     del hellos[conn]
     if data:
         magic, peer, their_nonce = _HELLO.unpack(bytes(buf))
-        if magic == _MAGIC and their_nonce == nonce and peer in waiting:
-            try:
-                conn.setblocking(True)
-                conn.settimeout(ATTEMPT_S)
-                conn.sendall(_OK)
-                conn.setblocking(False)
-                return peer
-            except OSError:
-                pass
+        if magic == _MAGIC and their_nonce == nonce and peer in waiting and _send(conn, _OK):
+            return peer
     conn.close()
     return None
