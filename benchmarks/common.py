@@ -124,12 +124,10 @@ def machine() -> dict[str, object]:
 
 
 def gpu() -> dict[str, object] | None:
-    """The CUDA device this process uses, its driver and the torch build, or None without one."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
+    """The CUDA device this process sees, its driver and the torch build; None without one, or
+    when the benchmark never imported torch."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
         return None
     driver = None
     try:  # nvidia-ml-py, where installed: the driver's own version string
@@ -166,10 +164,9 @@ def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> 
     name = stem
     out = [RESULTS / f"{name}.json"]
     payload = {"benchmark": name, "date": today, "command": command(), "machine": machine(), **payload}
-    if "gpu" not in payload or isinstance(payload["gpu"], str):
-        info = gpu()
-        if info is not None:
-            payload["gpu_device"] = info
+    info = gpu()
+    if info is not None:
+        payload["gpu_device"] = info
     out[0].write_text(json.dumps(payload, indent=2))
     if plot is not None:
         try:
