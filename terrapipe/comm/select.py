@@ -324,7 +324,7 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         gate.ready(fs.n)
         src, dst = _single_arrays(fs, fd)
         with timeline.span("comm", "one-shot across nodes (agreement + reduce)"):
-            oneshot_nodes.allreduce(g.shm, src, dst, rows_dtype, op, rkind, ckind, coll, sig, check, g.size)
+            oneshot_nodes.allreduce(g.shm, src, dst, rows_dtype, op, rkind, coll, sig, check, g.size)
         if dst is not fd.only():
             fd.write(0, dst)
         gate.wrote(fs.n)
@@ -443,23 +443,23 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
         return False
     if not ckind and x.nbytes >= shared.SHARED_MIN_BYTES and g.shm.locate(x) is not None:
         return False  # the shared algorithm's, sync or async alike (NOTE [algorithm selection] 6)
-    call, as16, request = plan
+    call, as16, request, algorithm = plan
     flat = x.reshape(-1)
     if as16:
         flat = flat.view(np.uint16)
     # Every step here is paid per call by the smallest allreduces: no closure, one lock.
     if timeline.enabled():
-        call = _spanned(call, coll, x.nbytes)
+        call = _spanned(call, coll, x.nbytes, algorithm)
     if not executor.run_if_idle(call, flat, flat):
         return False
     if g.algorithm_log is not None:
-        _ran(g, request, "oneshot")
+        _ran(g, request, algorithm)
     return True
 
 
-def _spanned(call, coll: str, nbytes: int):
+def _spanned(call, coll: str, nbytes: int, algorithm: str):
     def spanned(src, dst):
-        with timeline.span("comm", coll, args={"bytes": nbytes, "path": "one-shot"}):
+        with timeline.span("comm", coll, args={"bytes": nbytes, "path": algorithm}):
             call(src, dst)
 
     return spanned
@@ -472,13 +472,20 @@ def _small_plan(g, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, s
     kind = ckind or (F16 if name == "float16" else 0)
     rows_dtype = np.dtype(np.uint16) if kind else dtype
     request = Request("allreduce", size * rows_dtype.itemsize, kind)
-    if (g.size == 1 or g.pinned.get("allreduce") not in (None, "oneshot")
+    if (g.size == 1 or g.pinned.get("allreduce") not in (None, "oneshot", "oneshot_nodes")
             or name not in ("float32", "float64", "int32", "int64", "float16")
-            or (ckind and name != "float32") or select(g, request) != "oneshot"):
+            or (ckind and name != "float32")):
         return False
-    sig = g.signature_of(coll, op, name, size, tuple(shape), -1, code_of("oneshot"))
-    call = oneshot.plan(g.shm, rows_dtype, op, kind, coll, sig, functools.partial(g.mismatch, coll))
-    return call, bool(kind and not ckind), request
+    algorithm = select(g, request)
+    if algorithm not in ("oneshot", "oneshot_nodes"):
+        return False
+    sig = g.signature_of(coll, op, name, size, tuple(shape), -1, code_of(algorithm))
+    check = functools.partial(g.mismatch, coll)
+    if algorithm == "oneshot":
+        call = oneshot.plan(g.shm, rows_dtype, op, kind, coll, sig, check)
+    else:
+        call = oneshot_nodes.plan(g.shm, rows_dtype, op, kind, coll, sig, check, g.size)
+    return call, bool(kind and not ckind), request, algorithm
 
 
 # -- the other collectives: the one-rank shortcut and the agreement, once; then the data -------

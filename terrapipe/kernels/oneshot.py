@@ -33,7 +33,7 @@ from .floats import compress, decompress
 from .reduce import divide_16, divide_float, divide_int, reduce_many_16, reduce_many_native, reduce_rows_into
 from .sync import publish_step, rows_equal, spin_until
 
-__all__ = ["WAITING", "SLEEPERS_COL", "oneshot_allreduce", "finish"]
+__all__ = ["WAITING", "SLEEPERS_COL", "oneshot_allreduce", "finish", "collect"]
 
 WAITING = -2
 SLEEPERS_COL = 3  # the board's column counting the processes asleep on each step counter
@@ -128,13 +128,28 @@ def finish(dst, rows, h, op, divisor, kind, scratch, acc):
 
 @njit(nogil=True, cache=True)
 def oneshot_allreduce(src, dst, rows, h, me, board, sig_col, sig, step, op, divisor, kind, scratch, acc,
-                      spins):
+                      spins, lo):
     """The whole allreduce: ``src`` and ``dst`` 1-D (may alias) of ``rows``' dtype, or float32
     over uint16 rows (sent rounded to 16-bit ``kind``). Arguments as in :func:`finish` and the
-    module's layouts."""
+    module's layouts. ``lo``: reduce only elements ``[lo, lo + len(dst))`` of the message into
+    ``dst`` (a part of it, as the one-shot across nodes does, NOTE [one-shot across nodes] in
+    comm/algorithms/oneshot_nodes.py); the whole message is still published."""
     n = src.shape[0]
     _transfer(src, rows[me, h:h + n], kind)
     state = _meet(board, sig_col, me, sig, step, spins)
     if state == -1:
-        finish(dst, rows, h, op, divisor, kind, scratch, acc)
+        finish(dst, rows, h + lo, op, divisor, kind, scratch, acc)
     return state
+
+
+@njit(nogil=True, cache=True)
+def collect(dst, rows, h, part, kind):
+    """``dst[j*part : (j+1)*part] = rows[j, h + j*part : ...]`` for every row j (the last part
+    ending at ``len(dst)``): each rank's finished part of a message, out of the node's rows
+    (NOTE [one-shot across nodes] 5 in comm/algorithms/oneshot_nodes.py). ``dst`` of ``rows``'
+    dtype, or float32 over uint16 rows of 16-bit ``kind`` (widened). Read only: ``rows``."""
+    n = dst.shape[0]
+    for j in range(rows.shape[0]):
+        lo = min(j * part, n)
+        hi = min(lo + part, n)
+        _transfer(rows[j, h + lo:h + hi], dst[lo:hi], kind)

@@ -260,18 +260,20 @@ def rows_equal(table):
 
 
 @njit(nogil=True, cache=True)
-def table_agrees(table, ref):
-    """Whether every row of ``table`` that names a rank agrees with ``ref``.
+def tables_agree(words, head, cols, ref):
+    """Whether every rank named in every table of ``words`` agrees with ``ref``.
 
-    ``table``: (rows, words + 1) int64, a node's signatures as exchanged between nodes (NOTE
-    [agreement across nodes] in comm/transports/shm.py): each row a rank's signature words,
-    then its group rank, or -1 in the last word for a padding row, which is skipped. ``ref``:
-    (words,) int64, the signature to agree with. Both read only, owned by the caller."""
-    words = ref.shape[0]
-    for r in range(table.shape[0]):
-        if table[r, words] < 0:
-            continue
-        for i in range(words):
-            if table[r, i] != ref[i]:
-                return False
+    ``words``: (messages, width) int64, one message per row (an exchange's inbox, NOTE
+    [agreement across nodes] in comm/transports/shm.py), each beginning with a table of
+    ``head`` words: rows of ``cols`` words, a rank's signature words then its group rank, or -1
+    in the last word for a padding row, which is skipped. ``ref``: (cols - 1,) int64, the
+    signature to agree with. All read only, owned by the caller."""
+    sig = cols - 1
+    for m in range(words.shape[0]):
+        for r in range(0, head, cols):
+            if words[m, r + sig] < 0:
+                continue
+            for i in range(sig):
+                if words[m, r + i] != ref[i]:
+                    return False
     return True

@@ -294,6 +294,52 @@ def test_emulated_nodes_of_one_rank_each(mpi_comm):
                                        rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
 
 
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, one_node=True, ci_ranks=(2,))
+def test_the_one_shot_across_nodes_in_a_loop_across_its_parts_and_paths(mpi_comm):
+    # The one-shot across nodes (NOTE [one-shot across nodes] in comm/algorithms/oneshot_nodes.py)
+    # at 2 nodes x 1 (2 ranks) and 2 x 2 (4 ranks): hundreds of calls, sizes around each local
+    # rank's part (part_of) and the limit, the latency path (in place) and the general one (out=,
+    # async, many outstanding) mixed across ranks in one call, every result exact.
+    per_node = 1 if mpi_comm.Get_size() == 2 else 2
+    os.environ["TERRAPIPE_NODE_SIZE"] = str(per_node)
+    g = comm.init(timeout=60)
+    assert (g.nnodes, g.local_size) == (2, per_node)
+    r, p = g.rank, g.size
+    log = g.record_algorithms()
+    part = oneshot_nodes.part_of(1000, g.local_size)
+    limit = oneshot_nodes.limit(g.shm)
+    sizes = sorted({1, 2, 15, 16, 17, part - 1, part, part + 1, 2 * part + 1, limit // 8, limit // 4 - 1,
+                    limit // 4})
+    cases = (("float32", "sum"), ("float64", "avg"), ("int64", "max"), ("float16", "sum"), ("int32", "min"))
+    for i in range(300):
+        dtype, op = cases[i % len(cases)]
+        n = min(sizes[i % len(sizes)], limit // np.dtype(dtype).itemsize)
+        # integers up to 7: every sum and average below is exact in every dtype here
+        x = ((np.arange(n) * (i + 1) + 5 * r) % 7).astype(dtype)
+        want = np.stack([((np.arange(n) * (i + 1) + 5 * q) % 7) for q in range(p)]).astype(np.float64)
+        want = {"sum": want.sum(0), "avg": want.sum(0) / p, "max": want.max(0), "min": want.min(0)}[op]
+        del log[:]
+        how = (i + r) % 3  # each rank its own way into the same call
+        if how == 0:
+            comm.allreduce(x, op)
+            got = x
+        elif how == 1:
+            got = np.empty_like(x)
+            comm.allreduce(x, op, out=got)
+        else:
+            comm.allreduce(x, op, async_op=True).wait()
+            got = x
+        assert [a for _, a, _ in log] == ["oneshot_nodes"], (i, n, dtype, log)
+        np.testing.assert_array_equal(got.astype(np.float64), want.astype(dtype).astype(np.float64),
+                                      err_msg=f"call {i}: {n} {dtype} {op}")
+    # Many outstanding at once, of every size, then all waited for.
+    xs = [np.full(n, float(r + k), np.float32) for k, n in enumerate(sizes * 4)]
+    handles = [comm.allreduce(x, "sum", async_op=True) for x in xs]
+    for k, (x, h) in enumerate(zip(xs, handles, strict=True)):
+        h.wait()
+        assert np.all(x == p * k + p * (p - 1) / 2), (k, x[:3])
+
+
 def _check_allreduce_paths(r, p, sizes):
     for n in sizes:
         for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("bfloat16", "sum"),

@@ -110,7 +110,7 @@ def test_oneshot_matches_numpy_for_every_dtype_and_op(p, n, case, op, data):
     acc = np.empty(TILE, np.float32)
     dst = np.zeros(n, np.float32 if case == "compressed" else rows.dtype)
     state = oneshot.oneshot_allreduce(src, dst, rows, h, me, board, SIG_COL, sig, step, op, divisor, kind,
-                                      scratch, acc, 100)
+                                      scratch, acc, 100, 0)
     assert state == -1
     assert board[me, 0] == step and np.array_equal(board[me, SIG_COL:SIG_COL + WORDS], sig)
     np.testing.assert_array_equal(rows[me, h:h + n], expect_rows[me])  # published for the peers
@@ -132,7 +132,7 @@ def _native_call(p=3, me=1, late=None, bad=None):
     src = np.full(10, 2.0, np.float32)
     dst = np.full(10, -1.0, np.float32)
     state = oneshot.oneshot_allreduce(src, dst, rows, 0, me, board, SIG_COL, sig, 5, SUM, 1, 0,
-                                      np.zeros(20, np.float32), ACC, 50)
+                                      np.zeros(20, np.float32), ACC, 50, 0)
     return state, dst, rows, board
 
 
@@ -205,6 +205,50 @@ def test_oneshot_with_no_polls_left_waits_even_when_peers_are_there(spins):
     _peers(p, me, step, sig, board)
     dst = np.zeros(4)
     state = oneshot.oneshot_allreduce(np.ones(4), dst, rows, 0, me, board, SIG_COL, sig, step, SUM, 1, 0,
-                                      np.zeros(8), ACC, spins)
+                                      np.zeros(8), ACC, spins, 0)
     assert state == (oneshot.WAITING if spins == 0 else -1)
     assert np.all(dst == (0.0 if spins == 0 else 2.0))
+
+
+@given(p=st.integers(1, 4), n=st.integers(0, 300), case=CASES, op=st.sampled_from(sorted(OPS.values())),
+       data=st.data())
+def test_oneshot_reduces_only_the_part_it_is_given_and_publishes_the_whole_message(p, n, case, op, data):
+    # The one-shot across nodes reduces one local rank's part of the message (lo, len(dst)).
+    me = data.draw(st.integers(0, p - 1))
+    lo = data.draw(st.integers(0, n))
+    m = data.draw(st.integers(0, n - lo))
+    kind = {"float16": F16, "bfloat16": BF16, "compressed": F16}.get(case, 0)
+    rng = np.random.default_rng(n * 7 + lo)
+    row_len, h = 2 * (n + 3), n + 3
+    rows = np.zeros((p, row_len), np.uint16 if kind else case)
+    vals = rng.integers(-4, 5, (p, n)).astype(np.float32)
+    rows[:, h:h + n] = _to_16(vals, kind) if kind else vals.astype(case)
+    expect = rows[:, h:h + n].copy()
+    src = vals[me].copy() if case == "compressed" else rows[me, h:h + n].copy()
+    rows[me] = 0
+    board = np.zeros((p, 64), np.int64)
+    sig = np.arange(WORDS, dtype=np.int64)
+    _peers(p, me, 3, sig, board)
+    dst = np.full(m, 99, rows.dtype)  # the part stays in the rows' format: it travels on as is
+    state = oneshot.oneshot_allreduce(src, dst, rows, h, me, board, SIG_COL, sig, 3, op, 1, kind,
+                                      np.zeros_like(rows[0]), ACC, 100, lo)
+    assert state == -1
+    np.testing.assert_array_equal(rows[me, h:h + n], expect[me])
+    np.testing.assert_array_equal(dst, _reference(expect[:, lo:lo + m], SUM if op == AVG else op, p, kind))
+
+
+@given(p=st.integers(1, 4), n=st.integers(0, 200), part=st.integers(1, 80),
+       case=st.sampled_from(["float32", "int64", "float16", "compressed"]))
+def test_collect_gathers_each_rows_own_part(p, n, part, case):
+    kind = F16 if case in ("float16", "compressed") else 0
+    h = 5
+    rng = np.random.default_rng(n + 101 * part)
+    vals = rng.integers(-9, 10, (p, h + max(n, 1))).astype(np.float32)
+    rows = _to_16(vals, kind) if kind else vals.astype(case)
+    dst = np.full(n, 7, np.float32 if case == "compressed" else rows.dtype)
+    oneshot.collect(dst, rows, h, part, kind)
+    owner = np.minimum(np.arange(n) // part, p - 1)
+    want = rows[owner, h + np.arange(n)]
+    covered = np.arange(n) < p * part  # beyond p parts nothing is any row's: left alone
+    want = np.where(covered, _to_f32(want, kind) if case == "compressed" else want, dst)
+    np.testing.assert_array_equal(dst, want)

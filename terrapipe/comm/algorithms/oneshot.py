@@ -15,7 +15,7 @@ from ...kernels import oneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 
-__all__ = ["allreduce", "plan", "limit", "ONESHOT_READ_BYTES"]
+__all__ = ["allreduce", "plan", "limit", "entry_point", "ONESHOT_READ_BYTES", "ONESHOT_SPINS"]
 
 # The one-shot allreduce (one barrier: data and signature published together, every rank reduces
 # the whole message) has each rank read p x n bytes; it beats MPICH's Allreduce and our other
@@ -23,7 +23,7 @@ __all__ = ["allreduce", "plan", "limit", "ONESHOT_READ_BYTES"]
 # 279 vs 337 us, not at 4 MiB; at 4 ranks up to 1 MiB, 404 vs 619 us, not at 2 MiB).
 ONESHOT_READ_BYTES = 4 << 20
 # Polls before a one-shot allreduce leaves its compiled call to wait while yielding the core.
-_ONESHOT_SPINS = 2000
+ONESHOT_SPINS = 2000
 
 
 def limit(shm) -> int:
@@ -69,15 +69,15 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         h = shm.next_half() * half
         step, col = board.reserve()
         args = (src, dst, rows, h, me, table, col, sig, step, op, divisor, kind, scratch, acc,
-                _ONESHOT_SPINS)
+                ONESHOT_SPINS, 0)
         tail = (dst, rows, h, op, divisor, kind, scratch, acc)
         # What Numba's type of an array depends on: dtype, layout, writeability.
         types = (src.dtype, src.flags.c_contiguous, src.flags.writeable,
                  dst.dtype, dst.flags.c_contiguous)
         fns = compiled.get(types)
         if fns is None:  # NOTE [symmetric completion]: both kernels before this rank publishes
-            fns = compiled[types] = (_entry_point(oneshot.oneshot_allreduce, args),
-                                     _entry_point(oneshot.finish, tail))
+            fns = compiled[types] = (entry_point(oneshot.oneshot_allreduce, args),
+                                     entry_point(oneshot.finish, tail))
         state = fns[0](*args)
         if state == oneshot.WAITING:
             board.wait(step, timeout, coll)
@@ -90,7 +90,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     return call
 
 
-def _entry_point(kernel, args: tuple):
+def entry_point(kernel, args: tuple):
     """The compiled entry point of ``kernel`` for the types of ``args``, compiled (or loaded
     from Numba's cache) now, without running it.
 

@@ -7,32 +7,51 @@ outnumber cores, a network round trip between nodes, so the count is the latency
 NOTE [one-shot across nodes]
     1. Each rank writes its data into its row of the node's segment (a row half, NOTE [row
        halves] in comm/transports/shm.py) and publishes its signature on the board: one step.
-    2. Every local rank then reduces every local row, in local rank order, into a private
-       partial: the node's partial, the same bits on each of the node's ranks.
-    3. Each rank sends its node's signatures and the partial to the ranks of its own local rank
-       on the other nodes and receives theirs (NOTE [agreement across nodes] in
-       comm/transports/shm.py): every signature of the group is checked on every rank before
-       any result is written, whatever sizes the ranks passed.
-    4. Every rank combines the nodes' partials in node order, so every rank of the group ends
-       with the same bits (16-bit formats: accumulated in float32 within a node and across
-       nodes, rounded once per node and once at the end).
-    5. A rank writes a row half again two calls later, after the next call's board step, which
-       no local rank reaches before it finished reading this call's rows (NOTE [row halves]).
-    6. What it costs: each rank reads local_size rows of n bytes and sends n bytes to each other
-       node, so a node's link carries local_size x n per other node where the hierarchical
-       path sends about 2n in all: it wins for small messages only (ONESHOT_NODES_BYTES, NOTE
-       [algorithm selection] 4 in comm/select.py).
+    2. Each local rank j then reduces its part of the message (:func:`part_of`: elements [j *
+       part, (j + 1) * part)) over every local row, in local rank order, into its message to
+       the other nodes (the payload after the table in its inbox row, NOTE [agreement across
+       nodes] in comm/transports/shm.py): the node's partial of that part. Steps 1 and 2 are
+       the one-shot's compiled kernel (kernels/oneshot.py), its output never divided.
+    3. Each rank sends its node's signatures and its part's partial to the ranks of its own
+       local rank on the other nodes and receives theirs into their inbox rows: every
+       signature of the group is checked on every rank before any result is written,
+       whatever sizes the ranks passed.
+    4. Every rank combines the nodes' partials of its part in node order, straight from the
+       inbox rows, into its own row's columns of that part (into the output on nodes of one
+       rank, where there is nothing more to do). Every rank of the group gets the same bits
+       (16-bit formats: accumulated in float32 within a node and across nodes, rounded once
+       per node and once at the end).
+    5. On nodes of several ranks, a second board step; then every rank copies each local
+       rank's part out of that rank's row (kernels/oneshot.py ``collect``). Safe without more:
+       until that step a rank's part columns are read by itself only (step 2 reads each part
+       in its own rank's process), and a rank writes the row half again two calls later,
+       after the next call's first step, which no local rank reaches before it finished
+       copying this call's parts out (NOTE [row halves]).
+    6. What it costs: each rank reads local_size rows of its part and sends the part to each
+       other node, so a node's link carries n bytes per other node in all (before parts, every
+       rank sent the whole message: local_size x n, twice MPICH's 2 x 2 traffic from 4 KiB).
+       With more than two nodes the exchange is all to all, (nodes - 1) x n per link where a
+       ring or recursive doubling sends about 2n: it wins for small messages only
+       (ONESHOT_NODES_BYTES, NOTE [algorithm selection] 4 in comm/select.py).
+    7. Python's part is paid per call by the smallest allreduces, on every rank, and where
+       emulated nodes share a machine's cores every rank's pays for the others': a call is a
+       plan per signature (:func:`plan`, as the one-shot's, taken by the latency path of
+       comm/select.py too), two or three compiled calls and the exchange (receives posted
+       first, then polled with the sends in one MPI call a poll). Over emulated 1gbit links on
+       two cores (4 KiB float32, 2 nodes x 1), the general path, probing each arrival, took
+       101 us a call where MPICH's allreduce took 33; this one 45.5 against 38.5.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...kernels import compress, decompress
+from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
-from ..message import divide
+from ...kernels import sync as ksync
+from .oneshot import ONESHOT_SPINS, entry_point
 
-__all__ = ["allreduce", "limit", "ONESHOT_NODES_BYTES"]
+__all__ = ["allreduce", "plan", "limit", "ONESHOT_NODES_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
 # interleaved), us at 4 / 16 / 32 / 64 KiB: at 2 nodes x 2 ranks the one-shot across nodes
@@ -49,42 +68,89 @@ def limit(shm) -> int:
     return min(shm.row_bytes // 2, ONESHOT_NODES_BYTES)
 
 
-def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, ckind: int,
-              coll: str, sig: np.ndarray, check, size: int) -> None:
+def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,
+              sig: np.ndarray, check, size: int) -> None:
     """``dst`` = op over every rank's ``src`` on every node (NOTE [one-shot across nodes]), with
     the agreement on ``sig`` (``check(sigs, ranks)`` raises on a mismatch, on every rank).
 
-    ``src``, ``dst``: 1-D, ``n`` elements of ``dtype`` (the rows' dtype: uint16
-    holding 16-bit format ``kind``, 0 for native dtypes), or float32 when ``ckind`` (then equal
-    to ``kind``) sends them rounded to that format; ``dst`` may be ``src``. At most
-    :func:`limit` bytes exchanged. ``shm``: this node's ShmTransport, with its cross-node
-    transport; ``size``: ranks in the group (``avg`` divides by it). The caller owns both
-    arrays; the rows and the private row are the transport's."""
-    rows = shm.rows(dtype)
-    n = src.shape[0]
-    h = shm.next_half() * (rows.shape[1] // 2)
-    me = shm.local_rank
-    if ckind:
-        compress(src, rows[me, h:h + n], ckind)
-    else:
-        rows[me, h:h + n] = src
-    board = shm.board
-    step = board.barrier(shm.timeout, coll, sig)  # 1
-    partial = shm.private_row(dtype)  # 2: columns [h, h + n), as in the rows
-    if kind:
-        kreduce.reduce_many_16(partial, rows, op, h, n, kind, shm.acc)
-    else:
-        kreduce.reduce_many_native(partial, rows, op, h, n)
-    parts = shm.agree_across(coll, board.sigs(step), check, partial[h:h + n])  # 3
-    gathered = np.empty((len(parts), n), dtype)  # 4
-    for i, part in enumerate(parts):
-        gathered[i] = part.view(dtype)
-    out = np.empty(n, dtype) if ckind else dst
-    if kind:
-        kreduce.reduce_many_16(out, gathered, op, 0, n, kind, shm.acc)
-    else:
-        kreduce.reduce_rows_into(out, gathered, op, 0, n)
-    if op == kreduce.AVG:
-        divide(out, size, kind)
-    if ckind:
-        decompress(out, dst, ckind)
+    ``src``, ``dst``: 1-D, ``n`` elements of ``dtype`` (the rows' dtype: uint16 holding 16-bit
+    format ``kind``, 0 for native dtypes), or float32 over uint16 rows (sent rounded to format
+    ``kind``); ``dst`` may be ``src``. At most :func:`limit` bytes exchanged. ``shm``: this
+    node's ShmTransport, with its cross-node transport; ``size``: ranks in the group (``avg``
+    divides by it). The caller owns both arrays; the rows, the inbox and the scratch row are
+    the transport's."""
+    plan(shm, dtype, op, kind, coll, sig, check, size)(src, dst)
+
+
+def plan(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check, size: int):
+    """:func:`allreduce` with everything but the arrays fixed: a function ``(src, dst)``, one per
+    signature, kept with the one-shot's plans on the transport (NOTE [one-shot across nodes] 7)."""
+    plans = shm.plans
+    key = ("nodes", dtype, op, kind, coll, sig.tobytes())
+    made = plans.get(key)
+    if made is None:
+        if len(plans) > 256:
+            plans.clear()
+        made = plans[key] = _build(shm, np.dtype(dtype), op, kind, coll, sig, check, size)
+    return made
+
+
+def part_of(n: int, local_size: int) -> int:
+    """Elements of an ``n``-element message each local rank carries across nodes (NOTE
+    [one-shot across nodes] 2): ``n`` on nodes of one rank, else ceil(n / local_size) rounded
+    up to 16 (whole cache lines of float32), so local rank j's part is ``[j * part, (j + 1) *
+    part)`` clipped to ``n``, and the last parts may be short or empty."""
+    if local_size == 1:
+        return n
+    return -(-n // (16 * local_size)) * 16
+
+
+def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check, size: int):
+    rows, scratch = shm.rows(dtype), shm.private_row(dtype)
+    half = rows.shape[1] // 2
+    board, me, acc, p = shm.board, shm.local_rank, shm.acc, shm.local_size
+    table, timeout = board.table, shm.timeout
+    inbox, head = shm.inbox(limit(shm))
+    parts = inbox.view(dtype)  # (nodes, width / itemsize): every node's message, as dtype
+    h0 = head // dtype.itemsize  # where the payloads begin in those rows
+    mine = parts[shm.cross.rank]
+    divisor = size if op == kreduce.AVG else 1
+    compiled = {}
+
+    def call(src: np.ndarray, dst: np.ndarray) -> None:
+        n = src.shape[0]
+        part = part_of(n, p)
+        lo = min(me * part, n)
+        hi = min(lo + part, n)
+        h = shm.next_half() * half
+        step, col = board.reserve()
+        partial = mine[h0:h0 + hi - lo]
+        # the result of this rank's part: dst itself on nodes of one rank (clause 4), else its
+        # own row's columns of the part, which only this rank reads until step 5's barrier
+        out = dst if p == 1 else rows[me, h + lo:h + hi]
+        args = (src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc, ONESHOT_SPINS,
+                lo)
+        local = (partial, rows, h + lo, op, 1, kind, scratch, acc)
+        across = (out, parts, h0, op, divisor, kind, scratch, acc)
+        gather = (dst, rows, h, part, kind)
+        # What Numba's type of an array depends on: dtype, layout, writeability.
+        types = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous)
+        fns = compiled.get(types)
+        if fns is None:  # NOTE [symmetric completion] in comm/algorithms/oneshot.py
+            fns = compiled[types] = (entry_point(koneshot.oneshot_allreduce, args),
+                                     entry_point(koneshot.finish, local),
+                                     entry_point(koneshot.finish, across),
+                                     entry_point(koneshot.collect, gather) if p > 1 else None)
+        state = fns[0](*args)  # 1, 2
+        if state == koneshot.WAITING:
+            board.wait(step, timeout, coll)
+            if ksync.rows_equal(board.sigs(step)) < 0:
+                fns[1](*local)
+        # 3: a node's mismatch too is raised here, on every rank of every node
+        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize)
+        fns[2](*across)  # 4
+        if p > 1:  # 5
+            board.barrier(timeout, coll)
+            fns[3](*gather)
+
+    return call

@@ -23,11 +23,11 @@ from ... import settings, timeline
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from .. import ops
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from ..wait import wait_until
 from .base import OwnCollectives
-from .board import LOST
+from .board import LOST, SIG_WORDS
 
 __all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES"]
 
@@ -69,7 +69,7 @@ class MpiTransport(OwnCollectives):
         self.agree_comm = comm.Dup()  # nor does the agreement's (exchange())
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._others = [q for q in range(self.size) if q != self.rank]
-        self._message = np.empty(0, np.uint8)  # agree_tables' outgoing message, grown as needed
+        self._statuses = [MPI.Status() for _ in range(2 * self.size)]  # exchange()'s
         self.members = members
         self.timeout = timeout
         self._late_hint = late_hint
@@ -89,13 +89,16 @@ class MpiTransport(OwnCollectives):
         if not req.Test():
             self.wait_all([req], what, peer)
 
-    def wait_all(self, reqs: list, what: str, peer: int | None = None) -> None:
+    def wait_all(self, reqs: list, what: str, peer: int | None = None, statuses: list | None = None,
+                 late: Callable[[], list[int]] | None = None) -> None:
         """Poll ``reqs`` until all are done (NOTE [waiting for a peer] in comm/wait.py: never
         asleep, for this rank's own polls drive MPI's progress), or raise CollectiveTimeoutError
         naming the ranks waited for, after the timeout or at once when the node's board says
-        one died; the requests are then cancelled where MPI can."""
+        one died; the requests are then cancelled where MPI can. ``statuses``: filled as
+        ``Testall`` does; ``late()``: the ranks of ``comm`` not yet heard from, asked only once
+        the wait fails (else ``peer``, the one rank waited for, if one)."""
         Testall = self._MPI.Request.Testall
-        if Testall(reqs):
+        if Testall(reqs, statuses):
             return
         # No spinning before the first yield: where ranks outnumber cores (emulated nodes, a
         # busy machine), a rank spinning on Test keeps its peer, whose progress it waits for,
@@ -103,17 +106,21 @@ class MpiTransport(OwnCollectives):
         # cores, 0.22 ms yielding; on a core of its own a yield costs a system call.
         self.on_waiting(True)
         try:
-            wait_until(lambda: Testall(reqs), self.timeout,
-                       lambda timed_out: self._failure(reqs, timed_out, what, peer), sleep_after=None)
+            wait_until(lambda: Testall(reqs, statuses), self.timeout,
+                       lambda timed_out: self._failure(reqs, timed_out, what, peer, late), sleep_after=None)
         finally:
             self.on_waiting(False)  # a peer marked lost stays marked
 
-    def _failure(self, reqs: list, timed_out: bool, what: str, peer: int | None) -> Exception | None:
+    def _failure(self, reqs: list, timed_out: bool, what: str, peer: int | None,
+                 late: Callable[[], list[int]] | None = None) -> Exception | None:
         hint = self._late_hint()
         lost = hint is not None and hint[1] == LOST
         died = hint is not None and hint[1] == "died" or lost  # no use waiting out the timeout
         if not (died or timed_out):
             return None
+        if late is not None:
+            missing = late()
+            peer = missing[0] if len(missing) == 1 else None
         for req in reqs:
             try:
                 req.Cancel()
@@ -157,69 +164,47 @@ class MpiTransport(OwnCollectives):
         self.wait(self.comm.Iallgather(sig, sigs), coll)
         check(sigs, self.members)
 
-    def agree_tables(self, coll, table: np.ndarray, check,
-                     payload: np.ndarray | None = None) -> list[np.ndarray]:
-        """Exchange ``table`` (rows, words + 1; int64): the signatures of this rank's node, each
-        row ending in its group rank, -1 for padding rows; the same shape on every rank) and,
-        after it, ``payload`` (any 1-D array, or None: nothing) with every rank of ``comm``
-        (:meth:`exchange`); call ``check(sigs, ranks)`` on every rank's row of every node, in
-        rank order, where any differ. Returns every rank's payload as uint8, in rank order
-        (this rank's own at its place), once the signatures agree."""
-        head = table.nbytes
-        extra = 0 if payload is None else payload.nbytes
-        if self._message.shape[0] < head + extra:
-            self._message = np.empty(head + extra, np.uint8)
-        msg = self._message[:head + extra]
-        msg[:head] = table.reshape(-1).view(np.uint8)
-        if extra:
-            msg[head:] = payload.reshape(-1).view(np.uint8)
-        got = self.exchange(coll, msg)
-        # The way that agrees is compiled: NumPy calls cost microseconds each, which the
-        # smallest allreduces pay. Sorted by rank only to describe a mismatch.
-        ref = table[0, :-1]
-        tables = [m[:head].view(np.int64).reshape(table.shape) for m in got]
-        if not all(ksync.table_agrees(t, ref) for t in tables):
-            rows = np.concatenate(tables)
-            rows = rows[rows[:, -1] >= 0]
-            rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
-            check(rows[:, :-1], [int(r) for r in rows[:, -1]])
-        return [m[head:] for m in got]
+    def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check) -> None:
+        """Send this rank's message, ``inbox[rank, :nbytes]``, to every rank of ``comm`` and
+        receive theirs into their rows of ``inbox`` (:meth:`exchange`); call ``check(sigs,
+        ranks)`` on every rank's signature, in rank order, where any differ. A message begins
+        with its node's table, ``head`` bytes of int64 (rows, SIG_WORDS + 1): a row per rank of
+        the node, its signature then its group rank, -1 for padding rows; any payload follows.
+        ``inbox``: (size, width) uint8, C-contiguous, the caller's, ``width`` a multiple of 8
+        and at least the longest message any rank sends. Returns once every table agrees:
+        every message then has ``nbytes`` bytes."""
+        counts = self.exchange(coll, inbox, nbytes)
+        words = inbox.view(np.int64)
+        cols = SIG_WORDS + 1
+        # Compiled: NumPy calls cost microseconds each, which the smallest allreduces pay.
+        if ksync.tables_agree(words, head // 8, cols, words[self.rank, : cols - 1]):
+            if all(c == nbytes for c in counts):
+                return
+        tables = words[:, : head // 8].reshape(-1, cols)  # sorted by rank only to describe
+        rows = tables[tables[:, -1] >= 0]
+        rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
+        check(rows[:, :-1], [int(r) for r in rows[:, -1]])
+        raise CommError(f"{coll}: messages of {sorted(set(counts))} bytes under one signature")
 
-    def exchange(self, what: str, msg: np.ndarray) -> list[np.ndarray]:
-        """Send ``msg`` (1-D uint8, which the caller leaves alone during the call) to every other
-        rank of ``comm`` and receive each one's: the messages in rank order, this rank's own
-        ``msg`` at its place. Lengths may differ between ranks: each arrival is probed for its
-        length (NOTE [agreement across nodes] in comm/transports/shm.py). Raises
+    def exchange(self, what: str, inbox: np.ndarray, nbytes: int) -> list[int]:
+        """Send ``inbox[rank, :nbytes]`` to every other rank of ``comm`` and receive each one's
+        message into its row of ``inbox`` ((size, width) uint8; every message of an exchange
+        fits a row). Lengths may differ between ranks (NOTE [agreement across nodes] in
+        comm/transports/shm.py): returns each rank's message length, in rank order. The
+        receives are posted before the sends and polled together, one MPI call a poll. Raises
         CollectiveTimeoutError naming the ranks not heard from within the timeout."""
-        MPI, comm, others = self._MPI, self.agree_comm, self._others
-        sends = [comm.Isend(msg, dest=q, tag=AGREE_TAG) for q in others]
-        got: dict[int, np.ndarray] = {self.rank: msg}
-        recvs: list = []
-        status = MPI.Status()
-
-        def arrived() -> bool:
-            for q in others:
-                if q not in got:
-                    matched = comm.Improbe(source=q, tag=AGREE_TAG, status=status)
-                    if matched is None:
-                        continue
-                    got[q] = np.empty(status.Get_count(MPI.BYTE), np.uint8)
-                    recvs.append(matched.Irecv(got[q]))
-            return len(got) == self.size
-
-        if not arrived():
-            def failure(timed_out: bool) -> Exception | None:
-                missing = [q for q in others if q not in got]
-                peer = missing[0] if len(missing) == 1 else None
-                return self._failure(sends + recvs, timed_out, what, peer)
-
-            self.on_waiting(True)
-            try:
-                wait_until(arrived, self.timeout, failure, sleep_after=None)
-            finally:
-                self.on_waiting(False)
-        self.wait_all(recvs + sends, what)
-        return [got[q] for q in range(self.size)]
+        comm, others = self.agree_comm, self._others
+        recvs = [comm.Irecv(inbox[q], source=q, tag=AGREE_TAG) for q in others]
+        reqs = recvs + [comm.Isend(inbox[self.rank, :nbytes], dest=q, tag=AGREE_TAG) for q in others]
+        statuses = self._statuses[: len(reqs)]
+        if not self._MPI.Request.Testall(reqs, statuses):
+            self.wait_all(reqs, what, statuses=statuses, late=lambda: [
+                q for q, r in zip(others, recvs, strict=True) if not r.Test()])
+        counts = [nbytes] * self.size
+        byte = self._MPI.BYTE
+        for q, st in zip(others, statuses[: len(others)], strict=True):
+            counts[q] = st.Get_count(byte)
+        return counts
 
     def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:
         gate.ready(srcs.n)

@@ -33,12 +33,15 @@ NOTE [agreement across nodes]
        local rank on every other node, and receives theirs (``MpiTransport.agree_tables``), so
        every rank checks every rank's signature: a rank raising on its own node's mismatch
        before the exchange would leave the other nodes' ranks one agreement behind.
-    2. The exchange is point to point, each arrival probed for its length, not an MPI
-       collective: a message may carry a payload after the table (the one-shot across nodes,
-       comm/algorithms/oneshot_nodes.py, sends its node's partial result with it), and ranks
-       that called different collectives, or the same one with different sizes, still complete
-       the same exchange and then raise CollectiveMismatchError on every rank, where an
-       allgather of unequal lengths would be erroneous in MPI.
+    2. The exchange is point to point, not an MPI collective: a message may carry a payload
+       after the table (the one-shot across nodes, comm/algorithms/oneshot_nodes.py, sends its
+       part of its node's partial result with it), and ranks that called different
+       collectives, or the same one with different sizes, still complete the same exchange and
+       then raise CollectiveMismatchError on every rank, where an allgather of unequal lengths
+       would be erroneous in MPI. Each message is received into its sender's row of the
+       transport's inbox (:meth:`ShmTransport.inbox`), whole rows posted before the sends (no
+       message of an exchange is longer than a row: a table and at most the one-shot's limit),
+       each one's length read from its status.
 
 NOTE [shared segment reservation]
     A shared array's segment (:meth:`ShmTransport.alloc_shared`) is reserved when it is made
@@ -157,11 +160,13 @@ class ShmTransport(Transport):
         # NOTE [single-copy allreduce] 4 (algorithms/single_copy.py): None where the node cannot
         self.peers = self._probe_single_copy() if cross is None and p > 1 and cma.enabled() else None
         self._staging = np.empty(0, np.uint8)  # contiguous copies of fused messages (single copy)
-        if cross is not None:  # agree()'s table: signature and group rank per row; rank -1 pads
+        # The exchange across nodes (agree_across): its message rows and the table's bytes.
+        self._inbox = np.empty((0, 0), np.uint8)
+        self._head = 0
+        if cross is not None:  # the table: signature and group rank per row; rank -1 pads
             from mpi4py import MPI
 
-            rows = cross.comm.allreduce(p, op=MPI.MAX)
-            self._node_table = np.full((rows, SIG_WORDS + 1), -1, np.int64)
+            self._head = cross.comm.allreduce(p, op=MPI.MAX) * (SIG_WORDS + 1) * 8
         self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
 
     def late(self) -> tuple[list[int], str] | None:
@@ -191,17 +196,34 @@ class ShmTransport(Transport):
             return
         self.agree_across(coll, sigs, check)
 
-    def agree_across(self, coll, sigs: np.ndarray, check,
-                     payload: np.ndarray | None = None) -> list[np.ndarray]:
+    def inbox(self, payload_bytes: int = 0) -> tuple[np.ndarray, int]:
+        """(inbox, head) of the exchange across nodes (NOTE [agreement across nodes]): inbox is
+        (nodes, >= head + ``payload_bytes``) uint8, a multiple of 64 bytes wide, row j node j's
+        message in the cross communicator's order (this node's at ``cross.rank``): its table,
+        ``head`` bytes, then its payload. A payload is written at ``inbox[cross.rank, head:]``
+        before :meth:`agree_across`; the others' arrive in their rows. The transport's; valid
+        until the next exchange."""
+        width = self._head + payload_bytes
+        if self._inbox.shape[1] < width:
+            width = -(-width // 64) * 64
+            self._inbox = np.empty((self.cross.size, width), np.uint8)
+            table = self._table()
+            table[:] = -1
+            table[: self.local_size, -1] = self.board.ranks
+        return self._inbox, self._head
+
+    def _table(self) -> np.ndarray:
+        """This node's table in its inbox row: (rows, SIG_WORDS + 1) int64."""
+        return self._inbox[self.cross.rank, : self._head].view(np.int64).reshape(-1, SIG_WORDS + 1)
+
+    def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0) -> None:
         """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
-        read off the board, to every other node, with ``payload``; every rank's payload (uint8)
-        in the cross communicator's order (node order), once every signature agrees."""
-        # The node's table (padded to the largest node of the exchange) travels whole.
-        table = self._node_table
-        p, words = self.local_size, sigs.shape[1]
-        table[:p, :words] = sigs
-        table[:p, words] = self.board.ranks
-        return self.cross.agree_tables(coll, table, check, payload)
+        read off the board, to every other node, with the ``payload_bytes`` this rank wrote
+        after its table in :meth:`inbox`; returns once every signature agrees, every node's
+        payload then in its row of the inbox."""
+        self.inbox(payload_bytes)
+        self._table()[: self.local_size, :-1] = sigs
+        self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check)
 
     def barrier(self) -> None:
         self.board.barrier(self.timeout, "barrier")
