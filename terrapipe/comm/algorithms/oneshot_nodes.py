@@ -32,7 +32,8 @@ NOTE [one-shot across nodes]
        rank sent the whole message: local_size x n, twice MPICH's 2 x 2 traffic from 4 KiB).
        With more than two nodes the exchange is all to all, (nodes - 1) x n per link where a
        ring or recursive doubling sends about 2n: it wins for small messages only
-       (ONESHOT_NODES_BYTES, NOTE [algorithm selection] 4 in comm/select.py).
+       (ONESHOT_NODES_BYTES; between two nodes, where it sends what a ring does, up to
+       ONESHOT_TWO_NODES_BYTES; NOTE [algorithm selection] 4 in comm/select.py).
     7. Python's part is paid per call by the smallest allreduces, on every rank, and where
        emulated nodes share a machine's cores every rank's pays for the others': a call is a
        plan per signature (:func:`plan`, as the one-shot's, taken by the latency path of
@@ -51,7 +52,7 @@ from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from .oneshot import ONESHOT_SPINS, entry_point
 
-__all__ = ["allreduce", "plan", "limit", "ONESHOT_NODES_BYTES"]
+__all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
 # interleaved), us at 4 / 16 / 32 / 64 KiB: at 2 nodes x 2 ranks the one-shot across nodes
@@ -60,12 +61,18 @@ __all__ = ["allreduce", "plan", "limit", "ONESHOT_NODES_BYTES"]
 # 1106 / 1221 / 897 and 1059 / 923 / 1106 / 810. At 64 KiB each node's link carries
 # local_size x 64 KiB per other node and loses (clause 6).
 ONESHOT_NODES_BYTES = 32 << 10
+# Between two nodes each part crosses a link once, as in a ring (clause 6), so the one-shot
+# leads further: 2 nodes x 2 over 1gbit (Xeon, 2 cores; pinned, rounds interleaved), us at 32 /
+# 64 / 128 / 256 KiB: 378 / 542 / 1102 / 2188, the hierarchical segment 823 / 848 / 1081 / 2201.
+ONESHOT_TWO_NODES_BYTES = 64 << 10
 
 
 def limit(shm) -> int:
     """The largest allreduce (bytes as exchanged) the one-shot across nodes takes: half a row
-    of the node's segment, and at most ``ONESHOT_NODES_BYTES``."""
-    return min(shm.row_bytes // 2, ONESHOT_NODES_BYTES)
+    of the node's segment, and at most ``ONESHOT_TWO_NODES_BYTES`` between two nodes,
+    ``ONESHOT_NODES_BYTES`` among more."""
+    most = ONESHOT_TWO_NODES_BYTES if shm.cross is not None and shm.cross.size == 2 else ONESHOT_NODES_BYTES
+    return min(shm.row_bytes // 2, most)
 
 
 def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,
