@@ -294,6 +294,20 @@ def test_emulated_nodes_of_one_rank_each(mpi_comm):
                                        rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
 
 
+@pytest.mark.mpi(ranks=(2, 4), timeout=120, one_node=True, ci_ranks=(2,))
+def test_a_one_shot_across_nodes_met_by_another_agreement_first_is_a_mismatch(mpi_comm):
+    # Regression: the exchange's receive rows were sized by each rank's own first use, so a
+    # rank whose first call across nodes was another collective's agreement (rows as wide as a
+    # table) received a one-shot's message (table and data) into a row too short, and MPI
+    # failed on the truncation instead of every rank raising the mismatch.
+    per_node = 1 if mpi_comm.Get_size() == 2 else 2
+    os.environ["TERRAPIPE_NODE_SIZE"] = str(per_node)
+    g = comm.init(timeout=30)
+    assert g.nnodes == 2
+    big = oneshot_nodes.limit(g.shm) // 4 + 1000  # past the one-shot: an agreement, then data
+    _mismatch_then_exact(g, (big, oneshot_nodes.limit(g.shm) // 4))
+
+
 @pytest.mark.mpi(ranks=(2, 4), timeout=300, one_node=True, ci_ranks=(2,))
 def test_the_one_shot_across_nodes_in_a_loop_across_its_parts_and_paths(mpi_comm):
     # The one-shot across nodes (NOTE [one-shot across nodes] in comm/algorithms/oneshot_nodes.py)

@@ -50,6 +50,7 @@ import numpy as np
 from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
+from ..transports.shm import PAYLOAD_BYTES
 from .oneshot import ONESHOT_SPINS, entry_point
 
 __all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES"]
@@ -72,7 +73,7 @@ def limit(shm) -> int:
     of the node's segment, and at most ``ONESHOT_TWO_NODES_BYTES`` between two nodes,
     ``ONESHOT_NODES_BYTES`` among more."""
     most = ONESHOT_TWO_NODES_BYTES if shm.cross is not None and shm.cross.size == 2 else ONESHOT_NODES_BYTES
-    return min(shm.row_bytes // 2, most)
+    return min(shm.row_bytes // 2, most, PAYLOAD_BYTES)
 
 
 def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,
@@ -117,7 +118,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     half = rows.shape[1] // 2
     board, me, acc, p = shm.board, shm.local_rank, shm.acc, shm.local_size
     table, timeout = board.table, shm.timeout
-    inbox, head = shm.inbox(limit(shm))
+    inbox, head = shm.inbox()
     parts = inbox.view(dtype)  # (nodes, width / itemsize): every node's message, as dtype
     h0 = head // dtype.itemsize  # where the payloads begin in those rows
     mine = parts[shm.cross.rank]

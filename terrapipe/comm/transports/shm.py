@@ -41,7 +41,10 @@ NOTE [agreement across nodes]
        would be erroneous in MPI. Each message is received into its sender's row of the
        transport's inbox (:meth:`ShmTransport.inbox`), whole rows posted before the sends (no
        message of an exchange is longer than a row: a table and at most the one-shot's limit),
-       each one's length read from its status.
+       each one's length read from its status. Rows are PAYLOAD_BYTES past the table on every
+       rank: a 64 KiB one-shot's message met by a rank in another collective's agreement once
+       overran a row sized for tables alone, and MPI failed on the truncation (regression test
+       in tests/comm/test_collectives.py).
 
 NOTE [shared segment reservation]
     A shared array's segment (:meth:`ShmTransport.alloc_shared`) is reserved when it is made
@@ -64,7 +67,8 @@ from . import cma, hugepages
 from .base import Transport
 from .board import LOST, SIG_WORDS, Board, wait_mode
 
-__all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "row_bytes", "wait_mode",
+__all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "PAYLOAD_BYTES", "row_bytes",
+           "wait_mode",
            "SIG_WORDS"]
 
 PREFIX = "terrapipe_"
@@ -123,6 +127,12 @@ class Segment:
             self._map.close()
         except BufferError:
             pass  # a view is still alive somewhere; the mapping goes with the process
+
+
+# The largest payload a message of the exchange across nodes carries after its table (the one-shot
+# across nodes' part, comm/algorithms/oneshot_nodes.py): every inbox row is this wide, so a
+# message never outgrows the receive posted for it, whichever collective its sender called.
+PAYLOAD_BYTES = 64 << 10
 
 
 class ShmTransport(Transport):
@@ -196,16 +206,16 @@ class ShmTransport(Transport):
             return
         self.agree_across(coll, sigs, check)
 
-    def inbox(self, payload_bytes: int = 0) -> tuple[np.ndarray, int]:
+    def inbox(self) -> tuple[np.ndarray, int]:
         """(inbox, head) of the exchange across nodes (NOTE [agreement across nodes]): inbox is
-        (nodes, >= head + ``payload_bytes``) uint8, a multiple of 64 bytes wide, row j node j's
-        message in the cross communicator's order (this node's at ``cross.rank``): its table,
-        ``head`` bytes, then its payload. A payload is written at ``inbox[cross.rank, head:]``
-        before :meth:`agree_across`; the others' arrive in their rows. The transport's; valid
-        until the next exchange."""
-        width = self._head + payload_bytes
-        if self._inbox.shape[1] < width:
-            width = -(-width // 64) * 64
+        (nodes, head + PAYLOAD_BYTES rounded up to 64) uint8, row j node j's message in the
+        cross communicator's order (this node's at ``cross.rank``): its table, ``head`` bytes,
+        then its payload. A payload is written at ``inbox[cross.rank, head:]`` before
+        :meth:`agree_across`; the others' arrive in their rows. The transport's, made once:
+        every rank's rows are as wide as any message of an exchange can be, whichever call
+        each rank made (clause 2)."""
+        if not self._inbox.size:
+            width = -(-(self._head + PAYLOAD_BYTES) // 64) * 64
             self._inbox = np.empty((self.cross.size, width), np.uint8)
             table = self._table()
             table[:] = -1
@@ -218,10 +228,12 @@ class ShmTransport(Transport):
 
     def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0) -> None:
         """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
-        read off the board, to every other node, with the ``payload_bytes`` this rank wrote
-        after its table in :meth:`inbox`; returns once every signature agrees, every node's
-        payload then in its row of the inbox."""
-        self.inbox(payload_bytes)
+        read off the board, to every other node, with the ``payload_bytes`` (at most
+        PAYLOAD_BYTES) this rank wrote after its table in :meth:`inbox`; returns once every
+        signature agrees, every node's payload then in its row of the inbox."""
+        if payload_bytes > PAYLOAD_BYTES:
+            raise ValueError(f"payload_bytes: at most {PAYLOAD_BYTES}, got {payload_bytes}")
+        self.inbox()
         self._table()[: self.local_size, :-1] = sigs
         self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check)
 
