@@ -67,9 +67,8 @@ from . import cma, hugepages
 from .base import Transport
 from .board import LOST, SIG_WORDS, Board, wait_mode
 
-__all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "PAYLOAD_BYTES", "row_bytes",
-           "wait_mode",
-           "SIG_WORDS"]
+__all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "PAYLOAD_BYTES",
+           "row_bytes", "wait_mode", "SIG_WORDS"]
 
 PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
