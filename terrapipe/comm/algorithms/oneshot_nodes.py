@@ -56,11 +56,11 @@ from .oneshot import ONESHOT_SPINS, entry_point
 __all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
-# interleaved), us at 4 / 16 / 32 / 64 KiB: at 2 nodes x 2 ranks the one-shot across nodes
-# 397 / 517 / 568 / 1109, the hierarchical segment 633 / 921 / 934 / 970, MPI's own allreduce
-# after the agreement 630 / 809 / 918 / 794; at 4 x 1 597 / 658 / 827 / 1654 against 1117 /
-# 1106 / 1221 / 897 and 1059 / 923 / 1106 / 810. At 64 KiB each node's link carries
-# local_size x 64 KiB per other node and loses (clause 6).
+# interleaved), us at 4 / 16 / 32 / 64 KiB, before the latency path and the per-rank parts: at
+# 2 nodes x 2 ranks the one-shot across nodes 397 / 517 / 568 / 1109, the hierarchical segment
+# 633 / 921 / 934 / 970, MPI's own allreduce after the agreement 630 / 809 / 918 / 794; at 4 x 1
+# 597 / 658 / 827 / 1654 against 1117 / 1106 / 1221 / 897 and 1059 / 923 / 1106 / 810. Among
+# more than two nodes the exchange is all to all and loses at 64 KiB (clause 6).
 ONESHOT_NODES_BYTES = 32 << 10
 # Between two nodes each part crosses a link once, as in a ring (clause 6), so the one-shot
 # leads further: 2 nodes x 2 over 1gbit (Xeon, 2 cores; pinned, rounds interleaved), us at 32 /

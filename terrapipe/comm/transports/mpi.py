@@ -177,9 +177,9 @@ class MpiTransport(OwnCollectives):
         words = inbox.view(np.int64)
         cols = SIG_WORDS + 1
         # Compiled: NumPy calls cost microseconds each, which the smallest allreduces pay.
-        if ksync.tables_agree(words, head // 8, cols, words[self.rank, : cols - 1]):
-            if all(c == nbytes for c in counts):
-                return
+        if ksync.tables_agree(words, head // 8, cols, words[self.rank, : cols - 1]) and \
+                all(c == nbytes for c in counts):
+            return
         tables = words[:, : head // 8].reshape(-1, cols)  # sorted by rank only to describe
         rows = tables[tables[:, -1] >= 0]
         rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
@@ -197,9 +197,8 @@ class MpiTransport(OwnCollectives):
         recvs = [comm.Irecv(inbox[q], source=q, tag=AGREE_TAG) for q in others]
         reqs = recvs + [comm.Isend(inbox[self.rank, :nbytes], dest=q, tag=AGREE_TAG) for q in others]
         statuses = self._statuses[: len(reqs)]
-        if not self._MPI.Request.Testall(reqs, statuses):
-            self.wait_all(reqs, what, statuses=statuses, late=lambda: [
-                q for q, r in zip(others, recvs, strict=True) if not r.Test()])
+        self.wait_all(reqs, what, statuses=statuses, late=lambda: [
+            q for q, r in zip(others, recvs, strict=True) if not r.Test()])
         counts = [nbytes] * self.size
         byte = self._MPI.BYTE
         for q, st in zip(others, statuses[: len(others)], strict=True):

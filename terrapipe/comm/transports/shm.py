@@ -169,13 +169,22 @@ class ShmTransport(Transport):
         # NOTE [single-copy allreduce] 4 (algorithms/single_copy.py): None where the node cannot
         self.peers = self._probe_single_copy() if cross is None and p > 1 and cma.enabled() else None
         self._staging = np.empty(0, np.uint8)  # contiguous copies of fused messages (single copy)
-        # The exchange across nodes (agree_across): its message rows and the table's bytes.
-        self._inbox = np.empty((0, 0), np.uint8)
-        self._head = 0
-        if cross is not None:  # the table: signature and group rank per row; rank -1 pads
+        # The exchange across nodes (agree_across): its message rows, made once and as wide as
+        # any message of an exchange can be, whichever call each rank made (NOTE [agreement
+        # across nodes] 2); this node's table in its own row: signature and group rank per
+        # row, rank -1 pads.
+        self._inbox = self._head = self._node_table = None
+        if cross is not None:
             from mpi4py import MPI
 
-            self._head = cross.comm.allreduce(p, op=MPI.MAX) * (SIG_WORDS + 1) * 8
+            rows = cross.comm.allreduce(p, op=MPI.MAX)
+            self._head = rows * (SIG_WORDS + 1) * 8
+            width = -(-(self._head + PAYLOAD_BYTES) // 64) * 64
+            self._inbox = np.empty((cross.size, width), np.uint8)
+            table = self._inbox[cross.rank, : self._head].view(np.int64)
+            self._node_table = table.reshape(rows, SIG_WORDS + 1)
+            self._node_table[:] = -1
+            self._node_table[:p, -1] = self.board.ranks
         self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
 
     def late(self) -> tuple[list[int], str] | None:
@@ -210,20 +219,9 @@ class ShmTransport(Transport):
         (nodes, head + PAYLOAD_BYTES rounded up to 64) uint8, row j node j's message in the
         cross communicator's order (this node's at ``cross.rank``): its table, ``head`` bytes,
         then its payload. A payload is written at ``inbox[cross.rank, head:]`` before
-        :meth:`agree_across`; the others' arrive in their rows. The transport's, made once:
-        every rank's rows are as wide as any message of an exchange can be, whichever call
-        each rank made (clause 2)."""
-        if not self._inbox.size:
-            width = -(-(self._head + PAYLOAD_BYTES) // 64) * 64
-            self._inbox = np.empty((self.cross.size, width), np.uint8)
-            table = self._table()
-            table[:] = -1
-            table[: self.local_size, -1] = self.board.ranks
+        :meth:`agree_across`; the others' arrive in their rows. The transport's; None on one
+        node."""
         return self._inbox, self._head
-
-    def _table(self) -> np.ndarray:
-        """This node's table in its inbox row: (rows, SIG_WORDS + 1) int64."""
-        return self._inbox[self.cross.rank, : self._head].view(np.int64).reshape(-1, SIG_WORDS + 1)
 
     def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0) -> None:
         """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
@@ -232,8 +230,7 @@ class ShmTransport(Transport):
         signature agrees, every node's payload then in its row of the inbox."""
         if payload_bytes > PAYLOAD_BYTES:
             raise ValueError(f"payload_bytes: at most {PAYLOAD_BYTES}, got {payload_bytes}")
-        self.inbox()
-        self._table()[: self.local_size, :-1] = sigs
+        self._node_table[: self.local_size, :-1] = sigs
         self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check)
 
     def barrier(self) -> None:
