@@ -16,7 +16,9 @@ rows of one channel of one pixel as one vector (14-bit weights, so the int32 sum
 Rounding happens once, at the end, so results stay within one level of Pillow's (which rounds
 twice) and of pillow-simd's. The passes are LLVM IR emitted at the CPU's vector width (R = 8
 int32 lanes on AVX2, 16 on AVX-512): :mod:`terrapipe.kernels.resample_ir`; the filter's
-coefficients and the checks are here, in Numba.
+coefficients and the checks are here, in Numba. Where AVX-512BW is present the passes run in
+16-bit arithmetic by default (Q15 weights, 7 then 6 fractional bits; within one level of the
+exact arithmetic): NOTE [a kernel generated for the machine at hand] 6 in resample_ir.
 
 Scratch memory is the caller's: weights from :func:`alloc_resize_scratch`, reused across calls.
 """
@@ -37,6 +39,7 @@ __all__ = [
     "identity_lut",
     "bilinear_coeffs",
     "region_taps",
+    "narrow_weights",
     "resize_crop_bilinear",
     "resize_crop_bilinear_region",
     "hflip",
@@ -63,7 +66,8 @@ def max_taps(in_len: float, out_len: int) -> int:
 
 
 def alloc_resize_scratch(
-    max_src_h: int, max_src_w: int, out_h: int, out_w: int, channels: int, lanes: int | None = None
+    max_src_h: int, max_src_w: int, out_h: int, out_w: int, channels: int, lanes: int | None = None,
+    narrow: bool | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Scratch for :func:`resize_crop_bilinear` covering any box within a ``max_src_h x max_src_w``
     source: ``(block, xbounds, xweights, ybounds, yweights, params)``.
@@ -75,6 +79,8 @@ def alloc_resize_scratch(
     xbounds/ybounds: int32 (out, 2), first tap and tap count per output pixel;
     xweights/yweights: int32 (out, taps), fixed-point weights; params: int64 (N_PARAMS,), the
     compiled passes' arguments. Owned by one thread: the kernel overwrites all of it on every call.
+    narrow: resample in 16-bit arithmetic (within one level of the exact 32-bit one, and faster
+    where vectors are 512 bits wide); by default where :func:`resample_ir.narrow_default` says.
     """
     if min(max_src_h, max_src_w, out_h, out_w, channels) <= 0:
         raise ValueError("alloc_resize_scratch: every size must be positive")
@@ -83,6 +89,7 @@ def alloc_resize_scratch(
         raise ValueError(f"alloc_resize_scratch: lanes must be a power of two in [2, 64], got {lanes}")
     params = np.zeros(resample_ir.N_PARAMS, np.int64)
     params[resample_ir.P_LANES] = lanes
+    params[resample_ir.P_NARROW] = resample_ir.narrow_default() if narrow is None else bool(narrow)
     return (
         np.empty(max_src_w * channels * lanes, np.uint16),
         np.empty((out_w, 2), np.int32),
@@ -196,7 +203,8 @@ def resize_crop_bilinear_region(
     lanes = int(params[resample_ir.P_LANES])
     channels = out.shape[0]
     identity = lut.dtype == np.uint8 and _is_identity(lut, channels)
-    address = resample_ir.kernel(src.shape[2], channels, out.itemsize, lanes, identity)
+    narrow = bool(params[resample_ir.P_NARROW])
+    address = resample_ir.kernel(src.shape[2], channels, out.itemsize, lanes, identity, narrow)
     _resize_region(address, lanes, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block,
                    xbounds, xweights, ybounds, yweights, params)
 
@@ -229,6 +237,36 @@ def region_taps(src, ox, oy, img_w, img_h, x0, y0, x1, y1, out_w, out_h, xbounds
 
 
 @njit(nogil=True, cache=True)
+def narrow_weights(bounds, weights, bits):
+    """Fixed-point weights of Q``bits`` -> Q15 (:data:`resample_ir.NARROW_WBITS`), in place, for
+    the 16-bit passes. Each is rounded, then what the rounding left over is handed back one unit
+    per tap, so each output pixel's weights still sum to exactly 1.0 (a flat image stays flat
+    however many taps) and none moves by more than a unit. bounds: int32 (n, 2), (first tap,
+    taps); weights: int32 (n, >= taps), each >= 0."""
+    one = 1 << resample_ir.NARROW_WBITS
+    for o in range(bounds.shape[0]):
+        n = bounds[o, 1]
+        left = one
+        for t in range(n):
+            w = weights[o, t]
+            if bits > resample_ir.NARROW_WBITS:
+                w = (w + (1 << (bits - resample_ir.NARROW_WBITS - 1))) >> (bits - resample_ir.NARROW_WBITS)
+            else:
+                w = w << (resample_ir.NARROW_WBITS - bits)
+            weights[o, t] = w
+            left -= w
+        # Each rounding moved a weight by at most half a unit, so |left| <= n / 2, and a surplus
+        # came from taps rounded up, which hold at least a unit: one pass settles it.
+        for t in range(n):
+            if left > 0:
+                weights[o, t] += 1
+                left -= 1
+            elif left < 0 and weights[o, t] > 0:
+                weights[o, t] -= 1
+                left += 1
+
+
+@njit(nogil=True, cache=True)
 def _is_identity(lut, channels):
     # lut[c, v] == v for the channels written: then the resize stores its values as they are.
     for c in range(channels):
@@ -258,6 +296,9 @@ def _resize_region(
     # The passes see x taps relative to col_first.
     for x in range(out_w):
         xbounds[x, 0] -= col_first
+    if params[resample_ir.P_NARROW]:
+        narrow_weights(ybounds, yweights, PRECISION_BITS)
+        narrow_weights(xbounds, xweights, _HBITS)
     span = (col_last - col_first) * stride
     if span * lanes > block.shape[0]:
         raise ValueError("resize_crop_bilinear: scratch is too small for this box")

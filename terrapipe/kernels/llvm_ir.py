@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import llvmlite.ir as ir
 
-__all__ = ["c64", "for_range", "splat", "at", "transpose"]
+__all__ = ["c64", "for_range", "splat", "at", "transpose", "transpose_words"]
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
@@ -72,3 +72,56 @@ def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:
             out.append(b.shuffle_vector(rows[i], rows[i + half], hi))
         rows = out
     return rows
+
+
+def _unpack(n: int, g: int, high: bool) -> list[int]:
+    # x86's unpack{lo,hi} of two n-word vectors at g words: within each 128-bit lane (8 words),
+    # the low (or high) half's g-word groups of a and b, alternating. One in-lane shuffle.
+    groups = range(4 // g, 8 // g) if high else range(4 // g)
+    return [base + 8 * lane + i * g + k for lane in range(n // 8) for i in groups
+            for base in (0, n) for k in range(g)]
+
+
+def transpose_words(b: ir.IRBuilder, rows: list[ir.Value]) -> list[tuple[int, ir.Value]]:
+    """R vectors of 2R 16-bit lanes (R = 8 or 16: a row each, 2R columns) -> the 2R columns as
+    ``(column, <R x i16>)`` pairs. Three rounds of in-lane unpacks transpose each 128-bit lane's
+    8 x 8 words (for each group of 8 rows), then for R = 16 one lane-crossing shuffle per pair
+    joins a column's two halves: 4R + R shuffles where :func:`transpose` on each half takes
+    2 R log2(R), and none crosses lanes but the last. Which column lands where is tracked by
+    running the same shuffles on labels."""
+    r = len(rows)
+    if r not in (8, 16):
+        raise ValueError(f"transpose_words: takes 8 or 16 rows, got {r}")
+    n = 2 * r
+    masks = {(g, hi): _unpack(n, g, hi) for g in (1, 2, 4) for hi in (False, True)}
+
+    def shuffle(x, y, mask):  # (vector, labels) pairs
+        both = x[1] + y[1]
+        vec = b.shuffle_vector(x[0], y[0], ir.Constant(ir.VectorType(_I32, len(mask)), mask))
+        return vec, [both[m] for m in mask]
+
+    groups = []
+    for g0 in range(0, r, 8):
+        vs = [(rows[g0 + i], [(g0 + i, c) for c in range(n)]) for i in range(8)]
+        for g, pairs in ((1, [(0, 1), (2, 3), (4, 5), (6, 7)]), (2, [(0, 2), (1, 3), (4, 6), (5, 7)]),
+                         (4, [(0, 4), (1, 5), (2, 6), (3, 7)])):
+            vs = [shuffle(vs[i], vs[k], masks[(g, hi)]) for i, k in pairs for hi in (False, True)]
+        groups.append(vs)
+    half = ir.Constant(ir.VectorType(_I32, r), list(range(r)))
+    upper = ir.Constant(ir.VectorType(_I32, r), list(range(r, n)))
+    out = []
+    if r == 8:  # each 128-bit lane of a vector is one column's 8 rows
+        pieces = groups[0]
+    else:  # lanes (0, 1) and (2, 3) of the two groups' vectors: a column's rows 0-7 and 8-15
+        pieces = []
+        for p, q in zip(*groups, strict=True):
+            for lanes in ((0, 1), (2, 3)):
+                mask = [base + 8 * lane + k for lane in lanes for base in (0, n) for k in range(8)]
+                pieces.append(shuffle(p, q, mask))
+    for vec, labels in pieces:
+        for sel, lo in ((half, 0), (upper, r)):
+            col = labels[lo][1]
+            if labels[lo:lo + r] != [(row, col) for row in range(r)]:
+                raise AssertionError("transpose_words: a column's rows out of order")
+            out.append((col, b.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined), sel)))
+    return out

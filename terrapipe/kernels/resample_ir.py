@@ -25,6 +25,26 @@ NOTE [a kernel generated for the machine at hand]
    The loops over output pixels and taps stay runtime loops.
 5. Ownership: every pointer is the caller's; the kernel writes only ``block`` (scratch) and
    ``out``, and keeps nothing between calls.
+6. The 16-bit arithmetic (``narrow``), the default where AVX-512BW holds 32 int16 lanes. On
+   Intel cores an int32 multiply (``vpmulld``) is two micro-ops on one port, so clause 2's
+   vertical pass ran 8 products a cycle at best; ``vpmulhuw`` is one micro-op for 32.
+   - Weights are Q15 (:func:`terrapipe.kernels.image.narrow_weights`: rounded, then settled
+     to sum to exactly 1.0, each within a unit). The vertical pass multiplies ``pixel << 8``
+     (one byte shuffle puts each pixel in a lane's high byte) by the weight and keeps the high
+     16 bits: Q7. The horizontal pass multiplies those by Q15 weights the same way: Q6, rounded
+     once at the end. Each product is floored, so each sum starts at half a unit per tap:
+     unbiased. Every weight is >= 0 (a triangle filter), so nothing goes below zero, and a sum
+     of products under 1.0 stays under 2**16.
+   - Results are within one level of the exact arithmetic (tests: hypothesis at every width),
+     and so of Pillow's and Pillow-SIMD's (itself 16-bit).
+   - The vertical pass does 2R columns per vector for its R rows, then
+     :func:`terrapipe.kernels.llvm_ir.transpose_words` turns the R x 2R tile into columns with
+     in-lane unpacks (half the shuffles of two R x R transposes). A tail under 2R columns is
+     one more vector ending at the span's end, over columns already done.
+   - The horizontal pass reads channels in pairs: channel c + 1's R rows follow channel c's.
+   - On the AVX2 default (8 lanes) the exact arithmetic stays: measured on an AMD Zen 3 it was
+     the faster (an earlier 16-bit attempt lost there), and it is bit-exact. ``narrow=True``
+     runs at any width.
 """
 
 from __future__ import annotations
@@ -42,14 +62,20 @@ from .llvm_ir import c64 as _c64
 from .llvm_ir import for_range as _for
 from .llvm_ir import splat as _splat
 from .llvm_ir import transpose as _transpose
+from .llvm_ir import transpose_words as _transpose_words
 from .object_cache import ObjectCache
 
-__all__ = ["N_PARAMS", "vector_lanes", "kernel", "emit", "assembly", "call_kernel"]
+__all__ = ["N_PARAMS", "vector_lanes", "narrow_default", "kernel", "emit", "assembly", "call_kernel"]
+
+# The exact arithmetic's intermediate: 8 fractional bits (NOTE [...] 2). The narrow one's
+# (NOTE [...] 6): Q15 weights, 7 fractional bits after the vertical pass, 6 after the horizontal.
+EXACT_FRAC = 8
+NARROW_WBITS, NARROW_XFRAC = 15, 6
 
 # Slots of the kernel's int64 parameter array (NOTE [a kernel generated ...] 5: the caller's).
 (P_LANES, P_SRC_ROW, P_SRC_H, P_J0, P_SPAN, P_KY, P_KX, P_OUT_CS, P_OUT_YS, P_OUT_XS, P_LUT_ROW,
- P_OUT_H, P_OUT_W, P_FLIP) = range(14)
-N_PARAMS = 14
+ P_OUT_H, P_OUT_W, P_FLIP, P_NARROW) = range(15)
+N_PARAMS = 15
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _P8 = _I8.as_pointer()
@@ -70,20 +96,31 @@ def vector_lanes(features: str | None = None) -> int:
     return 4
 
 
+def narrow_default(features: str | None = None) -> bool:
+    """Whether CPUs with ``features`` (default: this one's) resample in 16-bit arithmetic by
+    default (NOTE [...] 6): where AVX-512BW runs 512-bit vectors of 32 int16 lanes."""
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    have = {f[1:] for f in features.split(",") if f.startswith("+")}
+    return {"avx512f", "avx512bw"} <= have
+
+
 @functools.cache
 def _host_lanes() -> int:
     return vector_lanes(llvm.get_host_cpu_features().flatten())
 
 
 def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift: int,
-         name: str, identity: bool = False) -> str:
+         name: str, identity: bool = False, narrow: bool = False) -> str:
     """LLVM IR (text) of ``void name(i8* params, src, ybounds, yweights, xbounds, xweights,
     block, out, lut)``: the block loop of :func:`terrapipe.kernels.image.resize_crop_bilinear_region`.
 
     lanes: R, rows per block and int32 lanes per vector (a power of two). stride: source bytes
     per pixel (S). channels: output channels (C <= S). esize: bytes per output element (1, 2,
     4 or 8), the lut's. vshift / hshift: the passes' fixed-point shifts. identity: the lut is
-    uint8 0..255 in every row (values are stored as they are, no lookup).
+    uint8 0..255 in every row (values are stored as they are, no lookup). narrow: 16-bit
+    arithmetic (NOTE [...] 6): 2R columns per vertical vector, within one level of the exact
+    int32 arithmetic.
     Arguments at run time: params int64[N_PARAMS] (slots ``P_*``); src uint8, ``params[P_SRC_H]``
     rows of ``params[P_SRC_ROW]`` bytes; ybounds/xbounds int32 (n, 2) (first tap, taps), x's relative to
     the first column read; yweights/xweights int32 (n, params[P_KY / P_KX]); block uint16
@@ -100,6 +137,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
         raise ValueError("emit: an identity lut is uint8 (esize 1)")
     R = lanes
     v32, v16, v8 = ir.VectorType(_I32, R), ir.VectorType(_I16, R), ir.VectorType(_I8, R)
+    v8x2 = ir.VectorType(_I8, 2 * R)
     elem = ir.IntType(8 * esize)
     module = ir.Module(name)
     fn = ir.Function(module, _FNTY, name)
@@ -128,6 +166,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
     v_vshift = _splat(b, ir.Constant(_I32, vshift), R)
     v_hshift = _splat(b, ir.Constant(_I32, hshift), R)
     zero, top = _splat(b, ir.Constant(_I32, 0), R), _splat(b, ir.Constant(_I32, 255), R)
+    top16 = _splat(b, ir.Constant(_I16, 255), R)
     src_h = param(P_SRC_H)
     # The vertical taps of one block, tap-major: (source byte offset, weight) of tap t of row r
     # at [t * R + r]. Sized for the widest filter (ky taps).
@@ -135,6 +174,9 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
     tw = b.alloca(_I32, size=b.mul(ky, _c64(R)))
     with b.goto_block(fn.entry_basic_block):
         vaccs = [b.alloca(v32) for _ in range(R)]
+        vaccs2 = [b.alloca(ir.VectorType(_I16, 2 * R)) for _ in range(R)] if narrow else []
+        haccs16 = [b.alloca(ir.VectorType(_I16, (2 if c + 1 < stride else 1) * R))
+                   for c in range(0, channels, 2)] if narrow else []
         sacc = b.alloca(_I32)
         haccs = [b.alloca(v32) for _ in range(channels)]
         tile = b.alloca(v8, size=channels * R)  # a group's [channel][pixel] row vectors, as bytes
@@ -167,6 +209,8 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
                 slot = b.add(b.mul(t, _c64(R)), _c64(r))
                 b.store(b.add(b.mul(row, src_row), j0), b.gep(toff, [slot]))
                 w = b.trunc(i32_at(yweights, b.add(wrows[r], t)), _I32)
+                if narrow:  # the Q15 weight in both halves: its splat is then a load
+                    w = b.or_(w, b.shl(w, ir.Constant(_I32, 16)))
                 b.store(b.select(b.icmp_signed("<", t, taps[r]), w, ir.Constant(_I32, 0)),
                         b.gep(tw, [slot]))
 
@@ -174,32 +218,129 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
             slot = b.add(b.mul(t, _c64(R)), _c64(r))
             return b.load(b.gep(toff, [slot])), b.load(b.gep(tw, [slot]))
 
-        # Vertical pass, R columns at a time: R row vectors, transposed into R column vectors.
-        with _for(b, _c64(0), span_full, R) as j:
-            for acc in vaccs:
-                b.store(vround, acc)
-            with _for(b, _c64(0), K) as t:
-                for r, acc in enumerate(vaccs):
-                    off, w = tap(t, r)
-                    px = b.zext(b.load(_at(b, src, b.add(off, j), v8), align=1), v32)
-                    b.store(b.add(b.load(acc), b.mul(px, _splat(b, w, R))), acc)
-            row_vecs = [b.trunc(b.lshr(b.load(acc), v_vshift), v16) for acc in vaccs]
-            for k, col in enumerate(_transpose(b, row_vecs)):
-                dst = _at(b, block, b.shl(b.mul(b.add(j, _c64(k)), _c64(R)), _c64(1)), v16)
-                b.store(col, dst, align=2)
-        # The columns past the last whole vector, one value at a time.
-        with _for(b, span_full, span) as j:
-            for r in range(R):
-                b.store(ir.Constant(_I32, 1 << (vshift - 1)), sacc)
+        def vertical_exact():
+            # Vertical pass, R columns at a time: R row vectors, transposed into R column vectors.
+            with _for(b, _c64(0), span_full, R) as j:
+                for acc in vaccs:
+                    b.store(vround, acc)
                 with _for(b, _c64(0), K) as t:
-                    off, w = tap(t, r)
-                    px = b.zext(b.load(b.gep(src, [b.add(off, j)])), _I32)
-                    b.store(b.add(b.load(sacc), b.mul(px, w)), sacc)
-                dst = _at(b, block, b.shl(b.add(b.mul(j, _c64(R)), _c64(r)), _c64(1)), _I16)
-                b.store(b.trunc(b.lshr(b.load(sacc), ir.Constant(_I32, vshift)), _I16), dst)
+                    for r, acc in enumerate(vaccs):
+                        off, w = tap(t, r)
+                        px = b.zext(b.load(_at(b, src, b.add(off, j), v8), align=1), v32)
+                        b.store(b.add(b.load(acc), b.mul(px, _splat(b, w, R))), acc)
+                row_vecs = [b.trunc(b.lshr(b.load(acc), v_vshift), v16) for acc in vaccs]
+                for k, col in enumerate(_transpose(b, row_vecs)):
+                    dst = _at(b, block, b.shl(b.mul(b.add(j, _c64(k)), _c64(R)), _c64(1)), v16)
+                    b.store(col, dst, align=2)
+            # The columns past the last whole vector, one value at a time.
+            with _for(b, span_full, span) as j:
+                for r in range(R):
+                    b.store(ir.Constant(_I32, 1 << (vshift - 1)), sacc)
+                    with _for(b, _c64(0), K) as t:
+                        off, w = tap(t, r)
+                        px = b.zext(b.load(b.gep(src, [b.add(off, j)])), _I32)
+                        b.store(b.add(b.load(sacc), b.mul(px, w)), sacc)
+                    dst = _at(b, block, b.shl(b.add(b.mul(j, _c64(R)), _c64(r)), _c64(1)), _I16)
+                    b.store(b.trunc(b.lshr(b.load(sacc), ir.Constant(_I32, vshift)), _I16), dst)
+
+        def vertical_narrow():  # NOTE [...] 6: 2R columns per vector, in 16 bits
+            R2 = 2 * R
+            v16x2, v32x2 = ir.VectorType(_I16, R2), ir.VectorType(_I32, R2)
+            # Each row's accumulator starts at half its taps: each product below is floored,
+            # losing half a unit on average, so the sum is unbiased.
+            inits = [_splat(b, b.trunc(b.lshr(n, _c64(1)), _I16), R2) for n in taps]
+            zeros8 = ir.Constant(v8x2, [0] * R2)
+            high_bytes = ir.Constant(ir.VectorType(_I32, 2 * R2), [k for i in range(R2) for k in (R2, i)])
+            sixteen = _splat(b, ir.Constant(_I32, 16), R2)
+            lo_half = ir.Constant(ir.VectorType(_I32, R), list(range(R)))
+            hi_half = ir.Constant(ir.VectorType(_I32, R), list(range(R, R2)))
+
+            def step(j):  # source columns [j, j + 2R) of the block's R rows, into the block
+                for acc, init in zip(vaccs2, inits, strict=True):
+                    b.store(init, acc)
+                with _for(b, _c64(0), K) as t:
+                    for r, acc in enumerate(vaccs2):
+                        off, w = tap(t, r)
+                        # The bytes as the high halves of 16-bit lanes: pixel << 8, one shuffle.
+                        px = b.bitcast(b.shuffle_vector(
+                            b.load(_at(b, src, b.add(off, j), v8x2), align=1), zeros8, high_bytes), v16x2)
+                        w16 = b.bitcast(_splat(b, w, R), v16x2)
+                        # (pixel << 8) * w >> 16, unsigned: pmulhuw; Q7 for a Q15 weight.
+                        prod = b.trunc(b.lshr(b.mul(b.zext(px, v32x2), b.zext(w16, v32x2)), sixteen),
+                                       v16x2)
+                        b.store(b.add(b.load(acc), prod), acc)
+                rows_now = [b.load(acc) for acc in vaccs2]
+                if R in (8, 16):
+                    for k, col in _transpose_words(b, rows_now):
+                        dst = _at(b, block, b.shl(b.mul(b.add(j, _c64(k)), _c64(R)), _c64(1)), v16)
+                        b.store(col, dst, align=2)
+                    return
+                for half, first in ((lo_half, 0), (hi_half, R)):
+                    cols = _transpose(b, [b.shuffle_vector(v, ir.Constant(v16x2, ir.Undefined), half)
+                                          for v in rows_now])
+                    for k, col in enumerate(cols):
+                        dst = _at(b, block, b.shl(b.mul(b.add(j, _c64(first + k)), _c64(R)), _c64(1)), v16)
+                        b.store(col, dst, align=2)
+
+            span_full2 = b.and_(span, _c64(-R2))
+            with _for(b, _c64(0), span_full2, R2) as j:
+                step(j)
+            # The last columns: one more vector ending at the span's end, over columns already
+            # done (they get the same values again); only a span under 2R goes one at a time.
+            wide = b.icmp_signed(">=", span, _c64(R2))
+            with b.if_then(b.and_(wide, b.icmp_signed("<", span_full2, span))):
+                step(b.sub(span, _c64(R2)))
+            with _for(b, b.select(wide, span, _c64(0)), span) as j:
+                for r in range(R):
+                    b.store(b.trunc(b.lshr(taps[r], _c64(1)), _I32), sacc)
+                    with _for(b, _c64(0), K) as t:
+                        off, w = tap(t, r)
+                        w = b.and_(w, ir.Constant(_I32, 0xFFFF))
+                        px = b.shl(b.zext(b.load(b.gep(src, [b.add(off, j)])), _I32), ir.Constant(_I32, 8))
+                        b.store(b.add(b.load(sacc), b.lshr(b.mul(px, w), ir.Constant(_I32, 16))), sacc)
+                    dst = _at(b, block, b.shl(b.add(b.mul(j, _c64(R)), _c64(r)), _c64(1)), _I16)
+                    b.store(b.trunc(b.load(sacc), _I16), dst)
+
+        if narrow:
+            vertical_narrow()
+        else:
+            vertical_exact()
 
         # Horizontal pass: per output pixel, each tap of each channel is one vector of R rows.
+        # Channels in pairs: channel c + 1's R rows follow channel c's in the block, so one
+        # vector of 2R lanes carries both (the pixel's padding byte rides along where C is odd).
+        pairs = [(c, 2 if c + 1 < stride else 1) for c in range(0, channels, 2)]
+
+        def resample_x_narrow(x):  # resample_x in 16 bits (NOTE [...] 6)
+            xmin = i32_at(xbounds, b.shl(x, _c64(1)))
+            n = i32_at(xbounds, b.add(b.shl(x, _c64(1)), _c64(1)))
+            # Half a unit to round the final shift, and half a unit per floored product.
+            init = b.trunc(b.add(_c64(1 << (NARROW_XFRAC - 1)), b.lshr(n, _c64(1))), _I16)
+            for (_, width), acc in zip(pairs, haccs16, strict=True):
+                b.store(_splat(b, init, width * R), acc)
+            wrow = b.mul(x, kx)
+            with _for(b, _c64(0), n) as t:
+                w = b.trunc(i32_at(xweights, b.add(wrow, t)), _I16)
+                base = b.mul(b.add(xmin, t), _c64(stride * R))
+                for (c, width), acc in zip(pairs, haccs16, strict=True):
+                    vt16, vt32 = ir.VectorType(_I16, width * R), ir.VectorType(_I32, width * R)
+                    p = _at(b, block, b.shl(b.add(base, _c64(c * R)), _c64(1)), vt16)
+                    prod = b.mul(b.zext(b.load(p, align=2), vt32), b.zext(_splat(b, w, width * R), vt32))
+                    prod = b.trunc(b.lshr(prod, _splat(b, ir.Constant(_I32, 16), width * R)), vt16)
+                    b.store(b.add(b.load(acc), prod), acc)
+            values = []
+            for (c, width), acc in zip(pairs, haccs16, strict=True):
+                for k in range(min(width, channels - c)):
+                    v = b.shuffle_vector(b.load(acc), ir.Constant(acc.type.pointee, ir.Undefined),
+                                         ir.Constant(ir.VectorType(_I32, R), list(range(k * R, k * R + R))))
+                    v = b.lshr(v, _splat(b, ir.Constant(_I16, NARROW_XFRAC), R))
+                    v = b.select(b.icmp_unsigned(">", v, top16), top16, v)
+                    values.append(b.zext(v, v32))
+            return values
+
         def resample_x(x):  # output pixel x of the block's R rows: C clamped <R x i32>
+            if narrow:
+                return resample_x_narrow(x)
             xmin = i32_at(xbounds, b.shl(x, _c64(1)))
             n = i32_at(xbounds, b.add(b.shl(x, _c64(1)), _c64(1)))
             for acc in haccs:
@@ -312,23 +453,24 @@ def _shifts() -> tuple[int, int]:
 
 
 def kernel(stride: int, channels: int, esize: int, lanes: int | None = None,
-           identity: bool = False) -> int:
+           identity: bool = False, narrow: bool = False) -> int:
     """Address of this CPU's compiled kernel for (source bytes per pixel, output channels,
-    output element size, whether the lut is uint8's identity) at ``lanes`` (default
+    output element size, whether the lut is uint8's identity, 16-bit arithmetic) at ``lanes`` (default
     :func:`vector_lanes`; any power of two runs on any CPU, LLVM splitting what is wider than
     its registers), compiled on first use
     (NOTE [a kernel generated ...] 4) or loaded from the object cache. Thread-safe."""
     lanes = vector_lanes() if lanes is None else lanes
-    key = (stride, channels, esize, lanes, identity)
+    key = (stride, channels, esize, lanes, identity, narrow)
     address = _compiled.get(key)
     if address is not None:
         return address
     with _lock:
         if key not in _compiled:
-            name = f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}{'_id' if identity else ''}"
+            name = (f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}{'_id' if identity else ''}"
+                    f"{'_n16' if narrow else ''}")
             cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
             tm = _target_machine(cpu, features, True)
-            text = emit(lanes, stride, channels, esize, *_shifts(), name, identity)
+            text = emit(lanes, stride, channels, esize, *_shifts(), name, identity, narrow)
             cache = ObjectCache(text, cpu, features)
             if cache.hit():  # MCJIT takes the object; the IR is only its identity
                 mod = llvm.parse_assembly(text)
@@ -344,7 +486,7 @@ def kernel(stride: int, channels: int, esize: int, lanes: int | None = None,
 
 
 def assembly(cpu: str | None = None, lanes: int | None = None, stride: int = 4,
-             channels: int = 3, esize: int = 4) -> str:
+             channels: int = 3, esize: int = 4, narrow: bool = False) -> str:
     """The kernel's x86/ARM assembly as compiled for ``cpu`` (an LLVM CPU name, e.g.
     ``"haswell"``, ``"skylake-avx512"``, with that CPU's default features; default: this CPU
     and its lanes) at ``lanes`` int32 lanes: to check the vector width a machine would run at,
@@ -357,7 +499,8 @@ def assembly(cpu: str | None = None, lanes: int | None = None, stride: int = 4,
             raise ValueError("assembly: name the lanes for another cpu")
         tm = _target_machine(cpu, "", False)
     name = f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}"
-    return tm.emit_assembly(_optimized(emit(lanes, stride, channels, esize, *_shifts(), name), tm))
+    text = emit(lanes, stride, channels, esize, *_shifts(), name, narrow=narrow)
+    return tm.emit_assembly(_optimized(text, tm))
 
 
 @intrinsic

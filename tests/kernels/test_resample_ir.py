@@ -1,6 +1,7 @@
 """The resampling passes emitted at the CPU's vector width (terrapipe.kernels.resample_ir):
-bit-identical to the scalar kernel they replaced at every width, and the width a CPU gets is the
-one its registers hold (checked in the assembly for AVX2 and AVX-512 targets on any machine)."""
+the exact (32-bit) arithmetic bit-identical to the scalar kernel they replaced at every width,
+the 16-bit one within a level of it, and the width a CPU gets is the one its registers hold
+(checked in the assembly for AVX2 and AVX-512 targets on any machine)."""
 
 import re
 import threading
@@ -15,6 +16,7 @@ from terrapipe.kernels.image import (
     alloc_resize_scratch,
     build_normalize_lut,
     identity_lut,
+    narrow_weights,
     resize_crop_bilinear,
     resize_crop_bilinear_region,
 )
@@ -73,17 +75,66 @@ def test_every_width_is_bit_identical_to_the_scalar_kernel(case, lanes):
     ref = np.zeros((channels, oh, ow), dtype)
     resize_region(img, 0, 0, w, h, *box, ref, lut, flip, *alloc(h, w, oh, ow, stride))
     out = np.zeros((channels, oh, ow), dtype)
-    resize_crop_bilinear(img, *box, out, lut, flip, *alloc_resize_scratch(h, w, oh, ow, stride, lanes))
+    resize_crop_bilinear(img, *box, out, lut, flip,
+                         *alloc_resize_scratch(h, w, oh, ow, stride, lanes, narrow=False))
     np.testing.assert_array_equal(out, ref)
 
 
+def _within_a_level(out, levels, lut):
+    """Whether each of ``out`` is lut[c, v] for v within one of the exact ``levels``."""
+    c = np.arange(lut.shape[0])[:, None, None]
+    near = [lut[c, np.clip(levels.astype(int) + d, 0, 255)] for d in (-1, 0, 1)]
+    return np.any([out == v for v in near], axis=0)
+
+
+# 16-bit arithmetic: this CPU's width in make test, every width in make test-full (4 lanes takes
+# the generic transpose, 8 and 16 the word transpose).
+@pytest.mark.parametrize("lanes", WIDTHS)
+@settings(deadline=None)
+@given(case=cases())
+def test_every_width_in_16_bits_is_within_a_level_of_the_scalar_kernel(case, lanes):
+    img, box, (oh, ow), channels, dtype, flip = case
+    h, w, stride = img.shape
+    lut = _lut(channels, dtype)
+    levels = np.zeros((channels, oh, ow), np.uint8)
+    resize_region(img, 0, 0, w, h, *box, levels, identity_lut(channels), flip, *alloc(h, w, oh, ow, stride))
+    out = np.zeros((channels, oh, ow), dtype)
+    resize_crop_bilinear(img, *box, out, lut, flip,
+                         *alloc_resize_scratch(h, w, oh, ow, stride, lanes, narrow=True))
+    near = _within_a_level(out, levels, lut)
+    assert near.all(), f"{np.argwhere(~near)[:5]} off by more than a level"
+    if img.min() == img.max():  # a flat image stays flat: the weights sum to exactly 1.0
+        assert (out == lut[np.arange(channels)[:, None, None], img.flat[0]]).all()
+
+
+@settings(deadline=None)
+@given(n=st.integers(1, 60), taps=st.integers(1, 400), bits=st.sampled_from([14, 22]),
+       seed=st.integers(0, 2**16))
+def test_narrow_weights_sum_to_one_each_within_a_unit_of_its_rounding(n, taps, bits, seed):
+    g = np.random.default_rng(seed)
+    bounds = np.zeros((n, 2), np.int32)
+    bounds[:, 1] = g.integers(1, taps + 1, n)
+    weights = np.zeros((n, taps), np.int32)
+    for o in range(n):  # Q(bits) weights of a filter: nonnegative, summing to 1.0
+        raw = g.random(bounds[o, 1]) * (g.random(bounds[o, 1]) > 0.2) + 1e-9
+        weights[o, : bounds[o, 1]] = np.round(raw / raw.sum() * (1 << bits))
+    before = weights.astype(np.float64) / (1 << bits)
+    narrow_weights(bounds, weights, bits)
+    for o in range(n):
+        k = bounds[o, 1]
+        assert weights[o, :k].sum() == 1 << resample_ir.NARROW_WBITS
+        assert (weights[o, :k] >= 0).all()
+        assert np.abs(weights[o, :k] - before[o, :k] * (1 << resample_ir.NARROW_WBITS)).max() <= 1.5
+
+
+@pytest.mark.parametrize("narrow", [False, True], ids=["exact", "16bit"])
 @pytest.mark.parametrize("lanes", LANES)
-def test_strided_outputs_and_regions_and_reused_scratch(lanes):
+def test_strided_outputs_and_regions_and_reused_scratch(lanes, narrow):
     """A channels-last slot of a batch (writes nothing else), a region of a larger image with a
     padded row stride, and one scratch reused across sizes and sources."""
     g = np.random.default_rng(lanes)
     lut = build_normalize_lut((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
-    scratch = alloc_resize_scratch(300, 300, 37, 41, 4, lanes)
+    scratch = alloc_resize_scratch(300, 300, 37, 41, 4, lanes, narrow=narrow)
     for trial in range(20):
         h, w = g.integers(40, 300, 2)
         img = g.integers(0, 256, (h, w, 4), dtype=np.uint8)
@@ -93,6 +144,12 @@ def test_strided_outputs_and_regions_and_reused_scratch(lanes):
         resize_region(img, 0, 0, w, h, *box, ref, lut, bool(trial % 2), *alloc(h, w, 37, 41, 4))
         batch = np.zeros((3, 37, 41, 3), np.float32)  # NHWC storage, written as NCHW views
         resize_crop_bilinear(img, *box, batch[1].transpose(2, 0, 1), lut, bool(trial % 2), *scratch)
+        if narrow:  # within a level of the exact result; the region below must equal this one
+            levels = np.zeros((3, 37, 41), np.uint8)
+            resize_region(img, 0, 0, w, h, *box, levels, identity_lut(3), bool(trial % 2),
+                          *alloc(h, w, 37, 41, 4))
+            assert _within_a_level(batch[1].transpose(2, 0, 1), levels, lut).all()
+            ref = batch[1].transpose(2, 0, 1).copy()
         np.testing.assert_array_equal(batch[1].transpose(2, 0, 1), ref)
         assert not batch[0].any() and not batch[2].any()
         # The same box from a region (rows padded to a wider buffer) around its taps.
@@ -121,7 +178,7 @@ def test_threads_compiling_at_once_get_one_kernel_and_exact_results():
             barrier.wait()
             addresses.append(resample_ir.kernel(2, 2, 8, 32))
             out = np.zeros_like(ref)
-            scratch = alloc_resize_scratch(90, 120, 33, 47, 2, 32)
+            scratch = alloc_resize_scratch(90, 120, 33, 47, 2, 32, narrow=False)
             for _ in range(20):
                 resize_crop_bilinear(img, 3.0, 5.0, 110.0, 80.0, out, lut, True, *scratch)
                 np.testing.assert_array_equal(out, ref)
@@ -154,12 +211,29 @@ def test_avx512_targets_get_512_bit_vectors(cpu):
     assert re.search(r"vpmulld\s+%zmm", asm)
 
 
+@pytest.mark.parametrize("cpu, lanes, reg", [("haswell", 8, "ymm"), ("skylake-avx512", 16, "zmm"),
+                                             ("icelake-server", 16, "zmm")])
+def test_the_16_bit_passes_multiply_16_bit_lanes(cpu, lanes, reg):
+    """The 16-bit passes: unsigned 16-bit products (pmulhuw), 2R of them per vertical tap."""
+    asm = resample_ir.assembly(cpu, lanes, narrow=True)
+    assert re.search(rf"vpmulhuw\s+%{reg}", asm)
+
+
 def test_this_cpu_runs_at_its_own_width():
     lanes = resample_ir.vector_lanes()
     regs = _vector_registers(resample_ir.assembly())
     widest = {4: "xmm", 8: "ymm", 16: "zmm"}[lanes]
     assert widest in regs
-    assert lanes == alloc_resize_scratch(10, 10, 5, 5, 3)[-1][resample_ir.P_LANES]
+    params = alloc_resize_scratch(10, 10, 5, 5, 3)[-1]
+    assert lanes == params[resample_ir.P_LANES]
+    assert params[resample_ir.P_NARROW] == resample_ir.narrow_default()
+
+
+def test_narrow_default_reads_the_feature_string():
+    assert resample_ir.narrow_default("+avx2,+avx512f,+avx512bw")
+    assert not resample_ir.narrow_default("+sse2,+avx,+avx2,-avx512f")
+    assert not resample_ir.narrow_default("+avx2,+avx512f,-avx512bw")
+    assert not resample_ir.narrow_default("+neon")
 
 
 def test_vector_lanes_reads_the_feature_string():
