@@ -25,9 +25,10 @@ NOTE [a kernel generated for the machine at hand]
    The loops over output pixels and taps stay runtime loops.
 5. Ownership: every pointer is the caller's; the kernel writes only ``block`` (scratch) and
    ``out``, and keeps nothing between calls.
-6. The 16-bit arithmetic (``narrow``), the default where AVX-512BW holds 32 int16 lanes. On
-   Intel cores an int32 multiply (``vpmulld``) is two micro-ops on one port, so clause 2's
-   vertical pass ran 8 products a cycle at best; ``vpmulhuw`` is one micro-op for 32.
+6. The 16-bit arithmetic (``narrow``), the default with AVX-512BW and with AVX2 but on AMD's
+   AVX2-only cores (:func:`narrow_default`). On Intel cores an int32 multiply (``vpmulld``) is
+   two micro-ops on one port, so clause 2's vertical pass ran 8 products a cycle at best;
+   ``vpmulhuw`` is one micro-op for 16 (ymm) or 32 (zmm).
    - Weights are Q15 (:func:`terrapipe.kernels.image.narrow_weights`: rounded, then settled
      to sum to exactly 1.0, each within a unit). The vertical pass multiplies ``pixel << 8``
      (one byte shuffle puts each pixel in a lane's high byte) by the weight and keeps the high
@@ -42,9 +43,12 @@ NOTE [a kernel generated for the machine at hand]
      in-lane unpacks (half the shuffles of two R x R transposes). A tail under 2R columns is
      one more vector ending at the span's end, over columns already done.
    - The horizontal pass reads channels in pairs: channel c + 1's R rows follow channel c's.
-   - On the AVX2 default (8 lanes) the exact arithmetic stays: measured on an AMD Zen 3 it was
-     the faster (an earlier 16-bit attempt lost there), and it is bit-exact. ``narrow=True``
-     runs at any width.
+   - Measured on an Intel Xeon (AVX-512), per photograph: 16 lanes 1.5x and 8 lanes 1.4x
+     faster than the exact arithmetic at the same width. On AMD's Zen 1-3 the exact arithmetic
+     stays the default: there an int32 multiply is cheap, an earlier 16-bit attempt (pairs of
+     rows through ``vpmaddwd``) lost, and this one is not yet measured; ``python -m
+     benchmarks.kernels --photos DIR`` times both arithmetics on the machine at hand.
+     ``narrow=True`` or ``False`` runs at any width.
 7. With the 16-bit passes, a lut of 4-byte entries (float32 normalization) is applied after the
    byte transpose of clause 3's identity path: each output row's R levels index the channel's
    lut row in one gather (``llvm.masked.gather``: ``vpgatherdd`` on AVX-512), then one vector
@@ -101,13 +105,18 @@ def vector_lanes(features: str | None = None) -> int:
     return 4
 
 
-def narrow_default(features: str | None = None) -> bool:
-    """Whether CPUs with ``features`` (default: this one's) resample in 16-bit arithmetic by
-    default (NOTE [...] 6): where AVX-512BW runs 512-bit vectors of 32 int16 lanes."""
+def narrow_default(features: str | None = None, cpu: str | None = None) -> bool:
+    """Whether a CPU (LLVM's ``features`` string and ``cpu`` name; default: this one's)
+    resamples in 16-bit arithmetic by default (NOTE [...] 6): with AVX-512BW, and with AVX2
+    but on AMD's AVX2-only cores (``znver1``-``znver3``), where the exact arithmetic is kept."""
     if features is None:
         features = llvm.get_host_cpu_features().flatten()
+    if cpu is None:
+        cpu = llvm.get_host_cpu_name()
     have = {f[1:] for f in features.split(",") if f.startswith("+")}
-    return {"avx512f", "avx512bw"} <= have
+    if {"avx512f", "avx512bw"} <= have:
+        return True
+    return "avx2" in have and cpu not in ("znver1", "znver2", "znver3")
 
 
 @functools.cache

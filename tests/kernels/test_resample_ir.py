@@ -229,11 +229,13 @@ def test_this_cpu_runs_at_its_own_width():
     assert params[resample_ir.P_NARROW] == resample_ir.narrow_default()
 
 
-def test_narrow_default_reads_the_feature_string():
-    assert resample_ir.narrow_default("+avx2,+avx512f,+avx512bw")
-    assert not resample_ir.narrow_default("+sse2,+avx,+avx2,-avx512f")
-    assert not resample_ir.narrow_default("+avx2,+avx512f,-avx512bw")
-    assert not resample_ir.narrow_default("+neon")
+def test_narrow_default_reads_the_feature_string_and_the_cpu():
+    assert resample_ir.narrow_default("+avx2,+avx512f,+avx512bw", "sapphirerapids")
+    assert resample_ir.narrow_default("+avx2,+avx512f,+avx512bw", "znver4")
+    assert resample_ir.narrow_default("+sse2,+avx,+avx2,-avx512f", "haswell")
+    assert not resample_ir.narrow_default("+sse2,+avx,+avx2,-avx512f", "znver3")
+    assert not resample_ir.narrow_default("+sse4.2,-avx2", "nehalem")
+    assert not resample_ir.narrow_default("+neon", "neoverse-n1")
 
 
 def test_vector_lanes_reads_the_feature_string():
