@@ -315,9 +315,51 @@ def test_the_one_shot_across_nodes_in_a_loop_across_its_parts_and_paths(mpi_comm
     # rank's part (part_of) and the limit, the latency path (in place) and the general one (out=,
     # async, many outstanding) mixed across ranks in one call, every result exact.
     per_node = 1 if mpi_comm.Get_size() == 2 else 2
+    _one_shot_across_nodes_loop(per_node, 2)
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=300, one_node=True)
+def test_the_one_shot_across_four_nodes_by_recursive_doubling_in_a_loop(mpi_comm):
+    # Four nodes of one: the exchange goes by recursive doubling, the partials reduced on the
+    # way (NOTE [one-shot across nodes] 8); the same loop.
+    _one_shot_across_nodes_loop(1, 4)
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True, ci_ranks=(4,))
+def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches(mpi_comm):
+    # Recursive doubling reduces in pairs, lower half first, so every rank must end with the
+    # same bits (random float32, float16 and bfloat16 data, where order changes the sum); a
+    # one-shot met by another collective's agreement, and a size mismatch, raise on every rank
+    # and leave later calls exact.
+    os.environ["TERRAPIPE_NODE_SIZE"] = "1"
+    g = comm.init(timeout=30)
+    assert g.nnodes == 4 and g.shm.cross.doubling
+    r, p = g.rank, g.size
+    log = g.record_algorithms()
+    limit = oneshot_nodes.limit(g.shm)
+    for i, (dtype, op) in enumerate([("float32", "sum"), ("float16", "sum"), ("bfloat16", "avg"),
+                                      ("float64", "prod"), ("float32", "max")] * 4):
+        size = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype]
+        n = (1, 17, 1000, limit // size)[i % 4]
+        x = _data(r, n, dtype, seed=11 + i)
+        del log[:]
+        comm.allreduce(x, op)
+        assert [a for _, a, _ in log] == ["oneshot_nodes"], (n, dtype, log)
+        np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=11 + i),
+                                   rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
+        bits = _np(x).astype(np.float64)
+        every = np.empty((p, n), np.float64)
+        mpi_comm.Allgather(bits, every)
+        assert (every == every[0]).all(), (i, n, dtype, op)
+    big = limit // 4 + 1000  # past the one-shot: an agreement, then data
+    _mismatch_then_exact(g, (big, limit // 4))
+    _mismatch_then_exact(g, (100, 1000))
+
+
+def _one_shot_across_nodes_loop(per_node: int, nodes: int) -> None:
     os.environ["TERRAPIPE_NODE_SIZE"] = str(per_node)
     g = comm.init(timeout=60)
-    assert (g.nnodes, g.local_size) == (2, per_node)
+    assert (g.nnodes, g.local_size) == (nodes, per_node)
     r, p = g.rank, g.size
     log = g.record_algorithms()
     part = oneshot_nodes.part_of(1000, g.local_size)

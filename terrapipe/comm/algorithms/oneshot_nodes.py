@@ -30,9 +30,10 @@ NOTE [one-shot across nodes]
     6. What it costs: each rank reads local_size rows of its part and sends the part to each
        other node, so a node's link carries n bytes per other node in all (before parts, every
        rank sent the whole message: local_size x n, twice MPICH's 2 x 2 traffic from 4 KiB).
-       With more than two nodes the exchange is all to all, (nodes - 1) x n per link where a
-       ring or recursive doubling sends about 2n: it wins for small messages only
-       (ONESHOT_NODES_BYTES; between two nodes, where it sends what a ring does, up to
+       Among three nodes, or more but not a power of two, the exchange is all to all, (nodes -
+       1) x n per link; among four, eight, ... it goes by recursive doubling (clause 8),
+       log2(nodes) x n, where a ring sends about 2n: either way it wins for small messages
+       only (ONESHOT_NODES_BYTES; between two nodes, where it sends what a ring does, up to
        ONESHOT_TWO_NODES_BYTES; NOTE [algorithm selection] 4 in comm/select.py).
     7. Python's part is paid per call by the smallest allreduces, on every rank, and where
        emulated nodes share a machine's cores every rank's pays for the others': a call is a
@@ -41,6 +42,16 @@ NOTE [one-shot across nodes]
        first, then polled with the sends in one MPI call a poll). Over emulated 1gbit links on
        two cores (4 KiB float32, 2 nodes x 1), the general path, probing each arrival, took
        101 us a call where MPICH's allreduce took 33; this one 45.5 against 38.5.
+    8. Among a power of two of at least four nodes, step 3 is recursive doubling (NOTE
+       [agreement across nodes] 3 in comm/transports/shm.py): after each round this rank's
+       partial becomes its half's, the two halves' partials combined lower half first
+       (``finish`` over the round's two messages), so both ranks of a round, and in the end
+       every rank, hold the same bits; step 4 then only divides (avg) and writes this node's
+       row. 16-bit formats round once per round here (float32 within a round). At 4 nodes x 1
+       over 1gbit (Xeon, 2 cores), us against MPICH's allreduce at 16 / 32 KiB: 335 / 553
+       against 188 / 412, where the exchange to all took 419 / 826 against 203 / 412; at 64
+       KiB it lost to the hierarchical ring (1102 against 956), so the limit among more than
+       two nodes stays ONESHOT_NODES_BYTES.
 """
 
 from __future__ import annotations
@@ -121,7 +132,12 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     inbox, head = shm.inbox()
     parts = inbox.view(dtype)  # (nodes, width / itemsize): every node's message, as dtype
     h0 = head // dtype.itemsize  # where the payloads begin in those rows
-    mine = parts[shm.cross.rank]
+    node = shm.cross.rank
+    mine = parts[node]
+    # NOTE [one-shot across nodes] 8: by recursive doubling the partials are reduced on the way,
+    # and the last step only divides this node's row.
+    doubling = shm.cross.doubling
+    finals = parts[node:node + 1] if doubling else parts
     divisor = size if op == kreduce.AVG else 1
     compiled = {}
 
@@ -139,7 +155,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         args = (src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc, ONESHOT_SPINS,
                 lo)
         local = (partial, rows, h + lo, op, 1, kind, scratch, acc)
-        across = (out, parts, h0, op, divisor, kind, scratch, acc)
+        across = (out, finals, h0, op, divisor, kind, scratch, acc)
         gather = (dst, rows, h, part, kind)
         # What Numba's type of an array depends on: dtype, layout, writeability.
         types = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous)
@@ -148,14 +164,22 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
             fns = compiled[types] = (entry_point(koneshot.oneshot_allreduce, args),
                                      entry_point(koneshot.finish, local),
                                      entry_point(koneshot.finish, across),
-                                     entry_point(koneshot.collect, gather) if p > 1 else None)
+                                     entry_point(koneshot.collect, gather) if p > 1 else None,
+                                     entry_point(koneshot.finish, (partial, parts[:2], 0, op, 1, kind,
+                                                                   scratch, acc)) if doubling else None)
+        pairwise = fns[4]
+
+        def combine(pair: np.ndarray, offset: int) -> None:  # the two halves' partials, lower first
+            pairwise(partial, pair.view(dtype), offset // dtype.itemsize, op, 1, kind, scratch, acc)
+
         state = fns[0](*args)  # 1, 2
         if state == koneshot.WAITING:
             board.wait(step, timeout, coll)
             if ksync.rows_equal(board.sigs(step)) < 0:
                 fns[1](*local)
         # 3: a node's mismatch too is raised here, on every rank of every node
-        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize)
+        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize,
+                         combine if doubling else None)
         fns[2](*across)  # 4
         if p > 1:  # 5
             board.barrier(timeout, coll)

@@ -118,15 +118,20 @@ class MpiTransport(OwnCollectives):
         died = hint is not None and hint[1] == "died" or lost  # no use waiting out the timeout
         if not (died or timed_out):
             return None
-        if late is not None:
-            missing = late()
+        missing = late() if late is not None else []
+        if missing:
             peer = missing[0] if len(missing) == 1 else None
         for req in reqs:
             try:
                 req.Cancel()
             except self._MPI.Exception:
                 pass  # a collective's request cannot be cancelled; it is abandoned
-        late, why = hint if died else self._late_ranks(peer)
+        if died:
+            late, why = hint
+        elif len(missing) > 1 and self._late_hint() is None:
+            late, why = [self.members[q] for q in missing], "one of these never arrived"
+        else:
+            late, why = self._late_ranks(peer)
         me = self.members[self.rank]
         if not died and len(late) == 1 and self._hosts is not None \
                 and self._hosts[late[0]] != self._hosts[me]:
@@ -164,7 +169,14 @@ class MpiTransport(OwnCollectives):
         self.wait(self.comm.Iallgather(sig, sigs), coll)
         check(sigs, self.members)
 
-    def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check) -> None:
+    @property
+    def doubling(self) -> bool:
+        """Whether exchanges go by recursive doubling (NOTE [agreement across nodes] 3 in
+        comm/transports/shm.py): among a power of two of at least four ranks."""
+        return self.size >= 4 and self.size & (self.size - 1) == 0
+
+    def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check, pair=None,
+                     combine: Callable[[int], None] | None = None) -> None:
         """Send this rank's message, ``inbox[rank, :nbytes]``, to every rank of ``comm`` and
         receive theirs into their rows of ``inbox`` (:meth:`exchange`); call ``check(sigs,
         ranks)`` on every rank's signature, in rank order, where any differ. A message begins
@@ -172,8 +184,15 @@ class MpiTransport(OwnCollectives):
         the node, its signature then its group rank, -1 for padding rows; any payload follows.
         ``inbox``: (size, width) uint8, C-contiguous, the caller's, ``width`` a multiple of 8
         and at least the longest message any rank sends. Returns once every table agrees:
-        every message then has ``nbytes`` bytes."""
-        counts = self.exchange(coll, inbox, nbytes)
+        every message then has ``nbytes`` bytes.
+
+        Where :attr:`doubling`, by :meth:`exchange_doubling` (``pair``: its (2, width) uint8
+        scratch; ``combine``: its reduction of the payloads, or None where they only travel
+        with the tables)."""
+        if self.doubling:
+            counts = self.exchange_doubling(coll, inbox, head, nbytes, pair, combine)
+        else:
+            counts = self.exchange(coll, inbox, nbytes)
         words = inbox.view(np.int64)
         cols = SIG_WORDS + 1
         # Compiled: NumPy calls cost microseconds each, which the smallest allreduces pay.
@@ -203,6 +222,51 @@ class MpiTransport(OwnCollectives):
         byte = self._MPI.BYTE
         for q, st in zip(others, statuses[: len(others)], strict=True):
             counts[q] = st.Get_count(byte)
+        return counts
+
+    def exchange_doubling(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
+                          combine: Callable[[int], None] | None) -> list[int]:
+        """:meth:`exchange` in log2(size) rounds (NOTE [agreement across nodes] 3 in
+        comm/transports/shm.py): in round k this rank and rank ``rank ^ 2**k`` swap the tables
+        of their halves so far and their payloads, each received into its sender's rows of
+        ``inbox`` (tables) and of ``pair`` ((2, width) uint8 scratch, width at least size / 2
+        tables and a payload: row 0 the lower half's message, row 1 the upper's). After each
+        round ``combine(offset)`` reduces ``pair[:, offset:offset + nbytes - head]``, lower row
+        first, into this rank's payload at ``inbox[rank, head:nbytes]``, so the payload carries
+        its half's reduction into the next round, and the last round leaves the whole group's
+        there; with ``combine`` None payloads are not sent. Returns each round's received
+        length per rank of the peer's half, rank order, as :meth:`exchange` does: ``head`` +
+        payload where all agree."""
+        comm, me, MPI = self.agree_comm, self.rank, self._MPI
+        payload = nbytes - head if combine is not None else 0
+        mine = inbox[me, head:head + payload]
+        counts = [nbytes] * self.size
+        statuses = self._statuses[:2]
+        k = 1
+        while k < self.size:
+            peer = me ^ k
+            base, peer_base = me & ~(k - 1), peer & ~(k - 1)
+            slot, tables = int(me > peer), k * head  # this half's row of pair; bytes of tables
+            out = pair[slot]
+            for i in range(k):  # this half's tables, then the payload so far
+                out[i * head:(i + 1) * head] = inbox[base + i, :head]
+            out[tables:tables + payload] = mine
+            recv = comm.Irecv(pair[1 - slot], source=peer, tag=AGREE_TAG)
+            send = comm.Isend(out[:tables + payload], dest=peer, tag=AGREE_TAG)
+            # On a failure: the peer's half, for the peer may be waiting on a rank of it (a rank
+            # lost there is the peer's to name, and a peer one round behind is waiting for it).
+            self.wait_all([recv, send], what, statuses=statuses,
+                          late=lambda first=peer_base, k=k: list(range(first, first + k)))
+            got = statuses[0].Get_count(MPI.BYTE)
+            theirs = pair[1 - slot]
+            for i in range(k):
+                inbox[peer_base + i, :head] = theirs[i * head:(i + 1) * head]
+            if got != tables + payload:  # another call's message: its tables tell which
+                for i in range(k):
+                    counts[peer_base + i] = head + max(got - tables, 0)
+            elif combine is not None:
+                combine(tables)
+            k <<= 1
         return counts
 
     def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:

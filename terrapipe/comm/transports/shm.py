@@ -45,6 +45,15 @@ NOTE [agreement across nodes]
        rank: a 64 KiB one-shot's message met by a rank in another collective's agreement once
        overran a row sized for tables alone, and MPI failed on the truncation (regression test
        in tests/comm/test_collectives.py).
+    3. Among a power of two of at least four nodes (``MpiTransport.doubling``) the exchange goes
+       by recursive doubling instead (``MpiTransport.exchange_doubling``): log2(nodes) rounds,
+       in round k a rank and the rank 2**k away swap their halves' tables so far and their
+       payloads, which the caller reduces on the way (the one-shot's partials, lower half
+       first: both sides compute the same bits), so a link carries log2(nodes) payloads where
+       the exchange to all sent nodes - 1 (4 nodes: two, not three). Every agreement of such a
+       group goes this way, whatever the collective, so ranks in different calls still meet
+       round by round, each ends with every table, and every rank raises the mismatch. A wait
+       that fails names the peer's half: the peer may itself be waiting on a rank of it.
 
 NOTE [shared segment reservation]
     A shared array's segment (:meth:`ShmTransport.alloc_shared`) is reserved when it is made
@@ -56,6 +65,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -173,7 +183,7 @@ class ShmTransport(Transport):
         # any message of an exchange can be, whichever call each rank made (NOTE [agreement
         # across nodes] 2); this node's table in its own row: signature and group rank per
         # row, rank -1 pads.
-        self._inbox = self._head = self._node_table = None
+        self._inbox = self._head = self._node_table = self._pair = None
         if cross is not None:
             from mpi4py import MPI
 
@@ -184,6 +194,10 @@ class ShmTransport(Transport):
             table = self._inbox[cross.rank, : self._head].view(np.int64)
             self._node_table = table.reshape(rows, SIG_WORDS + 1)
             self._node_table[:] = -1
+            # Recursive doubling's two messages of a round (NOTE [agreement across nodes] 3):
+            # half the nodes' tables and a payload at most.
+            pair_width = -(-(cross.size // 2 * self._head + PAYLOAD_BYTES) // 64) * 64
+            self._pair = np.empty((2, pair_width), np.uint8) if cross.doubling else None
             self._node_table[:p, -1] = self.board.ranks
         self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
 
@@ -223,15 +237,30 @@ class ShmTransport(Transport):
         node."""
         return self._inbox, self._head
 
-    def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0) -> None:
+    def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0,
+                     combine: Callable[[np.ndarray, int], None] | None = None) -> None:
         """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
         read off the board, to every other node, with the ``payload_bytes`` (at most
         PAYLOAD_BYTES) this rank wrote after its table in :meth:`inbox`; returns once every
-        signature agrees, every node's payload then in its row of the inbox."""
+        signature agrees, every node's payload then in its row of the inbox. Where the
+        exchange goes by recursive doubling (``cross.doubling``, clause 3) the payloads are
+        reduced on the way instead, by ``combine(pair, offset)``: reduce ``pair[:, offset:offset +
+        payload_bytes]`` ((2, width) uint8, lower row first) into this rank's payload, which
+        then ends as the whole group's reduction; ``combine`` is required there when there is a
+        payload."""
         if payload_bytes > PAYLOAD_BYTES:
             raise ValueError(f"payload_bytes: at most {PAYLOAD_BYTES}, got {payload_bytes}")
         self._node_table[: self.local_size, :-1] = sigs
-        self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check)
+        reduce = None
+        if self._pair is not None and payload_bytes:
+            if combine is None:
+                raise ValueError("combine: recursive doubling reduces payloads on the way")
+            pair = self._pair
+
+            def reduce(offset: int) -> None:
+                combine(pair, offset)
+        self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check,
+                                self._pair, reduce)
 
     def barrier(self) -> None:
         self.board.barrier(self.timeout, "barrier")
