@@ -39,7 +39,6 @@ __all__ = [
     "identity_lut",
     "bilinear_coeffs",
     "region_taps",
-    "narrow_weights",
     "resize_crop_bilinear",
     "resize_crop_bilinear_region",
     "hflip",
@@ -237,36 +236,6 @@ def region_taps(src, ox, oy, img_w, img_h, x0, y0, x1, y1, out_w, out_h, xbounds
 
 
 @njit(nogil=True, cache=True)
-def narrow_weights(bounds, weights, bits):
-    """Fixed-point weights of Q``bits`` -> Q15 (:data:`resample_ir.NARROW_WBITS`), in place, for
-    the 16-bit passes. Each is rounded, then what the rounding left over is handed back one unit
-    per tap, so each output pixel's weights still sum to exactly 1.0 (a flat image stays flat
-    however many taps) and none moves by more than a unit. bounds: int32 (n, 2), (first tap,
-    taps); weights: int32 (n, >= taps), each >= 0."""
-    one = 1 << resample_ir.NARROW_WBITS
-    for o in range(bounds.shape[0]):
-        n = bounds[o, 1]
-        left = one
-        for t in range(n):
-            w = weights[o, t]
-            if bits > resample_ir.NARROW_WBITS:
-                w = (w + (1 << (bits - resample_ir.NARROW_WBITS - 1))) >> (bits - resample_ir.NARROW_WBITS)
-            else:
-                w = w << (resample_ir.NARROW_WBITS - bits)
-            weights[o, t] = w
-            left -= w
-        # Each rounding moved a weight by at most half a unit, so |left| <= n / 2, and a surplus
-        # came from taps rounded up, which hold at least a unit: one pass settles it.
-        for t in range(n):
-            if left > 0:
-                weights[o, t] += 1
-                left -= 1
-            elif left < 0 and weights[o, t] > 0:
-                weights[o, t] -= 1
-                left += 1
-
-
-@njit(nogil=True, cache=True)
 def _is_identity(lut, channels):
     # lut[c, v] == v for the channels written: then the resize stores its values as they are.
     for c in range(channels):
@@ -297,8 +266,8 @@ def _resize_region(
     for x in range(out_w):
         xbounds[x, 0] -= col_first
     if params[resample_ir.P_NARROW]:
-        narrow_weights(ybounds, yweights, PRECISION_BITS)
-        narrow_weights(xbounds, xweights, _HBITS)
+        resample_ir.narrow_weights(ybounds, yweights, PRECISION_BITS)
+        resample_ir.narrow_weights(xbounds, xweights, _HBITS)
     span = (col_last - col_first) * stride
     if span * lanes > block.shape[0]:
         raise ValueError("resize_crop_bilinear: scratch is too small for this box")

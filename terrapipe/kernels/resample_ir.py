@@ -1,6 +1,10 @@
 """The two resampling passes of :mod:`terrapipe.kernels.image`, emitted as LLVM IR at the vector
 width of the CPU the process runs on, and called from Numba through a function pointer.
 
+Why one module: :func:`emit` is one kernel, whose two passes share its loops, its registers and
+the block's layout, in both arithmetics; the rest (its weights for the 16-bit arithmetic, its
+compilation, cache and call) is what that one kernel needs and nothing else uses.
+
 NOTE [a kernel generated for the machine at hand]
 1. Why IR and not a Numba loop. Numba hands LLVM scalar loops and LLVM's vectorizer picks the
    width: on the Xeons with AVX-512 that is 256 bits (LLVM's ``prefer-256-bit`` tuning), and
@@ -29,7 +33,7 @@ NOTE [a kernel generated for the machine at hand]
    AVX2-only cores (:func:`narrow_default`). On Intel cores an int32 multiply (``vpmulld``) is
    two micro-ops on one port, so clause 2's vertical pass ran 8 products a cycle at best;
    ``vpmulhuw`` is one micro-op for 16 (ymm) or 32 (zmm).
-   - Weights are Q15 (:func:`terrapipe.kernels.image.narrow_weights`: rounded, then settled
+   - Weights are Q15 (:func:`narrow_weights`: rounded, then settled
      to sum to exactly 1.0, each within a unit). The vertical pass multiplies ``pixel << 8``
      (one byte shuffle puts each pixel in a lane's high byte) by the weight and keeps the high
      16 bits: Q7. The horizontal pass multiplies those by Q15 weights the same way: Q6, rounded
@@ -63,7 +67,7 @@ import threading
 
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from .llvm_ir import at as _at
@@ -74,7 +78,8 @@ from .llvm_ir import transpose as _transpose
 from .llvm_ir import transpose_words as _transpose_words
 from .object_cache import ObjectCache
 
-__all__ = ["N_PARAMS", "vector_lanes", "narrow_default", "kernel", "emit", "assembly", "call_kernel"]
+__all__ = ["N_PARAMS", "vector_lanes", "narrow_default", "narrow_weights", "kernel", "emit", "assembly",
+           "call_kernel"]
 
 # The exact arithmetic's intermediate: 8 fractional bits (NOTE [...] 2). The narrow one's
 # (NOTE [...] 6): Q15 weights, 7 fractional bits after the vertical pass, 6 after the horizontal.
@@ -117,6 +122,36 @@ def narrow_default(features: str | None = None, cpu: str | None = None) -> bool:
     if {"avx512f", "avx512bw"} <= have:
         return True
     return "avx2" in have and cpu not in ("znver1", "znver2", "znver3")
+
+
+@njit(nogil=True, cache=True)
+def narrow_weights(bounds, weights, bits):
+    """Fixed-point weights of Q``bits`` -> Q15 (:data:`NARROW_WBITS`), in place, for
+    the 16-bit passes. Each is rounded, then what the rounding left over is handed back one unit
+    per tap, so each output pixel's weights still sum to exactly 1.0 (a flat image stays flat
+    however many taps) and none moves by more than a unit. bounds: int32 (n, 2), (first tap,
+    taps); weights: int32 (n, >= taps), each >= 0."""
+    one = 1 << NARROW_WBITS
+    for o in range(bounds.shape[0]):
+        n = bounds[o, 1]
+        left = one
+        for t in range(n):
+            w = weights[o, t]
+            if bits > NARROW_WBITS:
+                w = (w + (1 << (bits - NARROW_WBITS - 1))) >> (bits - NARROW_WBITS)
+            else:
+                w = w << (NARROW_WBITS - bits)
+            weights[o, t] = w
+            left -= w
+        # Each rounding moved a weight by at most half a unit, so |left| <= n / 2, and a surplus
+        # came from taps rounded up, which hold at least a unit: one pass settles it.
+        for t in range(n):
+            if left > 0:
+                weights[o, t] += 1
+                left -= 1
+            elif left < 0 and weights[o, t] > 0:
+                weights[o, t] -= 1
+                left += 1
 
 
 @functools.cache

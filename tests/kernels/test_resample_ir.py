@@ -16,7 +16,6 @@ from terrapipe.kernels.image import (
     alloc_resize_scratch,
     build_normalize_lut,
     identity_lut,
-    narrow_weights,
     resize_crop_bilinear,
     resize_crop_bilinear_region,
 )
@@ -119,7 +118,7 @@ def test_narrow_weights_sum_to_one_each_within_a_unit_of_its_rounding(n, taps, b
         raw = g.random(bounds[o, 1]) * (g.random(bounds[o, 1]) > 0.2) + 1e-9
         weights[o, : bounds[o, 1]] = np.round(raw / raw.sum() * (1 << bits))
     before = weights.astype(np.float64) / (1 << bits)
-    narrow_weights(bounds, weights, bits)
+    resample_ir.narrow_weights(bounds, weights, bits)
     for o in range(n):
         k = bounds[o, 1]
         assert weights[o, :k].sum() == 1 << resample_ir.NARROW_WBITS
