@@ -362,10 +362,12 @@ def _one_shot_across_nodes_loop(per_node: int, nodes: int) -> None:
     assert (g.nnodes, g.local_size) == (nodes, per_node)
     r, p = g.rank, g.size
     log = g.record_algorithms()
-    part = oneshot_nodes.part_of(1000, g.local_size)
+    # Parts of a message past ONESHOT_WHOLE_BYTES (clause 9: below it every rank carries it whole).
+    whole = oneshot_nodes.ONESHOT_WHOLE_BYTES // 4
+    part = oneshot_nodes.part_of(whole + 1000, g.local_size)
     limit = oneshot_nodes.limit(g.shm)
-    sizes = sorted({1, 2, 15, 16, 17, part - 1, part, part + 1, 2 * part + 1, limit // 8, limit // 4 - 1,
-                    limit // 4})
+    sizes = sorted({1, 2, 15, 16, 17, whole - 1, whole, whole + 1, part - 1, part, part + 1, 2 * part + 1,
+                    limit // 8, limit // 4 - 1, limit // 4})
     cases = (("float32", "sum"), ("float64", "avg"), ("int64", "max"), ("float16", "sum"), ("int32", "min"))
     for i in range(300):
         dtype, op = cases[i % len(cases)]

@@ -52,6 +52,12 @@ NOTE [one-shot across nodes]
        against 188 / 412, where the exchange to all took 419 / 826 against 203 / 412; at 64
        KiB it lost to the hierarchical ring (1102 against 956), so the limit among more than
        two nodes stays ONESHOT_NODES_BYTES.
+    9. Up to ONESHOT_WHOLE_BYTES, on nodes of several ranks, every local rank carries the whole
+       message instead of its part (step 2 reduces every element, step 4 writes the output),
+       and step 5 goes: its second meeting of the node's ranks cost more than the link's extra
+       bytes (local_size x n per link, not n). Safe without it: a rank reads the rows only in
+       step 2, before the exchange, and the rows' half is written again only two calls later,
+       after the next call's first step (NOTE [row halves]).
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ from ...kernels import sync as ksync
 from ..transports.shm import PAYLOAD_BYTES
 from .oneshot import ONESHOT_SPINS, entry_point
 
-__all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES"]
+__all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES",
+           "ONESHOT_WHOLE_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
 # interleaved), us at 4 / 16 / 32 / 64 KiB, before the latency path and the per-rank parts: at
@@ -77,6 +84,10 @@ ONESHOT_NODES_BYTES = 32 << 10
 # leads further: 2 nodes x 2 over 1gbit (Xeon, 2 cores; pinned, rounds interleaved), us at 32 /
 # 64 / 128 / 256 KiB: 378 / 542 / 1102 / 2188, the hierarchical segment 823 / 848 / 1081 / 2201.
 ONESHOT_TWO_NODES_BYTES = 64 << 10
+# At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
+# over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
+# 0.81 at 4 KiB, 0.85 at 8 KiB, 1.03 at 16 KiB.
+ONESHOT_WHOLE_BYTES = 8 << 10
 
 
 def limit(shm) -> int:
@@ -143,22 +154,26 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
         n = src.shape[0]
-        part = part_of(n, p)
-        lo = min(me * part, n)
+        # clause 9: a message this small goes whole from every local rank, with no step 5
+        whole = p == 1 or n * dtype.itemsize <= ONESHOT_WHOLE_BYTES
+        part = n if whole else part_of(n, p)
+        lo = 0 if whole else min(me * part, n)
         hi = min(lo + part, n)
         h = shm.next_half() * half
         step, col = board.reserve()
         partial = mine[h0:h0 + hi - lo]
-        # the result of this rank's part: dst itself on nodes of one rank (clause 4), else its
-        # own row's columns of the part, which only this rank reads until step 5's barrier
-        out = dst if p == 1 else rows[me, h + lo:h + hi]
+        # the result of this rank's part: dst itself where the message goes whole (clauses 4
+        # and 9), else its own row's columns of the part, which only this rank reads until
+        # step 5's barrier
+        out = dst if whole else rows[me, h + lo:h + hi]
         args = (src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc, ONESHOT_SPINS,
                 lo)
         local = (partial, rows, h + lo, op, 1, kind, scratch, acc)
         across = (out, finals, h0, op, divisor, kind, scratch, acc)
         gather = (dst, rows, h, part, kind)
         # What Numba's type of an array depends on: dtype, layout, writeability.
-        types = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous)
+        types = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous,
+                 whole)
         fns = compiled.get(types)
         if fns is None:  # NOTE [symmetric completion] in comm/algorithms/oneshot.py
             fns = compiled[types] = (entry_point(koneshot.oneshot_allreduce, args),
@@ -181,7 +196,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize,
                          combine if doubling else None)
         fns[2](*across)  # 4
-        if p > 1:  # 5
+        if not whole:  # 5
             board.barrier(timeout, coll)
             fns[3](*gather)
 
