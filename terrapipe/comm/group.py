@@ -57,7 +57,8 @@ class Group:
     an mpi4py communicator (None: a lone process, every collective local), or
     :meth:`over_torch` over torch.distributed, or :meth:`over_store` over a key-value store.
     ``timeout``: seconds a collective waits for the other ranks. ``node_size``: group ranks k per
-    node (emulates several nodes on one machine).
+    node (emulates several nodes on one machine; ValueError on every rank where an emulated
+    node's ranks are not on one machine, for they share its memory).
 
     Transports (None where the group has none): ``shm`` (this node's segment), ``mpi`` (the
     whole group over MPI), ``cross`` (MPI among the ranks of this local rank on every node),
@@ -67,6 +68,26 @@ class Group:
     """
 
     SHARED_WORD = SIG_WORDS - 2
+
+    @staticmethod
+    def _check_emulated_node(mpi_comm, node, node_size: int) -> None:
+        """ValueError on every rank where a ``node_size`` node's ranks span machines: its shared
+        segment would be a file on one machine's /dev/shm that the others cannot open."""
+        from mpi4py import MPI
+
+        shared = node.Split_type(MPI.COMM_TYPE_SHARED, key=node.Get_rank())
+        apart = shared.Get_size() != node.Get_size()
+        shared.Free()
+        if not mpi_comm.allreduce(apart, op=MPI.LOR):
+            return
+        hosts = mpi_comm.allgather(socket.gethostname())
+        first = next(r for r in range(0, len(hosts), node_size)
+                     if len(set(hosts[r:r + node_size])) > 1)
+        last = min(first + node_size, len(hosts))
+        spread = ", ".join(f"rank {q} on {hosts[q]}" for q in range(first, last))
+        node.Free()
+        raise ValueError(f"node_size={node_size}: an emulated node's ranks must share a machine, "
+                         f"but {spread}")
 
     def __init__(self, mpi_comm=None, timeout: float = 300.0, node_size: int | None = None) -> None:
         self._init_execution(timeout)
@@ -88,6 +109,8 @@ class Group:
             color = shared.allreduce(self.rank, op=MPI.MIN)
             shared.Free()
         node = mpi_comm.Split(color, key=self.rank)
+        if node_size:
+            self._check_emulated_node(mpi_comm, node, node_size)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         # Cores this node's ranks may run on: the union of their affinity masks (ranks bound
         # to one core each still count every core).

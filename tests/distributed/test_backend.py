@@ -116,8 +116,10 @@ def _bf16_against_float64(base, op, gloo, n):
         torch.testing.assert_close(ours, ref.to(torch.bfloat16), rtol=tol, atol=0)
     elif op == dist.ReduceOp.SUM:
         # Across nodes a result is rounded once per level: the node's partial (half a bf16 ulp of
-        # it: at most 2**-8 of the node's absolute sum), then the total.
-        bound = 2.0**-8 * (torch.stack(parts).abs().sum(0) + ref.abs())
+        # it: at most 2**-8 of the node's absolute sum), then the total; the ring among more than
+        # two nodes rounds its running partial at every hop, as NCCL's and Gloo's do: nnodes - 1
+        # roundings, each of a partial no larger than the absolute sum.
+        bound = 2.0**-8 * ((nnodes - 1) * torch.stack(parts).abs().sum(0) + ref.abs())
         assert ((ours.double() - ref).abs() <= bound).all(), (ours, ref)
     else:
         # Each node's partial product is rounded (at most 2**-8 relative), then the total.

@@ -31,11 +31,16 @@ WHOAMI = textwrap.dedent("""
         comm.allreduce(x)
         ok &= bool(np.all(x == n * (n + 1) / 2))
     across = g.split(g.local_rank)  # one rank per node: a communicator spanning the nodes
+    try:  # emulated nodes of two: on one machine at 2x2, refused across machines at 4x1
+        comm.Group(g.comm.Dup(), 60, node_size=2).close()
+        emulated = "made"
+    except ValueError as e:
+        emulated = str(e)
     y = np.ones(3)
     comm.allreduce(y, group=across)
     report = {"rank": r, "host": socket.gethostname(), "local": [comm.local_rank(),
               comm.local_size()], "nnodes": g.nnodes, "ok": ok, "across": [across.size, y[0]],
-              "shm": sorted(os.listdir("/dev/shm"))}
+              "shm": sorted(os.listdir("/dev/shm")), "emulated": emulated}
     open(f"{sys.argv[2]}/rank{r}.json", "w").write(json.dumps(report))
     comm.finalize()
     sys.exit(int(sys.argv[1]) if r == n - 1 else 0)
@@ -70,6 +75,11 @@ def test_ranks_find_their_hosts_and_the_jobs_exit_code_passes_through(tmp_path, 
         assert d["host"] == f"node{d['rank'] // per_node}"
         assert d["local"] == [d["rank"] % per_node, per_node] and d["nnodes"] == nodes
         assert d["ok"] and d["across"] == [nodes, nodes]
+        if per_node == 2:
+            assert d["emulated"] == "made", d["emulated"]
+        else:  # every rank refuses, naming the first emulated node that spans machines
+            assert d["emulated"].startswith("node_size=2: an emulated node's ranks must share a "
+                                            "machine, but rank 0 on node0, rank 1 on node1"), d["emulated"]
         # A node's /dev/shm is its own: only its own ranks' segments, none of the host's.
         assert not any(name.startswith("terrapipe_") for name in d["shm"]), d["shm"]
     assert _leftovers() == []
