@@ -182,10 +182,12 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
                                      entry_point(koneshot.collect, gather) if p > 1 else None,
                                      entry_point(koneshot.finish, (partial, parts[:2], 0, op, 1, kind,
                                                                    scratch, acc)) if doubling else None)
-        pairwise = fns[4]
+        combine = None
+        if doubling:
+            pairwise = fns[4]
 
-        def combine(pair: np.ndarray, offset: int) -> None:  # the two halves' partials, lower first
-            pairwise(partial, pair.view(dtype), offset // dtype.itemsize, op, 1, kind, scratch, acc)
+            def combine(pair: np.ndarray, offset: int) -> None:  # the halves' partials, lower first
+                pairwise(partial, pair.view(dtype), offset // dtype.itemsize, op, 1, kind, scratch, acc)
 
         state = fns[0](*args)  # 1, 2
         if state == koneshot.WAITING:
@@ -193,8 +195,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
             if ksync.rows_equal(board.sigs(step)) < 0:
                 fns[1](*local)
         # 3: a node's mismatch too is raised here, on every rank of every node
-        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize,
-                         combine if doubling else None)
+        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize, combine)
         fns[2](*across)  # 4
         if not whole:  # 5
             board.barrier(timeout, coll)

@@ -128,7 +128,7 @@ class MpiTransport(OwnCollectives):
                 pass  # a collective's request cannot be cancelled; it is abandoned
         if died:
             late, why = hint
-        elif len(missing) > 1 and self._late_hint() is None:
+        elif len(missing) > 1 and hint is None:
             late, why = [self.members[q] for q in missing], "one of these never arrived"
         else:
             late, why = self._late_ranks(peer)
@@ -176,7 +176,7 @@ class MpiTransport(OwnCollectives):
         return self.size >= 4 and self.size & (self.size - 1) == 0
 
     def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check, pair=None,
-                     combine: Callable[[int], None] | None = None) -> None:
+                     combine: Callable[[np.ndarray, int], None] | None = None) -> None:
         """Send this rank's message, ``inbox[rank, :nbytes]``, to every rank of ``comm`` and
         receive theirs into their rows of ``inbox`` (:meth:`exchange`); call ``check(sigs,
         ranks)`` on every rank's signature, in rank order, where any differ. A message begins
@@ -225,13 +225,13 @@ class MpiTransport(OwnCollectives):
         return counts
 
     def exchange_doubling(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
-                          combine: Callable[[int], None] | None) -> list[int]:
+                          combine: Callable[[np.ndarray, int], None] | None) -> list[int]:
         """:meth:`exchange` in log2(size) rounds (NOTE [agreement across nodes] 3 in
         comm/transports/shm.py): in round k this rank and rank ``rank ^ 2**k`` swap the tables
         of their halves so far and their payloads, each received into its sender's rows of
         ``inbox`` (tables) and of ``pair`` ((2, width) uint8 scratch, width at least size / 2
         tables and a payload: row 0 the lower half's message, row 1 the upper's). After each
-        round ``combine(offset)`` reduces ``pair[:, offset:offset + nbytes - head]``, lower row
+        round ``combine(pair, offset)`` reduces ``pair[:, offset:offset + nbytes - head]``, lower row
         first, into this rank's payload at ``inbox[rank, head:nbytes]``, so the payload carries
         its half's reduction into the next round, and the last round leaves the whole group's
         there; with ``combine`` None payloads are not sent. Returns each round's received
@@ -265,7 +265,7 @@ class MpiTransport(OwnCollectives):
                 for i in range(k):
                     counts[peer_base + i] = head + max(got - tables, 0)
             elif combine is not None:
-                combine(tables)
+                combine(pair, tables)
             k <<= 1
         return counts
 

@@ -251,16 +251,10 @@ class ShmTransport(Transport):
         if payload_bytes > PAYLOAD_BYTES:
             raise ValueError(f"payload_bytes: at most {PAYLOAD_BYTES}, got {payload_bytes}")
         self._node_table[: self.local_size, :-1] = sigs
-        reduce = None
-        if self._pair is not None and payload_bytes:
-            if combine is None:
-                raise ValueError("combine: recursive doubling reduces payloads on the way")
-            pair = self._pair
-
-            def reduce(offset: int) -> None:
-                combine(pair, offset)
+        if self._pair is not None and payload_bytes and combine is None:
+            raise ValueError("combine: recursive doubling reduces payloads on the way")
         self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check,
-                                self._pair, reduce)
+                                self._pair, combine if payload_bytes else None)
 
     def barrier(self) -> None:
         self.board.barrier(self.timeout, "barrier")
