@@ -81,9 +81,8 @@ from .object_cache import ObjectCache
 __all__ = ["N_PARAMS", "vector_lanes", "narrow_default", "narrow_weights", "kernel", "emit", "assembly",
            "call_kernel"]
 
-# The exact arithmetic's intermediate: 8 fractional bits (NOTE [...] 2). The narrow one's
-# (NOTE [...] 6): Q15 weights, 7 fractional bits after the vertical pass, 6 after the horizontal.
-EXACT_FRAC = 8
+# The narrow arithmetic's fixed point (NOTE [...] 6): Q15 weights, 7 fractional bits after the
+# vertical pass, 6 after the horizontal (the exact one's are image's, NOTE [...] 2).
 NARROW_WBITS, NARROW_XFRAC = 15, 6
 
 # Slots of the kernel's int64 parameter array (NOTE [a kernel generated ...] 5: the caller's).
