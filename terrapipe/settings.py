@@ -89,6 +89,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "comm"),
     Setting("TERRAPIPE_CMA", "flag", True,
             "`0`: never read peers' memory directly (single-copy collectives off)", "comm"),
+    Setting("TERRAPIPE_MPI_NATIVE", "flag", True,
+            "`0`: the agreement's exchange between nodes through mpi4py, not MPI's C API from "
+            "compiled code", "comm"),
     Setting("TERRAPIPE_HUGEPAGES", "flag", True,
             "`0`: never advise huge pages for buffers collectives read again and again", "comm"),
     Setting("TERRAPIPE_CUDA_COMM", "choice", "auto",

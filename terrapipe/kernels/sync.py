@@ -48,8 +48,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["load_acquire", "load_seq_cst", "store_release", "store_seq_cst", "fetch_add", "address_of",
-           "compare_exchange", "spin_until", "release_step", "publish_step", "rows_equal", "sleep_until",
-           "CAN_SLEEP"]
+           "compare_exchange", "spin_until", "yield_until", "release_step", "publish_step", "rows_equal",
+           "sleep_until", "CAN_SLEEP"]
 
 # futex(2): its system call number per architecture (NOTE [sleeping on a counter] 5).
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower(), -1)
@@ -57,6 +57,7 @@ CAN_SLEEP = sys.platform.startswith("linux") and _SYS_FUTEX > 0
 _FUTEX_WAIT = 0  # not FUTEX_PRIVATE_FLAG: the counters are shared between processes
 _FUTEX_WAKE = 1
 _WAKE_ALL = 0x7FFFFFFF
+_sched_yield = types.ExternalFunction("sched_yield", types.intc())
 _syscall = types.ExternalFunction(
     "syscall", types.intp(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp, types.intp))
 
@@ -197,6 +198,19 @@ def spin_until(steps, target, max_spins):
         if ready:
             return True
     return False
+
+
+@njit(nogil=True, cache=True)
+def yield_until(steps, target, spins, yields):
+    """:func:`spin_until` with the core yielded between rounds of ``spins`` polls, at most
+    ``yields`` times: True once every ``steps[i] >= target``, else False. For a wait that is
+    usually short where ranks outnumber cores: the peer waited for may need this core, and the
+    rounds between yields cost no Python (NOTE [waiting for a peer] in comm/wait.py)."""
+    for _ in range(yields):
+        if spin_until(steps, target, spins):
+            return True
+        _sched_yield()
+    return spin_until(steps, target, spins)
 
 
 @njit(nogil=True, cache=True, inline="always")

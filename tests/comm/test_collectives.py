@@ -8,6 +8,7 @@ import torch
 
 import terrapipe.comm as comm
 from terrapipe.comm.algorithms import oneshot, oneshot_nodes
+from terrapipe.comm.transports import mpi as mpi_transport
 
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
 OPS = ["sum", "avg", "min", "max", "prod"]
@@ -326,21 +327,30 @@ def test_the_one_shot_across_four_nodes_by_recursive_doubling_in_a_loop(mpi_comm
 
 
 @pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True, ci_ranks=(4,))
-def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches(mpi_comm):
+@pytest.mark.parametrize("native", [True, pytest.param(False, marks=pytest.mark.full)])
+def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches(mpi_comm, native):
     # Recursive doubling reduces in pairs, lower half first, so every rank must end with the
-    # same bits (random float32, float16 and bfloat16 data, where order changes the sum); a
-    # one-shot met by another collective's agreement, and a size mismatch, raise on every rank
-    # and leave later calls exact.
+    # same bits (random float32, float16 and bfloat16 data, where order changes the sum); so
+    # must the reduce-scatter and allgather that payloads of HALVING_BYTES and more take in
+    # compiled code (NOTE [MPI from compiled code] 8 in comm/transports/mpi_native.py), sizes
+    # around its threshold and blocks of one element or none. A one-shot met by another
+    # collective's agreement, by a one-shot of the other exchange, and a size mismatch, raise on
+    # every rank and leave later calls exact. ``native``: MPI's C API from compiled code, or
+    # mpi4py's (which never halves).
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"
+    os.environ["TERRAPIPE_MPI_NATIVE"] = "1" if native else "0"
     g = comm.init(timeout=30)
     assert g.nnodes == 4 and g.shm.cross.doubling
+    assert (g.shm.cross.native is not None) == native
     r, p = g.rank, g.size
     log = g.record_algorithms()
     limit = oneshot_nodes.limit(g.shm)
-    for i, (dtype, op) in enumerate([("float32", "sum"), ("float16", "sum"), ("bfloat16", "avg"),
-                                      ("float64", "prod"), ("float32", "max")] * 4):
+    halving = mpi_transport.HALVING_BYTES
+    cases = [("float32", "sum"), ("float16", "sum"), ("bfloat16", "avg"), ("float64", "prod"),
+             ("float32", "max")]
+    for i, (dtype, op) in enumerate(cases * 5):
         size = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype]
-        n = (1, 17, 1000, limit // size)[i % 4]
+        n = (1, 17, 1000, halving // size - 1, halving // size + 3, limit // size)[i % 6] if i < 24 else 2
         x = _data(r, n, dtype, seed=11 + i)
         del log[:]
         comm.allreduce(x, op)
@@ -354,6 +364,7 @@ def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches
     big = limit // 4 + 1000  # past the one-shot: an agreement, then data
     _mismatch_then_exact(g, (big, limit // 4))
     _mismatch_then_exact(g, (100, 1000))
+    _mismatch_then_exact(g, (1000, limit // 4))  # recursive doubling met by the reduce-scatter
 
 
 def _one_shot_across_nodes_loop(per_node: int, nodes: int) -> None:

@@ -18,6 +18,7 @@ from terrapipe.kernels.sync import (
     sleep_until,
     spin_until,
     store_seq_cst,
+    yield_until,
 )
 
 needs_futex = pytest.mark.skipif(not CAN_SLEEP, reason="futex sleeping is Linux on x86-64/AArch64")
@@ -121,3 +122,29 @@ def test_ping_pong_through_sleeps_loses_no_wakeup():
     assert not any(t.is_alive() for t in threads) and not stalls
     assert steps.tolist() == [rounds, rounds] and not sleepers.any()
     assert time.monotonic() - start < 60
+
+
+def test_yield_until_returns_once_every_counter_is_there_and_gives_up_after_its_yields():
+    steps, _ = _board(3)
+    steps[:] = (4, 5, 3)
+    assert not yield_until(steps, 4, 8, 16)  # rank 2 is behind: every yield spent, then False
+    steps[2] = 4
+    assert yield_until(steps, 4, 8, 0)
+
+    # A peer thread that gets there while this one yields: the yields let it run.
+    steps[:] = 0
+    seen = []
+
+    def peer():
+        time.sleep(0.01)
+        release_step(steps, _board(3)[1], 1, 1)
+        release_step(steps, _board(3)[1], 2, 1)
+
+    steps[0] = 1
+    t = threading.Thread(target=peer)
+    t.start()
+    while not seen:
+        if yield_until(steps, 1, 64, 1000):
+            seen.append(True)
+    t.join()
+    assert steps.tolist() == [1, 1, 1]

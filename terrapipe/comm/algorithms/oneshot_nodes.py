@@ -41,7 +41,10 @@ NOTE [one-shot across nodes]
        comm/select.py too), two or three compiled calls and the exchange (receives posted
        first, then polled with the sends in one MPI call a poll). Over emulated 1gbit links on
        two cores (4 KiB float32, 2 nodes x 1), the general path, probing each arrival, took
-       101 us a call where MPICH's allreduce took 33; this one 45.5 against 38.5.
+       101 us a call where MPICH's allreduce took 33; this one 45.5 against 38.5. The exchange
+       itself, its polls and its reductions on the way now run in compiled code (NOTE [MPI
+       from compiled code] in comm/transports/mpi_native.py): at 2 nodes x 2 ranks on two
+       cores that took a 4 KiB call from 110 us of CPU per rank to about 65.
     8. Among a power of two of at least four nodes, step 3 is recursive doubling (NOTE
        [agreement across nodes] 3 in comm/transports/shm.py): after each round this rank's
        partial becomes its half's, the two halves' partials combined lower half first
@@ -51,7 +54,9 @@ NOTE [one-shot across nodes]
        over 1gbit (Xeon, 2 cores), us against MPICH's allreduce at 16 / 32 KiB: 335 / 553
        against 188 / 412, where the exchange to all took 419 / 826 against 203 / 412; at 64
        KiB it lost to the hierarchical ring (1102 against 956), so the limit among more than
-       two nodes stays ONESHOT_NODES_BYTES.
+       two nodes stays ONESHOT_NODES_BYTES. From HALVING_BYTES (comm/transports/mpi.py) the
+       compiled exchange reduce-scatters the partials and allgathers them instead (NOTE [MPI
+       from compiled code] 8): the same bits on every rank, 1.5 x n per link at 4 nodes.
     9. Up to ONESHOT_WHOLE_BYTES, on nodes of several ranks, every local rank carries the whole
        message instead of its part (step 2 reduces every element, step 4 writes the output),
        and step 5 goes: its second meeting of the node's ranks cost more than the link's extra
@@ -63,10 +68,14 @@ NOTE [one-shot across nodes]
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
+from ..transports import mpi_native
+from ..transports.board import ROUND_SPINS, SIG_WORDS, YIELDS
+from ..transports.mpi import NATIVE_SPINS
 from ..transports.shm import PAYLOAD_BYTES
 from .oneshot import ONESHOT_SPINS, entry_point
 
@@ -135,6 +144,48 @@ def part_of(n: int, local_size: int) -> int:
     return -(-n // (16 * local_size)) * 16
 
 
+# _fused's answer when the node's ranks had not all arrived within its yields (the caller waits
+# for them in Python, then goes on with the exchange).
+LOCAL_WAIT = -3
+
+
+@njit(nogil=True, cache=True)
+def _fused(src, dst, rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, cfg, reqs,
+           statuses, counts, cells, h, step, col, lo, hi, whole, me, p, node, h0, head, op, divisor, kind,
+           doubling):
+    """Steps 1-4 of NOTE [one-shot across nodes] in one compiled call, the exchange by MPI's C
+    API (NOTE [MPI from compiled code] in comm/transports/mpi_native.py): DONE, or where it
+    stopped for the caller to go on in Python: LOCAL_WAIT (the node's ranks not all there
+    after its yields: steps 1-2 done, the wait and the rest to do), PENDING (the exchange
+    posted and polled: resume it), DISAGREE (every table known: describe the mismatch), or
+    minus an MPI error code. Arguments as :func:`allreduce` builds them: the one-shot's
+    (kernels/oneshot.py), the exchange's (:func:`mpi_native.advance`) and this call's part
+    ``[lo, hi)`` of the message, whether it goes ``whole`` (clause 9)."""
+    partial = parts[node, h0:h0 + hi - lo]
+    state = koneshot.oneshot_allreduce(src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch,
+                                       acc, ONESHOT_SPINS, lo)
+    if state == koneshot.WAITING:
+        if not ksync.yield_until(table[:, 0], step, ROUND_SPINS, YIELDS):
+            return LOCAL_WAIT
+        if ksync.rows_equal(table[:, col:col + SIG_WORDS]) < 0:
+            koneshot.finish(partial, rows, h + lo, op, 1, kind, scratch, acc)
+    cols = SIG_WORDS + 1  # this node's table: each local rank's signature (its rank is set)
+    for r in range(p):
+        for i in range(SIG_WORDS):
+            words[node, r * cols + i] = table[r, col + i]
+    nbytes = head + (hi - lo) * parts.itemsize
+    state = mpi_native.advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
+                               partial, pair_t, op, kind, scratch, acc, NATIVE_SPINS)
+    if state != mpi_native.DONE:
+        return state
+    finals = parts[node:node + 1] if doubling else parts  # clause 8: the last step only divides
+    if whole:
+        koneshot.finish(dst, finals, h0, op, divisor, kind, scratch, acc)
+    else:
+        koneshot.finish(rows[me, h + lo:h + hi], finals, h0, op, divisor, kind, scratch, acc)
+    return mpi_native.DONE
+
+
 def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check, size: int):
     rows, scratch = shm.rows(dtype), shm.private_row(dtype)
     half = rows.shape[1] // 2
@@ -143,14 +194,22 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     inbox, head = shm.inbox()
     parts = inbox.view(dtype)  # (nodes, width / itemsize): every node's message, as dtype
     h0 = head // dtype.itemsize  # where the payloads begin in those rows
-    node = shm.cross.rank
+    cross = shm.cross
+    node = cross.rank
     mine = parts[node]
     # NOTE [one-shot across nodes] 8: by recursive doubling the partials are reduced on the way,
     # and the last step only divides this node's row.
-    doubling = shm.cross.doubling
+    doubling = cross.doubling
     finals = parts[node:node + 1] if doubling else parts
     divisor = size if op == kreduce.AVG else 1
     compiled = {}
+    native = cross.native
+    fixed = None
+    if native is not None:  # _fused's arguments that do not change from call to call
+        pair = shm.pair if shm.pair is not None else native.no_pair
+        fixed = (rows, table, sig, scratch, acc, parts, inbox, native.words(inbox), pair, pair.view(dtype),
+                 native.st, native.cfg, native.reqs, native.statuses, native.counts, native.cells)
+        tail = (me, p, node, h0, head, op, divisor, kind, doubling)
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
         n = src.shape[0]
@@ -161,44 +220,56 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         hi = min(lo + part, n)
         h = shm.next_half() * half
         step, col = board.reserve()
-        partial = mine[h0:h0 + hi - lo]
-        # the result of this rank's part: dst itself where the message goes whole (clauses 4
-        # and 9), else its own row's columns of the part, which only this rank reads until
-        # step 5's barrier
-        out = dst if whole else rows[me, h + lo:h + hi]
-        args = (src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc, ONESHOT_SPINS,
-                lo)
-        local = (partial, rows, h + lo, op, 1, kind, scratch, acc)
-        across = (out, finals, h0, op, divisor, kind, scratch, acc)
-        gather = (dst, rows, h, part, kind)
         # What Numba's type of an array depends on: dtype, layout, writeability.
         types = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous,
                  whole)
         fns = compiled.get(types)
         if fns is None:  # NOTE [symmetric completion] in comm/algorithms/oneshot.py
-            fns = compiled[types] = (entry_point(koneshot.oneshot_allreduce, args),
-                                     entry_point(koneshot.finish, local),
-                                     entry_point(koneshot.finish, across),
-                                     entry_point(koneshot.collect, gather) if p > 1 else None,
-                                     entry_point(koneshot.finish, (partial, parts[:2], 0, op, 1, kind,
-                                                                   scratch, acc)) if doubling else None)
-        combine = None
-        if doubling:
-            pairwise = fns[4]
-
-            def combine(pair: np.ndarray, offset: int) -> None:  # the halves' partials, lower first
-                pairwise(partial, pair.view(dtype), offset // dtype.itemsize, op, 1, kind, scratch, acc)
-
-        state = fns[0](*args)  # 1, 2
-        if state == koneshot.WAITING:
-            board.wait(step, timeout, coll)
-            if ksync.rows_equal(board.sigs(step)) < 0:
-                fns[1](*local)
-        # 3: a node's mismatch too is raised here, on every rank of every node
-        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize, combine)
-        fns[2](*across)  # 4
+            fns = compiled[types] = _compile(src, dst, h, step, col, lo, hi, whole)
+        state = LOCAL_WAIT
+        if fns[4] is not None:  # all of it in one compiled call, Python only where it stops
+            state = fns[4](src, dst, *fixed, h, step, col, lo, hi, whole, *tail)
+        if state != mpi_native.DONE:
+            _go_on(state, src, dst, fns, h, step, col, lo, hi, whole)
         if not whole:  # 5
             board.barrier(timeout, coll)
-            fns[3](*gather)
+            fns[3](dst, rows, h, part, kind)
+
+    def _go_on(state, src, dst, fns, h, step, col, lo, hi, whole) -> None:
+        """Steps 1-4 in Python around the compiled kernels, from where _fused stopped (or from
+        the start where MPI's C API is not reached from compiled code)."""
+        partial = mine[h0:h0 + hi - lo]
+        if state < 0 and state != LOCAL_WAIT:
+            cross.raise_native_error(coll, state)
+        if state == mpi_native.DISAGREE:
+            cross.raise_mismatch(coll, inbox, head, native.counts, check)
+        if state == LOCAL_WAIT:
+            if fns[4] is None:
+                state = fns[0](src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc,
+                               ONESHOT_SPINS, lo)  # 1, 2
+            if state == koneshot.WAITING or fns[4] is not None:
+                board.wait(step, timeout, coll)
+                if ksync.rows_equal(board.sigs(step)) < 0:
+                    fns[1](partial, rows, h + lo, op, 1, kind, scratch, acc)
+        # 3 (or the rest of it, PENDING): a node's mismatch too is raised here, on every rank of
+        # every node; clause 8: by recursive doubling the partials are reduced on the way
+        reduction = (partial, op, kind, scratch, acc) if doubling else None
+        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize, reduction)
+        out = dst if whole else rows[me, h + lo:h + hi]
+        fns[2](out, finals, h0, op, divisor, kind, scratch, acc)  # 4
+
+    def _compile(src, dst, h, step, col, lo, hi, whole):
+        """Every kernel a call of these types may run, compiled (or loaded) before it publishes."""
+        partial = mine[h0:h0 + hi - lo]
+        out = dst if whole else rows[me, h + lo:h + hi]
+        local = (src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc, ONESHOT_SPINS,
+                 lo)
+        gather = (dst, rows, h, part_of(src.shape[0], p), kind)
+        return (entry_point(koneshot.oneshot_allreduce, local),
+                entry_point(koneshot.finish, (partial, rows, h + lo, op, 1, kind, scratch, acc)),
+                entry_point(koneshot.finish, (out, finals, h0, op, divisor, kind, scratch, acc)),
+                entry_point(koneshot.collect, gather) if p > 1 else None,
+                entry_point(_fused, (src, dst, *fixed, h, step, col, lo, hi, whole, *tail))
+                if fixed is not None else None)
 
     return call

@@ -50,7 +50,7 @@ from ...launch_env import alive
 from ..errors import CollectiveTimeoutError
 from ..wait import wait_until
 
-__all__ = ["Board", "LOST", "SIG_WORDS", "wait_mode"]
+__all__ = ["Board", "LOST", "SIG_WORDS", "ROUND_SPINS", "YIELDS", "wait_mode"]
 
 LOST = "lost across nodes by a rank of this node"  # ShmTransport.late()'s why (clause 5)
 
@@ -60,7 +60,10 @@ _SIG_COLS = (8, 32)  # the two signature slots (by step parity); column 0 is the
 # Polls of the step counters before a waiting rank first yields its core (a few microseconds:
 # the usual wait when every rank has a core), then per round between yields.
 _FIRST_SPINS = 2000
-_ROUND_SPINS = 64
+ROUND_SPINS = 64
+# Yields in compiled code before the wait goes on in Python (comm/wait.py), where it looks at
+# the clock and its peers' liveness and drives MPI's progress between rounds.
+YIELDS = 16
 # A wait that has yielded this long sleeps on the late counter instead (NOTE [sleeping on a
 # counter] in kernels/sync.py), at most _NAP_SECONDS at a time: between naps it looks at the
 # clock and its peers' liveness and drives MPI's progress (NOTE [waiting for a peer] in
@@ -131,10 +134,11 @@ class Board:
         [sleeping on a counter] in kernels/sync.py); raises CollectiveTimeoutError naming the
         late ranks after ``timeout`` seconds, or at once when one of them died."""
         steps = self.steps
-        if ksync.spin_until(steps, step, _FIRST_SPINS):
+        if ksync.spin_until(steps, step, _FIRST_SPINS) or \
+                ksync.yield_until(steps, step, ROUND_SPINS, YIELDS):
             return
         sleepers, nap = self.sleepers, self._nap
-        wait_until(lambda: ksync.spin_until(steps, step, _ROUND_SPINS), timeout,
+        wait_until(lambda: ksync.spin_until(steps, step, ROUND_SPINS), timeout,
                    lambda timed_out: self._failure(step, timed_out, timeout, what),
                    nap=(lambda: ksync.sleep_until(steps, sleepers, step, nap)) if self.sleeps else None,
                    progress=self.progress, sleep_after=_SLEEP_AFTER_SECONDS if self.sleeps else None)

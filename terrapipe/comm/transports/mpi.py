@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ... import settings, timeline
+from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from .. import ops
@@ -28,6 +29,7 @@ from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from ..wait import wait_until
 from .base import OwnCollectives
 from .board import LOST, SIG_WORDS
+from .mpi_native import DONE, PENDING, bind
 
 __all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES"]
 
@@ -42,6 +44,14 @@ CHUNK_BYTES = 512 << 10
 # The agreement's messages between nodes (NOTE [agreement across nodes] in comm/transports/shm.py),
 # on a duplicate communicator of their own.
 AGREE_TAG = 7203
+# Yields an exchange in compiled code makes before Python asks whether a peer died or the time
+# is up (NOTE [MPI from compiled code] 4). A 4 KiB exchange across emulated nodes sharing two
+# cores took under two yields on average.
+NATIVE_SPINS = 64
+# Payloads of at least this many bytes cross a power of two of at least four nodes by
+# reduce-scatter and allgather (NOTE [MPI from compiled code] 8, with the measurements), smaller
+# ones whole in each round of recursive doubling: two rounds fewer, which won up to 12 KiB.
+HALVING_BYTES = 16 << 10
 
 
 class MpiTransport(OwnCollectives):
@@ -81,6 +91,8 @@ class MpiTransport(OwnCollectives):
         self.chunk_bytes = CHUNK_BYTES  # the ring's message size (tune())
         self.ring_scratch = np.empty(2 * CHUNK_BYTES, np.uint8)  # the ring's receive buffers
         self._acc = np.empty(kreduce.TILE, np.float32)
+        native = settings.get("TERRAPIPE_MPI_NATIVE")
+        self.native = bind(self.agree_comm, AGREE_TAG, self.doubling, HALVING_BYTES) if native else None
 
     # -- waiting ------------------------------------------------------------------------------
     def wait(self, req, what: str, peer: int | None = None) -> None:
@@ -176,7 +188,7 @@ class MpiTransport(OwnCollectives):
         return self.size >= 4 and self.size & (self.size - 1) == 0
 
     def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check, pair=None,
-                     combine: Callable[[np.ndarray, int], None] | None = None) -> None:
+                     reduction: tuple | None = None) -> None:
         """Send this rank's message, ``inbox[rank, :nbytes]``, to every rank of ``comm`` and
         receive theirs into their rows of ``inbox`` (:meth:`exchange`); call ``check(sigs,
         ranks)`` on every rank's signature, in rank order, where any differ. A message begins
@@ -187,10 +199,17 @@ class MpiTransport(OwnCollectives):
         every message then has ``nbytes`` bytes.
 
         Where :attr:`doubling`, by :meth:`exchange_doubling` (``pair``: its (2, width) uint8
-        scratch; ``combine``: its reduction of the payloads, or None where they only travel
-        with the tables)."""
-        if self.doubling:
-            counts = self.exchange_doubling(coll, inbox, head, nbytes, pair, combine)
+        scratch; ``reduction``: (partial, op, kind, scratch, acc), how the payloads are reduced
+        on the way: ``partial`` this rank's payload as its dtype, the rest as for
+        :func:`~terrapipe.kernels.oneshot.finish`; None where only tables travel). In compiled
+        code where MPI's C API can be reached (NOTE [MPI from compiled code] in
+        comm/transports/mpi_native.py), else through mpi4py."""
+        if self.native is not None:
+            counts = self._exchange_native(coll, inbox, head, nbytes, pair, reduction)
+            if counts is None:
+                return
+        elif self.doubling:
+            counts = self.exchange_doubling(coll, inbox, head, nbytes, pair, reduction)
         else:
             counts = self.exchange(coll, inbox, nbytes)
         words = inbox.view(np.int64)
@@ -199,11 +218,55 @@ class MpiTransport(OwnCollectives):
         if ksync.tables_agree(words, head // 8, cols, words[self.rank, : cols - 1]) and \
                 all(c == nbytes for c in counts):
             return
+        self.raise_mismatch(coll, inbox, head, counts, check)
+
+    def raise_mismatch(self, coll, inbox: np.ndarray, head: int, counts, check) -> None:
+        """Raise what an exchange that did not agree means: ``check(sigs, ranks)`` on every
+        rank's signature, in rank order (CollectiveMismatchError where they differ), else
+        CommError for messages of different lengths under one signature. ``inbox`` and
+        ``head`` as in :meth:`agree_tables`; ``counts``: each rank's message length."""
+        cols = SIG_WORDS + 1
+        words = inbox.view(np.int64)
         tables = words[:, : head // 8].reshape(-1, cols)  # sorted by rank only to describe
         rows = tables[tables[:, -1] >= 0]
         rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
         check(rows[:, :-1], [int(r) for r in rows[:, -1]])
-        raise CommError(f"{coll}: messages of {sorted(set(counts))} bytes under one signature")
+        lengths = sorted({int(c) for c in counts})
+        raise CommError(f"{coll}: messages of {lengths} bytes under one signature")
+
+    def raise_native_error(self, what: str, state: int) -> None:
+        """Raise minus ``state``, an MPI error code from the compiled exchange, with MPI's text,
+        after cancelling what it had posted."""
+        self.native.abandon()
+        text = self._MPI.Get_error_string(-state)
+        raise CommError(f"{what}: MPI failed in the exchange between nodes: {text}")
+
+    def _exchange_native(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair, reduction):
+        """The exchange in compiled code (NOTE [MPI from compiled code] 4-6): None once every
+        table agrees, else each rank's message length (a mismatch for the caller to describe)."""
+        native = self.native
+        state = native.start(inbox, head, nbytes, pair, reduction, NATIVE_SPINS)
+        if state == PENDING:
+            self.on_waiting(True)
+            try:
+                wait_until(lambda: native.resume() != PENDING, self.timeout,
+                           lambda timed_out: self._native_failure(timed_out, what), sleep_after=None,
+                           check_every=1)
+            finally:
+                self.on_waiting(False)
+            state = native.state
+        if state == DONE:
+            return None
+        if state < 0:
+            self.raise_native_error(what, state)
+        return [int(c) for c in native.counts]
+
+    def _native_failure(self, timed_out: bool, what: str) -> Exception | None:
+        native = self.native
+        error = self._failure([], timed_out, what, None, native.late)
+        if error is not None:
+            native.abandon()
+        return error
 
     def exchange(self, what: str, inbox: np.ndarray, nbytes: int) -> list[int]:
         """Send ``inbox[rank, :nbytes]`` to every other rank of ``comm`` and receive each one's
@@ -225,20 +288,21 @@ class MpiTransport(OwnCollectives):
         return counts
 
     def exchange_doubling(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
-                          combine: Callable[[np.ndarray, int], None] | None) -> list[int]:
+                          reduction: tuple | None) -> list[int]:
         """:meth:`exchange` in log2(size) rounds (NOTE [agreement across nodes] 3 in
         comm/transports/shm.py): in round k this rank and rank ``rank ^ 2**k`` swap the tables
         of their halves so far and their payloads, each received into its sender's rows of
         ``inbox`` (tables) and of ``pair`` ((2, width) uint8 scratch, width at least size / 2
         tables and a payload: row 0 the lower half's message, row 1 the upper's). After each
-        round ``combine(pair, offset)`` reduces ``pair[:, offset:offset + nbytes - head]``, lower row
-        first, into this rank's payload at ``inbox[rank, head:nbytes]``, so the payload carries
+        round the payloads, ``pair[:, offset:offset + nbytes - head]``, are reduced lower row
+        first into this rank's, at ``inbox[rank, head:nbytes]`` (``reduction``: (partial, op,
+        kind, scratch, acc), ``partial`` that payload as its dtype), so the payload carries
         its half's reduction into the next round, and the last round leaves the whole group's
-        there; with ``combine`` None payloads are not sent. Returns each round's received
+        there; with ``reduction`` None payloads are not sent. Returns each round's received
         length per rank of the peer's half, rank order, as :meth:`exchange` does: ``head`` +
         payload where all agree."""
         comm, me, MPI = self.agree_comm, self.rank, self._MPI
-        payload = nbytes - head if combine is not None else 0
+        payload = nbytes - head if reduction is not None else 0
         mine = inbox[me, head:head + payload]
         counts = [nbytes] * self.size
         statuses = self._statuses[:2]
@@ -264,8 +328,10 @@ class MpiTransport(OwnCollectives):
             if got != tables + payload:  # another call's message: its tables tell which
                 for i in range(k):
                     counts[peer_base + i] = head + max(got - tables, 0)
-            elif combine is not None:
-                combine(pair, tables)
+            elif reduction is not None:  # the halves' partials, lower first
+                partial, op, kind, scratch, acc = reduction
+                koneshot.finish(partial, pair.view(partial.dtype), tables // partial.itemsize, op, 1, kind,
+                                scratch, acc)
             k <<= 1
         return counts
 

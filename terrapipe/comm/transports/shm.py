@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Callable
 
 import numpy as np
 
@@ -183,7 +182,7 @@ class ShmTransport(Transport):
         # any message of an exchange can be, whichever call each rank made (NOTE [agreement
         # across nodes] 2); this node's table in its own row: signature and group rank per
         # row, rank -1 pads.
-        self._inbox = self._head = self._node_table = self._pair = None
+        self._inbox = self._head = self._node_table = self.pair = None
         if cross is not None:
             from mpi4py import MPI
 
@@ -197,7 +196,7 @@ class ShmTransport(Transport):
             # Recursive doubling's two messages of a round (NOTE [agreement across nodes] 3):
             # half the nodes' tables and a payload at most.
             pair_width = -(-(cross.size // 2 * self._head + PAYLOAD_BYTES) // 64) * 64
-            self._pair = np.empty((2, pair_width), np.uint8) if cross.doubling else None
+            self.pair = np.empty((2, pair_width), np.uint8) if cross.doubling else None
             self._node_table[:p, -1] = self.board.ranks
         self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
 
@@ -238,23 +237,22 @@ class ShmTransport(Transport):
         return self._inbox, self._head
 
     def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0,
-                     combine: Callable[[np.ndarray, int], None] | None = None) -> None:
+                     reduction: tuple | None = None) -> None:
         """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
         read off the board, to every other node, with the ``payload_bytes`` (at most
         PAYLOAD_BYTES) this rank wrote after its table in :meth:`inbox`; returns once every
         signature agrees, every node's payload then in its row of the inbox. Where the
         exchange goes by recursive doubling (``cross.doubling``, clause 3) the payloads are
-        reduced on the way instead, by ``combine(pair, offset)``: reduce ``pair[:, offset:offset +
-        payload_bytes]`` ((2, width) uint8, lower row first) into this rank's payload, which
-        then ends as the whole group's reduction; ``combine`` is required there when there is a
-        payload."""
+        reduced on the way instead, as ``reduction`` says: (partial, op, kind, scratch, acc),
+        ``partial`` this rank's payload as its dtype, which then ends as the whole group's
+        reduction (``MpiTransport.agree_tables``); required there when there is a payload."""
         if payload_bytes > PAYLOAD_BYTES:
             raise ValueError(f"payload_bytes: at most {PAYLOAD_BYTES}, got {payload_bytes}")
         self._node_table[: self.local_size, :-1] = sigs
-        if self._pair is not None and payload_bytes and combine is None:
-            raise ValueError("combine: recursive doubling reduces payloads on the way")
+        if self.pair is not None and payload_bytes and reduction is None:
+            raise ValueError("reduction: recursive doubling reduces payloads on the way")
         self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check,
-                                self._pair, combine if payload_bytes else None)
+                                self.pair, reduction if payload_bytes else None)
 
     def barrier(self) -> None:
         self.board.barrier(self.timeout, "barrier")

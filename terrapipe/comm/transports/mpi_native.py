@@ -1,0 +1,441 @@
+"""MPI's C API called from compiled code: the exchange between nodes of an agreement (and of the
+one-shot's partials with it) in one compiled call, with no Python per message or per poll.
+
+NOTE [MPI from compiled code]
+    1. Why. The smallest allreduces across nodes are latency: a board step on each node and one
+       exchange between nodes (NOTE [one-shot across nodes] in comm/algorithms/oneshot_nodes.py).
+       Through mpi4py the exchange was Python per request, per poll and per status, and
+       where ranks share cores (emulated nodes, a busy machine) every rank's CPU is the others'
+       wall time: at 2 nodes x 2 ranks on two cores a 4 KiB allreduce took 110 us of CPU per
+       rank and call, half of it in Python's interpreter, where MPICH's own allreduce took 54
+       (its wall time 109 us to our 220: twice the CPU per rank, as both are CPU-bound there).
+    2. How. The functions are resolved by name from the MPI library mpi4py loaded (its
+       extension module's dependencies, through ctypes) and registered with llvmlite
+       (``add_symbol``) before anything here is called; the compiled code calls them by name
+       (``numba.types.ExternalFunction``), as comm/transports/cma.py calls
+       ``process_vm_readv``, so Numba's on-disk cache holds it: an address baked into the code
+       would not survive a new process.
+    3. Which MPI. Handles are int32, as in MPICH's ABI (MPICH, Intel MPI, MVAPICH, Cray MPICH),
+       the MPI this project ships with (the ``mpich`` wheel). Where they are not (Open MPI's
+       handles are pointers) :func:`bind` returns None and the transport's Python exchange
+       runs: the same messages, the same errors, slower.
+    4. One state machine for both exchanges (to every other rank, or by recursive doubling,
+       NOTE [agreement across nodes] 2-3 in comm/transports/shm.py): :func:`advance` posts a
+       round, polls it (``MPI_Testall``, then ``sched_yield`` between polls: no spinning
+       before the first yield, NOTE [waiting for a peer] 2 in comm/wait.py) and goes on to the
+       next round, until the exchange is done or it has yielded ``spins`` times. Then it returns
+       PENDING with its state in ``st``, and the caller, in Python, asks whether a peer died or
+       the timeout passed (comm/wait.py) before calling it again: a wait that fails is named
+       and cancelled by the same code as before, and nothing in compiled code sleeps or
+       decides to give up.
+    5. Done, it checks every table against this rank's signature and every message's length
+       (DONE or DISAGREE): the Python that describes a mismatch runs only on one.
+    6. An MPI error code comes back negative (the communicators return errors: mpi4py's
+       default); the caller raises it with MPI's text for it.
+    7. Recursive doubling's first phase is the tables' (NOTE [agreement across nodes] 3): in
+       round k this rank and rank ``rank ^ k`` swap their halves' tables so far, each message
+       followed by the payload it carries in that round. After log2(size) rounds every rank
+       holds every table, whatever the payloads were, so every rank decides alike whether the
+       group agrees; a rank in another collective (another payload, or none) still meets its
+       peers round for round and raises the same mismatch.
+    8. A payload of at least ``cfg[C_HALVING]`` bytes (``HALVING_BYTES`` in
+       comm/transports/mpi.py) goes by reduce-scatter and allgather instead of whole in each
+       round: in round k a rank sends the half of its block that the peer keeps (the upper half
+       where bit k of the peer's rank is set, :func:`_block`) and reduces the half it keeps,
+       the lower rank's data first; once every table agrees (only then: a group that
+       disagrees stops after the first phase, on every rank), the allgather's rounds, from the
+       largest distance down, swap finished blocks into place. A link carries 1.5 x the
+       payload at 4 nodes (2 (size - 1) / size), not 2 x: what MPICH's allreduce does there
+       from a few KiB. Every block is reduced on one rank and copied to the others, so every
+       rank holds the same bits. Among 4 emulated nodes over 1gbit links (2-core Xeon, float32,
+       both ways and MPICH's allreduce interleaved in one run), us at 12 / 16 / 24 / 32 KiB:
+       doubling 208 / 280 / 418 / 554, halving 226 / 270 / 316 / 419, MPICH 154 / 200 / 312 /
+       414. Links there move a KiB in 8.2 us, so both are bound by the bytes a link carries.
+
+Why one module: the functions bound by name, the compiled code that calls them and the object
+that holds one communicator's handles and state are one contract (the slots of ``cfg`` and
+``st``, the requests' layout); split, each file would depend on the other's private layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from numba import njit, types
+
+from ...kernels import oneshot as koneshot
+from ...kernels import sync as ksync
+from .board import SIG_WORDS
+
+__all__ = ["bind", "supported", "Exchange", "DONE", "PENDING", "DISAGREE"]
+
+PENDING, DONE, DISAGREE = 0, 1, 2
+
+# cfg's slots (int32): the communicator, MPI_BYTE, the tag, this rank, the size, whether by
+# recursive doubling, the bytes of one MPI_Status, MPI_REQUEST_NULL, the smallest payload that
+# goes by reduce-scatter and allgather (clause 8; 0: none).
+C_COMM, C_BYTE, C_TAG, C_RANK, C_SIZE, C_DOUBLING, C_STATUS, C_NULL, C_HALVING, N_CFG = range(10)
+# st's slots (int64): the round (the distance to the peer, 1, 2, 4, ...; 1 for the exchange to
+# all), whether its requests are posted, how many there are, and the phase (0: the tables'
+# rounds; 1: the allgather's, from the largest distance down).
+S_ROUND, S_POSTED, S_NREQ, S_PHASE, N_ST = range(5)
+
+_SIG_COLS = SIG_WORDS + 1  # a table's row: a rank's signature, then its group rank
+
+_i32, _ptr = types.int32, types.uintp
+_Isend = types.ExternalFunction("MPI_Isend", _i32(_ptr, _i32, _i32, _i32, _i32, _i32, _ptr))
+_Irecv = types.ExternalFunction("MPI_Irecv", _i32(_ptr, _i32, _i32, _i32, _i32, _i32, _ptr))
+_Testall = types.ExternalFunction("MPI_Testall", _i32(_i32, _ptr, _ptr, _ptr))
+_Get_count = types.ExternalFunction("MPI_Get_count", _i32(_ptr, _i32, _ptr))
+_Request_get_status = types.ExternalFunction("MPI_Request_get_status", _i32(_i32, _ptr, _ptr))
+_Cancel = types.ExternalFunction("MPI_Cancel", _i32(_ptr))
+_sched_yield = types.ExternalFunction("sched_yield", types.intc())
+_SYMBOLS = ("MPI_Isend", "MPI_Irecv", "MPI_Testall", "MPI_Get_count", "MPI_Request_get_status", "MPI_Cancel")
+_bound: bool | None = None
+
+
+def _int32(handle: int) -> int:
+    """An MPICH handle as the int32 it is in C (mpi4py hands it out sign-extended to 64 bits)."""
+    return ((handle & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+
+
+def supported(MPI) -> bool:
+    """Whether ``MPI`` (mpi4py's module) has MPICH's ABI: int32 communicator, datatype and
+    request handles (NOTE [MPI from compiled code] 3)."""
+    return all(MPI._sizeof(t) == 4 for t in (MPI.Comm, MPI.Datatype, MPI.Request))
+
+
+def _resolve(MPI) -> bool:
+    """Register the MPI library's functions with llvmlite, once per process (NOTE [MPI from
+    compiled code] 2-3); False where its ABI is not supported or a function is missing."""
+    global _bound
+    if _bound is None:
+        _bound = False
+        if not supported(MPI):
+            return False
+        try:
+            lib = ctypes.CDLL(MPI.__file__)  # its dependencies hold libmpi
+            addresses = {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in _SYMBOLS}
+        except (OSError, AttributeError):
+            return False
+        import llvmlite.binding as llvm
+
+        for name, address in addresses.items():
+            llvm.add_symbol(name, address)
+        _bound = True
+    return _bound
+
+
+def bind(comm, tag: int, doubling: bool, halving_bytes: int = 0):
+    """An :class:`Exchange` over ``comm`` (an mpi4py communicator), or None where MPI's C API
+    cannot be reached from compiled code (NOTE [MPI from compiled code] 3). ``doubling``: by
+    recursive doubling (a power of two of ranks); ``halving_bytes``: payloads of at least this
+    many bytes go by reduce-scatter and allgather there (clause 8; 0: never)."""
+    from mpi4py import MPI
+
+    if not _resolve(MPI):
+        return None
+    return Exchange(comm, MPI, tag, doubling, halving_bytes)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _post_all(cfg, reqs, inbox, nbytes):
+    """The exchange to all: a receive of a whole inbox row from every other rank, then this
+    rank's message to each. Returns (MPI error or 0, requests posted)."""
+    me, size, comm, byte, tag = cfg[C_RANK], cfg[C_SIZE], cfg[C_COMM], cfg[C_BYTE], cfg[C_TAG]
+    width = inbox.shape[1]
+    err = 0
+    n = 0
+    for q in range(size):
+        if q != me:
+            err |= _Irecv(inbox[q].ctypes.data, width, byte, q, tag, comm, reqs.ctypes.data + 4 * n)
+            n += 1
+    for q in range(size):
+        if q != me:
+            err |= _Isend(inbox[me].ctypes.data, nbytes, byte, q, tag, comm, reqs.ctypes.data + 4 * n)
+            n += 1
+    return err, n
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _send_tables(cfg, reqs, inbox, head, pair, pair_t, k, data, lo, hi):
+    """Round ``k`` of the first phase (NOTE [MPI from compiled code] 7): this half's tables so
+    far and ``data[lo:hi]`` to the rank ``k`` away, and its message received into ``pair``
+    (row 0 the lower half's message, row 1 the upper's); 2 requests."""
+    me, comm, byte, tag = cfg[C_RANK], cfg[C_COMM], cfg[C_BYTE], cfg[C_TAG]
+    peer = me ^ k
+    base = me & ~(k - 1)
+    slot = 1 if me > peer else 0
+    tables = k * head
+    out = pair[slot]
+    for i in range(k):
+        out[i * head:(i + 1) * head] = inbox[base + i, :head]
+    size = (hi - lo) * data.itemsize
+    at = tables // data.itemsize
+    pair_t[slot, at:at + hi - lo] = data[lo:hi]
+    err = _Irecv(pair[1 - slot].ctypes.data, pair.shape[1], byte, peer, tag, comm, reqs.ctypes.data)
+    err |= _Isend(out.ctypes.data, tables + size, byte, peer, tag, comm, reqs.ctypes.data + 4)
+    return err
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _block(me, m, upto):
+    """Elements [lo, hi) of an ``m``-element payload that rank ``me`` reduces after the
+    reduce-scatter's rounds of distance 1, 2, ... ``upto`` (each keeps the upper half where its
+    bit of that distance is set, NOTE [MPI from compiled code] 8)."""
+    lo, hi = 0, m
+    k = 1
+    while k <= upto:
+        mid = lo + (hi - lo) // 2
+        if me & k:
+            lo = mid
+        else:
+            hi = mid
+        k <<= 1
+    return lo, hi
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _swap(cfg, reqs, data, send_lo, send_hi, recv_lo, recv_hi, peer):
+    """The allgather's round: ``data[send_lo:send_hi]`` to ``peer``, its block received into
+    ``data[recv_lo:recv_hi]``; 2 requests."""
+    comm, byte, tag, item = cfg[C_COMM], cfg[C_BYTE], cfg[C_TAG], data.itemsize
+    err = _Irecv(data.ctypes.data + recv_lo * item, (recv_hi - recv_lo) * item, byte, peer, tag, comm,
+                 reqs.ctypes.data)
+    err |= _Isend(data.ctypes.data + send_lo * item, (send_hi - send_lo) * item, byte, peer, tag, comm,
+                  reqs.ctypes.data + 4)
+    return err
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _poll(reqs, n, cells, statuses, spins):
+    """Testall, yielding between polls, at most ``spins`` yields: 1 done, 0 not yet, or minus an
+    MPI error code."""
+    yielded = 0
+    while True:
+        err = _Testall(n, reqs.ctypes.data, cells.ctypes.data, statuses.ctypes.data)
+        if err:
+            return -err
+        if cells[0]:
+            return 1
+        if yielded == spins:
+            return 0
+        _sched_yield()
+        yielded += 1
+
+
+@njit(nogil=True, cache=True)
+def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair, partial, pair_t, op,
+            kind, scratch, acc, spins):
+    """Take the exchange as far as it goes (NOTE [MPI from compiled code] 4-8): DONE,
+    DISAGREE, PENDING (call again with the same arguments), or minus an MPI error code.
+
+    ``st``: int64 (N_ST,), the state, (1, 0, 0, 0) before an exchange and again after one.
+    ``cfg``: int32 (N_CFG,). ``reqs``: int32 (2 x size,) requests; ``statuses``: uint8 (2 x
+    size x status bytes,); ``counts``: int64 (size,), each rank's message length where it
+    was not the expected one (else ``nbytes``), out; ``cells``: int32 (2,) scratch.
+    ``inbox``: (size, width) uint8, this rank's message in its row's first ``nbytes`` bytes
+    (a table of ``head`` bytes, then the payload); ``words``: the same as int64. ``pair``:
+    (2, width) uint8 (recursive doubling's); ``partial``: this rank's payload viewed as its
+    dtype (``inbox[rank, head:nbytes]``), reduced with the peers' by
+    :func:`~terrapipe.kernels.oneshot.finish` (``op``, ``kind``, ``scratch``, ``acc`` as
+    there) over ``pair_t`` (``pair`` as that dtype) in each round of recursive doubling, and
+    the group's reduction when DONE. All the caller's; the receives write ``inbox`` rows,
+    ``pair`` and ``partial``."""
+    me, size, byte = cfg[C_RANK], cfg[C_SIZE], cfg[C_BYTE]
+    doubling = cfg[C_DOUBLING] != 0
+    sbytes = cfg[C_STATUS]
+    payload = nbytes - head
+    m = partial.shape[0]
+    halving = doubling and payload > 0 and 0 < cfg[C_HALVING] <= payload
+    if st[S_ROUND] == 1 and st[S_POSTED] == 0 and st[S_PHASE] == 0:
+        counts[:] = nbytes
+    while st[S_PHASE] == 0 and st[S_ROUND] < size:
+        k = st[S_ROUND]
+        peer = me ^ k
+        lo, hi = 0, m
+        if halving:  # send the half the peer keeps (clause 8)
+            lo, hi = _block(me, m, k >> 1)
+            mid = lo + (hi - lo) // 2
+            if me & k:
+                hi = mid
+            else:
+                lo = mid
+        if st[S_POSTED] == 0:
+            if doubling:
+                err = _send_tables(cfg, reqs, inbox, head, pair, pair_t, k, partial, lo, hi)
+                n = 2
+            else:
+                err, n = _post_all(cfg, reqs, inbox, nbytes)
+            if err:
+                return -err
+            st[S_POSTED], st[S_NREQ] = 1, n
+        state = _poll(reqs, st[S_NREQ], cells, statuses, spins)
+        if state <= 0:
+            return PENDING if state == 0 else state
+        st[S_POSTED] = 0
+        if not doubling:
+            i = 0
+            for q in range(size):
+                if q != me:
+                    _Get_count(statuses.ctypes.data + i * sbytes, byte, cells.ctypes.data + 4)
+                    counts[q] = cells[1]
+                    i += 1
+            st[S_ROUND] = size
+            continue
+        _Get_count(statuses.ctypes.data, byte, cells.ctypes.data + 4)
+        got = cells[1]
+        peer_base = peer & ~(k - 1)
+        slot = 1 if me > peer else 0
+        theirs = pair[1 - slot]
+        tables = k * head
+        for i in range(k):
+            inbox[peer_base + i, :head] = theirs[i * head:(i + 1) * head]
+        # The peer sends what this rank keeps: the whole payload, or the other half of the block.
+        keep_lo, keep_hi = (0, m) if not halving else _block(me, m, k)
+        expected = tables + (keep_hi - keep_lo) * partial.itemsize if payload > 0 else tables
+        if got != expected:
+            for i in range(k):  # another call's message: its tables tell which
+                counts[peer_base + i] = head + max(got - tables, 0)
+        elif payload > 0:  # the halves' partials of the kept block, lower first
+            at = tables // pair_t.itemsize
+            pair_t[slot, at:at + keep_hi - keep_lo] = partial[keep_lo:keep_hi]
+            koneshot.finish(partial[keep_lo:keep_hi], pair_t, at, op, 1, kind, scratch, acc)
+        st[S_ROUND] = k << 1
+    cols = _SIG_COLS
+    if st[S_PHASE] == 0:
+        agree = ksync.tables_agree(words, head // 8, cols, words[me, :cols - 1])
+        for q in range(size):
+            if counts[q] != nbytes:
+                agree = False
+        if not agree or not halving:
+            st[S_ROUND], st[S_PHASE] = 1, 0
+            return DONE if agree else DISAGREE
+        st[S_PHASE], st[S_ROUND] = 1, size >> 1  # every table agrees: the allgather (clause 8)
+    while st[S_ROUND] >= 1:
+        k = st[S_ROUND]
+        lo, hi = _block(me, m, k)
+        plo, phi = _block(me ^ k, m, k)
+        if st[S_POSTED] == 0:
+            err = _swap(cfg, reqs, partial, lo, hi, plo, phi, me ^ k)
+            if err:
+                return -err
+            st[S_POSTED], st[S_NREQ] = 1, 2
+        state = _poll(reqs, 2, cells, statuses, spins)
+        if state <= 0:
+            return PENDING if state == 0 else state
+        st[S_POSTED] = 0
+        st[S_ROUND] = k >> 1
+    st[S_ROUND], st[S_PHASE] = 1, 0
+    return DONE
+
+
+@njit(nogil=True, cache=True)
+def unfinished(cfg, reqs, n, cells, statuses, out):
+    """Which of the first ``n`` requests are not complete (``MPI_Request_get_status``, which
+    frees nothing): ``out[i]`` 1 or 0. Returns 0 or an MPI error code."""
+    err = 0
+    for i in range(n):
+        err |= _Request_get_status(reqs[i], cells.ctypes.data, statuses.ctypes.data)
+        out[i] = 1 - cells[0]
+    return err
+
+
+@njit(nogil=True, cache=True)
+def cancel(cfg, reqs, n):
+    """Cancel the first ``n`` requests that are not null (a send may not be cancellable: it is
+    abandoned, as mpi4py's ``Cancel`` leaves it)."""
+    for i in range(n):
+        if reqs[i] != cfg[C_NULL]:
+            _Cancel(reqs.ctypes.data + 4 * i)
+
+
+class Exchange:
+    """The compiled exchange of one communicator (NOTE [MPI from compiled code]): its handles,
+    requests, statuses and state. Not thread-safe: the transport's calls are ordered."""
+
+    def __init__(self, comm, MPI, tag: int, doubling: bool, halving_bytes: int) -> None:
+        size = comm.Get_size()
+        self.size, self.rank = size, comm.Get_rank()
+        self.cfg = np.zeros(N_CFG, np.int32)
+        self.cfg[C_COMM] = _int32(MPI._handleof(comm))
+        self.cfg[C_BYTE] = _int32(MPI._handleof(MPI.BYTE))
+        self.cfg[C_TAG] = tag
+        self.cfg[C_RANK], self.cfg[C_SIZE] = self.rank, size
+        self.cfg[C_DOUBLING] = int(doubling)
+        self.cfg[C_STATUS] = MPI._sizeof(MPI.Status)
+        self.cfg[C_NULL] = _int32(MPI._handleof(MPI.REQUEST_NULL))
+        self.cfg[C_HALVING] = halving_bytes
+        self.doubling = doubling
+        self.st = np.array([1, 0, 0, 0], np.int64)
+        self.reqs = np.full(2 * size, self.cfg[C_NULL], np.int32)
+        self.statuses = np.zeros(2 * size * int(self.cfg[C_STATUS]), np.uint8)
+        self.counts = np.zeros(size, np.int64)
+        self.cells = np.zeros(2, np.int32)
+        self.no_pair = np.zeros((2, 8), np.uint8)  # the pair where there is no recursive doubling
+        self._no_partial = np.zeros(0, np.float32)
+        self._no_scratch = np.zeros(1, np.float32)
+        self._inbox = self._words = None
+        self._entries: dict = {}
+        self._args: tuple = ()
+        self._entry = None
+        self.state = PENDING  # the last start's or resume's
+
+    def start(self, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray | None, reduction,
+              spins: int) -> int:
+        """Begin an exchange of ``inbox[rank, :nbytes]`` (see :func:`advance`) and take it as
+        far as it goes: DONE, DISAGREE, PENDING (then :meth:`resume`) or minus an MPI error.
+        ``reduction``: (partial, op, kind, scratch, acc) for recursive doubling's payloads
+        (:func:`advance`), or None where only tables travel (``nbytes == head``)."""
+        words = self.words(inbox)
+        if reduction is None:
+            partial, op, kind, scratch, acc = self._no_partial, 0, 0, self._no_scratch, self._no_scratch
+        else:
+            partial, op, kind, scratch, acc = reduction
+        if pair is None:
+            pair = self.no_pair
+        pair_t = pair.view(partial.dtype)
+        args = (self.st, self.cfg, self.reqs, self.statuses, self.counts, self.cells, inbox, words, head,
+                nbytes, pair, partial, pair_t, op, kind, scratch, acc, spins)
+        key = (partial.dtype, scratch.dtype, partial.flags.c_contiguous)
+        entry = self._entries.get(key)
+        if entry is None:
+            from numba import typeof
+
+            sig = tuple(typeof(a) for a in args)
+            advance.compile(sig)
+            entry = self._entries[key] = advance.overloads[sig].entry_point
+        self._entry, self._args = entry, args
+        self.state = entry(*args)
+        return self.state
+
+    def words(self, inbox: np.ndarray) -> np.ndarray:
+        """``inbox`` as int64 (the transport's inbox, the same every call: the view is kept)."""
+        if self._inbox is not inbox:
+            self._inbox, self._words = inbox, inbox.view(np.int64)
+        return self._words
+
+    def resume(self) -> int:
+        """Go on with the exchange :meth:`start` left PENDING; also kept in ``state``."""
+        self.state = self._entry(*self._args)
+        return self.state
+
+    def late(self) -> list[int]:
+        """Ranks of the communicator whose message this rank still waits for: every rank not
+        yet heard from in the exchange to all, the peer's half in recursive doubling's round
+        (the peer may itself be waiting for a rank of it)."""
+        k = int(self.st[S_ROUND])
+        if self.doubling:
+            first = (self.rank ^ k) & ~(k - 1)
+            return list(range(first, first + k))
+        others = [q for q in range(self.size) if q != self.rank]
+        out = np.zeros(len(others), np.int32)
+        unfinished(self.cfg, self.reqs, len(others), self.cells, self.statuses, out)
+        return [q for q, pending in zip(others, out, strict=True) if pending]
+
+    def abandon(self) -> None:
+        """Cancel what is posted and start the next exchange afresh (after a failure)."""
+        if self.st[S_POSTED]:
+            cancel(self.cfg, self.reqs, int(self.st[S_NREQ]))
+        self.st[:] = (1, 0, 0, 0)

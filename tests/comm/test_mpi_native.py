@@ -1,0 +1,61 @@
+"""MPI's C API from compiled code (NOTE [MPI from compiled code] in
+comm/transports/mpi_native.py): the pieces that need no second rank. The exchanges themselves run
+in every test across emulated nodes (tests/comm/test_collectives.py runs the four-node one both
+ways: compiled, and through mpi4py)."""
+
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from terrapipe.comm.transports import mpi_native
+
+
+@given(st.integers(0, 5000), st.sampled_from([1, 2, 4, 8, 16, 32]))
+def test_the_reduce_scatter_blocks_partition_the_payload_and_each_round_joins_two_siblings(m, p):
+    # After every round, each rank's block is its own and its peer's (rank ^ k) halves: the
+    # blocks of the ranks of a group of k tile the block of their group, and after the last
+    # round the blocks of all ranks tile [0, m), each once (what the allgather sends back).
+    k = p >> 1
+    final = sorted(mpi_native._block(r, m, k) for r in range(p))
+    assert final[0][0] == 0 and final[-1][1] == m
+    assert all(a[1] == b[0] for a, b in zip(final, final[1:], strict=False))
+    dist = 1
+    while dist < p:
+        for r in range(p):
+            lo, hi = mpi_native._block(r, m, dist >> 1)  # before the round of distance dist
+            mine, theirs = mpi_native._block(r, m, dist), mpi_native._block(r ^ dist, m, dist)
+            assert sorted([mine, theirs]) == [(lo, lo + (hi - lo) // 2), (lo + (hi - lo) // 2, hi)]
+        dist <<= 1
+
+
+@given(st.integers(-(2 ** 31), 2 ** 31 - 1))
+def test_an_mpich_handle_comes_back_as_the_int32_it_is_in_c(value):
+    # mpi4py hands out MPICH's handles sign-extended to 64 bits (0x84000002 as 2**64 - ...).
+    assert mpi_native._int32(value & 0xFFFFFFFFFFFFFFFF) == value
+    assert mpi_native._int32(value & 0xFFFFFFFF) == value
+
+
+def test_only_int32_handles_are_taken_for_compiled_code():
+    MPI = pytest.importorskip("mpi4py.MPI")
+    assert mpi_native.supported(MPI) == (MPI._sizeof(MPI.Comm) == 4)
+    pointers = types.SimpleNamespace(Comm=1, Datatype=2, Request=3, _sizeof=lambda t: 8)  # Open MPI's
+    assert not mpi_native.supported(pointers)
+
+
+def test_an_exchange_of_one_rank_is_done_at_once_and_leaves_its_state_ready():
+    # One rank: no round to run, the table checked against itself.
+    MPI = pytest.importorskip("mpi4py.MPI")
+    exchange = mpi_native.bind(MPI.COMM_SELF, 7, doubling=False)
+    if exchange is None:
+        pytest.skip("this MPI's handles are not int32 (the mpi4py path runs)")
+    head = 2 * 8 * 25
+    inbox = np.zeros((1, head + 64), np.uint8)
+    words = inbox.view(np.int64)
+    words[0, :25] = np.arange(25)
+    words[0, 24] = 0  # the table's one row: its rank
+    words[0, 49] = -1  # a padding row
+    assert exchange.start(inbox, head, head, None, None, 4) == mpi_native.DONE
+    assert exchange.st.tolist() == [1, 0, 0, 0]
