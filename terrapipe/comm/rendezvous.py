@@ -29,26 +29,76 @@ NOTE [elastic generations]
     6. Each generation's group sets itself up under ``elastic/gen/<g>/group`` (a
        :class:`~terrapipe.comm.store.StoreComm` prefix): a fresh segment, fresh keys, nothing
        shared with an earlier generation's group.
+
+NOTE [a launcher that dies]
+    1. The launcher is the job's one coordinator: it alone forms generations, and the store
+       lives in its process. Without it a worker could train on until its next failure or
+       update and then wait for a generation that never comes, or finish with nobody to
+       collect its exit code. So, as horovodrun's workers die with it, every worker stops
+       when its launcher is gone, whatever it is doing (a step, a collective, a wait).
+    2. How a worker knows: a daemon thread (:func:`_watch_launcher`), started with the first
+       connection, asks the store a question every ``_WATCH_SECONDS`` over a connection of
+       its own. When the question fails and a new connection to the launcher's port is
+       refused or times out too, the launcher is gone (a launcher that is only slow still
+       accepts connections): the worker says so on stderr, naming the launcher's address,
+       and sends itself SIGTERM. Its segments were unlinked when made (NOTE [shm segment
+       lifetime] in comm/transports/shm.py) and its loader's processes die with it (NOTE
+       [the loader's worker process] in pipeline/worker_process.py), so nothing is left behind.
+    3. A script that handles SIGTERM (to save a checkpoint) gets the chance; otherwise the
+       process ends at once. Remote workers stop the same way, and their ``ssh`` sessions
+       end with them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
+import signal
+import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from .. import settings
 from .errors import CollectiveTimeoutError, CommError
 
-__all__ = ["Generations", "Membership", "WorkerRemoved", "is_elastic", "join", "last_generation", "connect",
-           "pending_update"]
+__all__ = ["Generations", "LauncherGone", "Membership", "WorkerRemoved", "is_elastic", "join",
+           "last_generation", "connect", "pending_update"]
 
 _POLL = 0.02  # seconds between looks at the store while waiting for the launcher
+_WATCH_SECONDS = 0.5  # between questions to the launcher's store (NOTE [a launcher that dies] 2)
 
 
 class WorkerRemoved(CommError):
     """The launcher took this worker out of the job (its host was removed); it should exit."""
+
+
+class LauncherGone(CommError):
+    """The elastic job's launcher is gone: its store no longer answers (NOTE [a launcher that
+    dies]); the job is over."""
+
+
+@contextlib.contextmanager
+def _asking_the_launcher():
+    """Turn a lost connection to the launcher's store into :class:`LauncherGone`, which names
+    the launcher, where torch's error names a socket."""
+    try:
+        yield
+    except Exception as e:
+        from torch.distributed import DistNetworkError
+
+        if not isinstance(e, DistNetworkError):
+            raise
+        raise LauncherGone(_gone_message(settings.get("TERRAPIPE_ELASTIC"), str(e).splitlines()[0])) from e
+
+
+def _gone_message(where: str, why: str) -> str:
+    worker = settings.get("TERRAPIPE_ELASTIC_WORKER")
+    return (f"worker {worker}: the elastic job's launcher ({where}) is gone ({why}); this worker stops "
+            "(NOTE [a launcher that dies])")
 
 
 @dataclass(frozen=True)
@@ -83,7 +133,34 @@ def connect(timeout: float):
             raise ValueError(f"TERRAPIPE_ELASTIC: expected host:port, got {where!r}")
         _client = TCPStore(host, int(port), is_master=False,
                            timeout=datetime.timedelta(seconds=float(timeout)))
+        threading.Thread(target=_watch_launcher, args=(host, int(port)), name="terrapipe-launcher-watch",
+                         daemon=True).start()
     return _client
+
+
+def _watch_launcher(host: str, port: int) -> None:
+    """NOTE [a launcher that dies] 2: stop this process once the launcher is gone."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    except Exception:  # noqa: BLE001 - the main connection reports what is wrong
+        return
+    while True:
+        time.sleep(_WATCH_SECONDS)
+        try:
+            store.check(["elastic/latest"])
+            continue
+        except Exception as e:  # noqa: BLE001 - whatever the store raises, ask the port itself
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            continue  # it still accepts connections: only slow
+        except OSError as e:
+            why = f"{why}; connecting again: {e}"
+        print(f"terrapipe: {_gone_message(f'{host}:{port}', why)}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
 
 
 def last_generation() -> int:
@@ -107,6 +184,11 @@ def join(timeout: float) -> tuple[Membership, object]:
     Waits at most ``timeout`` seconds for the launcher (CollectiveTimeoutError after that);
     raises :class:`WorkerRemoved` when the launcher took this worker out of the job.
     """
+    with _asking_the_launcher():
+        return _join(timeout)
+
+
+def _join(timeout: float) -> tuple[Membership, object]:
     global _last
     store = connect(timeout)
     me = _worker()
@@ -150,10 +232,11 @@ def pending_update() -> tuple[int, int]:
     workers removed, 2 added). ``(0, 0)`` outside an elastic job or before the first join."""
     if _client is None or not _last:
         return 0, 0
-    latest = int(_client.add("elastic/latest", 0))
-    flags = 0
-    for g in range(_last + 1, latest + 1):
-        flags |= int(json.loads(_client.get(f"elastic/gen/{g}")).get("update", 0))
+    with _asking_the_launcher():
+        latest = int(_client.add("elastic/latest", 0))
+        flags = 0
+        for g in range(_last + 1, latest + 1):
+            flags |= int(json.loads(_client.get(f"elastic/gen/{g}")).get("update", 0))
     return latest, flags
 
 
@@ -161,7 +244,8 @@ def superseded(store, g: int):
     """A predicate for waits inside generation ``g``'s set-up: why to give up (a newer
     generation exists), or None."""
     def check() -> str | None:
-        latest = int(store.add("elastic/latest", 0))
+        with _asking_the_launcher():
+            latest = int(store.add("elastic/latest", 0))
         return f"generation {g} was superseded by {latest}" if latest > g else None
 
     return check

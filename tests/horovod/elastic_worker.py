@@ -5,8 +5,9 @@ samples, an ElasticSampler and a commit after every batch.
 Before each commit every rank prints one JSON line: generation, epoch, step, rank, size, the
 batch's sample indices and the loss. ``--kill-rank R --kill-step S``: rank R SIGKILLs itself
 right after printing step S, in the first generation only. ``--sleep T``: seconds per step
-(time for the test to change the hosts mid-run). Ends with a line ``{"final": loss}``: the
-model's loss on every sample.
+(time for the test to change the hosts mid-run). ``--hang-step S``: every rank sleeps for
+ten minutes after printing step S, touching neither its peers nor the launcher. Ends with a
+line ``{"final": loss}``: the model's loss on every sample.
 """
 
 import argparse
@@ -25,6 +26,7 @@ p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--kill-rank", type=int, default=-1)
 p.add_argument("--kill-step", type=int, default=-1)
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--hang-step", type=int, default=-1)
 args = p.parse_args()
 
 
@@ -73,6 +75,8 @@ def train(state):
             if (state.step == args.kill_step and hvd.rank() == args.kill_rank
                     and rendezvous.last_generation() == 1):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if state.step == args.hang_step:
+                time.sleep(600)
             time.sleep(args.sleep)
             state.commit()
         sampler.set_epoch(state.epoch + 1)

@@ -86,6 +86,24 @@ def test_a_failed_hosts_cooldown_passes_and_it_takes_a_worker_again():
     epochs_covered_once(records, 4, 256)
 
 
+def test_the_launchers_death_stops_every_worker_and_leaves_nothing_behind():
+    # NOTE [a launcher that dies] in comm/rendezvous.py: the launcher SIGKILLed (no chance to
+    # stop anyone) while its workers sleep after step 3, talking to neither their peers nor the
+    # store: each must notice by itself, say so, and end, leaving no process and no shared
+    # memory (run_job checks both, within 10 s of the launcher's end).
+    def kill_the_launcher(proc, records):
+        wait_for(records, lambda rs: sum(r["step"] == 3 for r in rs) == 2)
+        proc.kill()
+        proc.wait()
+
+    code, records, err = _job("-np", "2", "--min-np", "1", "-H", TWO_HOSTS, worker_args=["--hang-step", "3"],
+                              during=kill_the_launcher)
+    assert code == -signal.SIGKILL
+    for worker in ("localhost:1", "127.0.0.1:2"):
+        assert f"worker {worker}: the elastic job's launcher" in err and "is gone" in err, err[-3000:]
+    assert max(r["step"] for r in records if "step" in r) == 3
+
+
 @pytest.mark.full
 def test_ctrl_c_stops_every_worker():
     def interrupt(proc, records):
