@@ -178,10 +178,16 @@ def _fused(src, dst, rows, table, sig, scratch, acc, parts, inbox, words, pair, 
             words[node, r * cols + i] = table[r, col + i]
     nbytes = head + (hi - lo) * parts.itemsize
     state = mpi_native.advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
-                               partial, pair_t, op, kind, scratch, acc, NATIVE_SPINS)
+                               parts.itemsize, NATIVE_SPINS)
+    while state == mpi_native.REDUCE:
+        mpi_native.reduce_step(st, partial, pair_t, op, kind, scratch, acc)
+        state = mpi_native.advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
+                                   parts.itemsize, NATIVE_SPINS)
     if state != mpi_native.DONE:
         return state
-    finals = parts[node:node + 1] if doubling else parts  # clause 8: the last step only divides
+    # clause 8: by recursive doubling the partials were reduced on the way: the last step only
+    # divides this node's row
+    finals = parts[node:node + 1] if doubling else parts
     if whole:
         koneshot.finish(dst, finals, h0, op, divisor, kind, scratch, acc)
     else:
@@ -203,7 +209,6 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     # NOTE [one-shot across nodes] 8: by recursive doubling the partials are reduced on the way,
     # and the last step only divides this node's row.
     doubling = cross.doubling
-    finals = parts[node:node + 1] if doubling else parts
     divisor = size if op == kreduce.AVG else 1
     compiled = {}
     native = cross.native
@@ -223,9 +228,11 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         hi = min(lo + part, n)
         h = shm.next_half() * half
         step, col = board.reserve()
-        # What Numba's type of an array depends on: dtype, layout, writeability.
+        # What Numba's type of an array depends on: dtype, layout, writeability; and whether the
+        # call is in place (the latency path's, the only one _fused is compiled for: each of its
+        # specializations costs seconds of compilation on a first run).
         types = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous,
-                 whole)
+                 whole, src is dst)
         fns = compiled.get(types)
         if fns is None:  # NOTE [symmetric completion] in comm/algorithms/oneshot.py
             fns = compiled[types] = _compile(src, dst, h, step, col, lo, hi, whole)
@@ -259,7 +266,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         reduction = (partial, op, kind, scratch, acc) if doubling else None
         shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize, reduction)
         out = dst if whole else rows[me, h + lo:h + hi]
-        fns[2](out, finals, h0, op, divisor, kind, scratch, acc)  # 4
+        fns[2](out, parts[node:node + 1] if doubling else parts, h0, op, divisor, kind, scratch, acc)  # 4
 
     def _compile(src, dst, h, step, col, lo, hi, whole):
         """Every kernel a call of these types may run, compiled (or loaded) before it publishes."""
@@ -270,9 +277,9 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         gather = (dst, rows, h, part_of(src.shape[0], p), kind)
         return (entry_point(koneshot.oneshot_allreduce, local),
                 entry_point(koneshot.finish, (partial, rows, h + lo, op, 1, kind, scratch, acc)),
-                entry_point(koneshot.finish, (out, finals, h0, op, divisor, kind, scratch, acc)),
+                entry_point(koneshot.finish, (out, parts, h0, op, divisor, kind, scratch, acc)),
                 entry_point(koneshot.collect, gather) if p > 1 else None,
                 entry_point(_fused, (src, dst, *fixed, h, step, col, lo, hi, whole, *tail))
-                if fixed is not None else None)
+                if fixed is not None and src is dst and src.flags.writeable else None)
 
     return call

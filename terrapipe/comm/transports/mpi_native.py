@@ -30,6 +30,9 @@ NOTE [MPI from compiled code]
        decides to give up.
     5. Done, it checks every table against this rank's signature and every message's length
        (DONE or DISAGREE): the Python that describes a mismatch runs only on one.
+       :func:`advance` works in bytes and hands each reduction back to its caller (REDUCE, then
+       :func:`reduce_step` in the payload's dtype): it is compiled once, not once per dtype,
+       for its compilation takes seconds (on a first run, on every rank at once).
     6. An MPI error code comes back negative (the communicators return errors: mpi4py's
        default); the caller raises it with MPI's text for it.
     7. Recursive doubling's first phase is the tables' (NOTE [agreement across nodes] 3): in
@@ -68,9 +71,9 @@ from ...kernels import oneshot as koneshot
 from ...kernels import sync as ksync
 from .board import SIG_WORDS
 
-__all__ = ["bind", "supported", "Exchange", "DONE", "PENDING", "DISAGREE"]
+__all__ = ["bind", "supported", "Exchange", "advance", "reduce_step", "DONE", "PENDING", "DISAGREE", "REDUCE"]
 
-PENDING, DONE, DISAGREE = 0, 1, 2
+PENDING, DONE, DISAGREE, REDUCE = 0, 1, 2, 3
 
 # cfg's slots (int32): the communicator, MPI_BYTE, the tag, this rank, the size, whether by
 # recursive doubling, the bytes of one MPI_Status, MPI_REQUEST_NULL, the smallest payload that
@@ -79,7 +82,9 @@ C_COMM, C_BYTE, C_TAG, C_RANK, C_SIZE, C_DOUBLING, C_STATUS, C_NULL, C_HALVING, 
 # st's slots (int64): the round (the distance to the peer, 1, 2, 4, ...; 1 for the exchange to
 # all), whether its requests are posted, how many there are, and the phase (0: the tables'
 # rounds; 1: the allgather's, from the largest distance down).
-S_ROUND, S_POSTED, S_NREQ, S_PHASE, N_ST = range(5)
+# Then the reduction advance() asks of its caller (REDUCE): whether there is one, its elements
+# [lo, hi) of this rank's payload, and where the two messages hold them (reduce_step()).
+S_ROUND, S_POSTED, S_NREQ, S_PHASE, S_RED, S_RLO, S_RHI, S_RAT, N_ST = range(9)
 
 _SIG_COLS = SIG_WORDS + 1  # a table's row: a rank's signature, then its group rank
 
@@ -91,6 +96,7 @@ _Get_count = types.ExternalFunction("MPI_Get_count", _i32(_ptr, _i32, _ptr))
 _Request_get_status = types.ExternalFunction("MPI_Request_get_status", _i32(_i32, _ptr, _ptr))
 _Cancel = types.ExternalFunction("MPI_Cancel", _i32(_ptr))
 _sched_yield = types.ExternalFunction("sched_yield", types.intc())
+_memmove = types.ExternalFunction("memmove", _ptr(_ptr, _ptr, _ptr))
 _SYMBOLS = ("MPI_Isend", "MPI_Irecv", "MPI_Testall", "MPI_Get_count", "MPI_Request_get_status", "MPI_Cancel")
 _bound: bool | None = None
 
@@ -139,7 +145,31 @@ def bind(comm, tag: int, doubling: bool, halving_bytes: int = 0):
     return Exchange(comm, MPI, tag, doubling, halving_bytes)
 
 
-@njit(nogil=True, cache=True, inline="always")
+@njit(nogil=True, cache=True)
+def _copy(dst, at, src, start, n):
+    """``dst[at:at + n] = src[start:start + n]`` (1-D uint8) by ``memmove``: a slice assignment
+    cost seconds of compilation each, and a byte loop microseconds per call."""
+    _memmove(dst.ctypes.data + at, src.ctypes.data + start, n)
+
+
+@njit(nogil=True, cache=True)
+def _block(me, m, upto):
+    """Elements [lo, hi) of an ``m``-element payload that rank ``me`` reduces after the
+    reduce-scatter's rounds of distance 1, 2, ... ``upto`` (each keeps the upper half where its
+    bit of that distance is set, clause 8)."""
+    lo, hi = 0, m
+    k = 1
+    while k <= upto:
+        mid = lo + (hi - lo) // 2
+        if me & k:
+            lo = mid
+        else:
+            hi = mid
+        k <<= 1
+    return lo, hi
+
+
+@njit(nogil=True, cache=True)
 def _post_all(cfg, reqs, inbox, nbytes):
     """The exchange to all: a receive of a whole inbox row from every other rank, then this
     rank's message to each. Returns (MPI error or 0, requests posted)."""
@@ -158,11 +188,11 @@ def _post_all(cfg, reqs, inbox, nbytes):
     return err, n
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _send_tables(cfg, reqs, inbox, head, pair, pair_t, k, data, lo, hi):
-    """Round ``k`` of the first phase (NOTE [MPI from compiled code] 7): this half's tables so
-    far and ``data[lo:hi]`` to the rank ``k`` away, and its message received into ``pair``
-    (row 0 the lower half's message, row 1 the upper's); 2 requests."""
+@njit(nogil=True, cache=True)
+def _send_tables(cfg, reqs, inbox, head, pair, k, lo, hi):
+    """Round ``k`` of the first phase (clause 7): this half's tables so far and bytes ``[lo,
+    hi)`` of this rank's payload to the rank ``k`` away, and its message received into
+    ``pair`` (row 0 the lower half's message, row 1 the upper's); 2 requests."""
     me, comm, byte, tag = cfg[C_RANK], cfg[C_COMM], cfg[C_BYTE], cfg[C_TAG]
     peer = me ^ k
     base = me & ~(k - 1)
@@ -170,45 +200,24 @@ def _send_tables(cfg, reqs, inbox, head, pair, pair_t, k, data, lo, hi):
     tables = k * head
     out = pair[slot]
     for i in range(k):
-        out[i * head:(i + 1) * head] = inbox[base + i, :head]
-    size = (hi - lo) * data.itemsize
-    at = tables // data.itemsize
-    pair_t[slot, at:at + hi - lo] = data[lo:hi]
+        _copy(out, i * head, inbox[base + i], 0, head)
+    _copy(out, tables, inbox[me], head + lo, hi - lo)
     err = _Irecv(pair[1 - slot].ctypes.data, pair.shape[1], byte, peer, tag, comm, reqs.ctypes.data)
-    err |= _Isend(out.ctypes.data, tables + size, byte, peer, tag, comm, reqs.ctypes.data + 4)
+    err |= _Isend(out.ctypes.data, tables + hi - lo, byte, peer, tag, comm, reqs.ctypes.data + 4)
     return err
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _block(me, m, upto):
-    """Elements [lo, hi) of an ``m``-element payload that rank ``me`` reduces after the
-    reduce-scatter's rounds of distance 1, 2, ... ``upto`` (each keeps the upper half where its
-    bit of that distance is set, NOTE [MPI from compiled code] 8)."""
-    lo, hi = 0, m
-    k = 1
-    while k <= upto:
-        mid = lo + (hi - lo) // 2
-        if me & k:
-            lo = mid
-        else:
-            hi = mid
-        k <<= 1
-    return lo, hi
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _swap(cfg, reqs, data, send_lo, send_hi, recv_lo, recv_hi, peer):
-    """The allgather's round: ``data[send_lo:send_hi]`` to ``peer``, its block received into
-    ``data[recv_lo:recv_hi]``; 2 requests."""
-    comm, byte, tag, item = cfg[C_COMM], cfg[C_BYTE], cfg[C_TAG], data.itemsize
-    err = _Irecv(data.ctypes.data + recv_lo * item, (recv_hi - recv_lo) * item, byte, peer, tag, comm,
-                 reqs.ctypes.data)
-    err |= _Isend(data.ctypes.data + send_lo * item, (send_hi - send_lo) * item, byte, peer, tag, comm,
-                  reqs.ctypes.data + 4)
+@njit(nogil=True, cache=True)
+def _swap(cfg, reqs, base, send_lo, send_hi, recv_lo, recv_hi, peer):
+    """The allgather's round (clause 8): bytes ``[send_lo, send_hi)`` from address ``base`` to
+    ``peer``, its block received into ``[recv_lo, recv_hi)``; 2 requests."""
+    comm, byte, tag = cfg[C_COMM], cfg[C_BYTE], cfg[C_TAG]
+    err = _Irecv(base + recv_lo, recv_hi - recv_lo, byte, peer, tag, comm, reqs.ctypes.data)
+    err |= _Isend(base + send_lo, send_hi - send_lo, byte, peer, tag, comm, reqs.ctypes.data + 4)
     return err
 
 
-@njit(nogil=True, cache=True, inline="always")
+@njit(nogil=True, cache=True)
 def _poll(reqs, n, cells, statuses, spins):
     """Testall, yielding between polls, at most ``spins`` yields: 1 done, 0 not yet, or minus an
     MPI error code."""
@@ -226,31 +235,30 @@ def _poll(reqs, n, cells, statuses, spins):
 
 
 @njit(nogil=True, cache=True)
-def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair, partial, pair_t, op,
-            kind, scratch, acc, spins):
+def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair, item, spins):
     """Take the exchange as far as it goes (NOTE [MPI from compiled code] 4-8): DONE,
-    DISAGREE, PENDING (call again with the same arguments), or minus an MPI error code.
+    DISAGREE, PENDING (call again with the same arguments), REDUCE (call :func:`reduce_step`,
+    then this again), or minus an MPI error code. In bytes: compiled once, whatever the
+    payload's dtype (``item`` bytes an element; 1 where there is no payload).
 
-    ``st``: int64 (N_ST,), the state, (1, 0, 0, 0) before an exchange and again after one.
-    ``cfg``: int32 (N_CFG,). ``reqs``: int32 (2 x size,) requests; ``statuses``: uint8 (2 x
-    size x status bytes,); ``counts``: int64 (size,), each rank's message length where it
+    ``st``: int64 (N_ST,), the state, (1, 0, 0, 0, 0, ...) before an exchange and again after
+    one. ``cfg``: int32 (N_CFG,). ``reqs``: int32 (2 x size,) requests; ``statuses``: uint8 (2
+    x size x status bytes,); ``counts``: int64 (size,), each rank's message length where it
     was not the expected one (else ``nbytes``), out; ``cells``: int32 (2,) scratch.
     ``inbox``: (size, width) uint8, this rank's message in its row's first ``nbytes`` bytes
     (a table of ``head`` bytes, then the payload); ``words``: the same as int64. ``pair``:
-    (2, width) uint8 (recursive doubling's); ``partial``: this rank's payload viewed as its
-    dtype (``inbox[rank, head:nbytes]``), reduced with the peers' by
-    :func:`~terrapipe.kernels.oneshot.finish` (``op``, ``kind``, ``scratch``, ``acc`` as
-    there) over ``pair_t`` (``pair`` as that dtype) in each round of recursive doubling, and
-    the group's reduction when DONE. All the caller's; the receives write ``inbox`` rows,
-    ``pair`` and ``partial``."""
+    (2, width) uint8, recursive doubling's messages of a round (row 0 the lower half's). All
+    the caller's; the receives write ``inbox`` rows and ``pair``; by recursive doubling this
+    rank's payload ends as the group's reduction."""
     me, size, byte = cfg[C_RANK], cfg[C_SIZE], cfg[C_BYTE]
     doubling = cfg[C_DOUBLING] != 0
     sbytes = cfg[C_STATUS]
     payload = nbytes - head
-    m = partial.shape[0]
+    m = payload // item
     halving = doubling and payload > 0 and 0 < cfg[C_HALVING] <= payload
     if st[S_ROUND] == 1 and st[S_POSTED] == 0 and st[S_PHASE] == 0:
-        counts[:] = nbytes
+        for q in range(size):
+            counts[q] = nbytes
     while st[S_PHASE] == 0 and st[S_ROUND] < size:
         k = st[S_ROUND]
         peer = me ^ k
@@ -264,13 +272,14 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
                 lo = mid
         if st[S_POSTED] == 0:
             if doubling:
-                err = _send_tables(cfg, reqs, inbox, head, pair, pair_t, k, partial, lo, hi)
+                err = _send_tables(cfg, reqs, inbox, head, pair, k, lo * item, hi * item)
                 n = 2
             else:
                 err, n = _post_all(cfg, reqs, inbox, nbytes)
             if err:
                 return -err
-            st[S_POSTED], st[S_NREQ] = 1, n
+            st[S_POSTED] = 1
+            st[S_NREQ] = n
         state = _poll(reqs, st[S_NREQ], cells, statuses, spins)
         if state <= 0:
             return PENDING if state == 0 else state
@@ -291,18 +300,22 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
         theirs = pair[1 - slot]
         tables = k * head
         for i in range(k):
-            inbox[peer_base + i, :head] = theirs[i * head:(i + 1) * head]
+            _copy(inbox[peer_base + i], 0, theirs, i * head, head)
+        st[S_ROUND] = k << 1
         # The peer sends what this rank keeps: the whole payload, or the other half of the block.
         keep_lo, keep_hi = (0, m) if not halving else _block(me, m, k)
-        expected = tables + (keep_hi - keep_lo) * partial.itemsize if payload > 0 else tables
+        expected = tables + (keep_hi - keep_lo) * item if payload > 0 else tables
         if got != expected:
             for i in range(k):  # another call's message: its tables tell which
                 counts[peer_base + i] = head + max(got - tables, 0)
-        elif payload > 0:  # the halves' partials of the kept block, lower first
-            at = tables // pair_t.itemsize
-            pair_t[slot, at:at + keep_hi - keep_lo] = partial[keep_lo:keep_hi]
-            koneshot.finish(partial[keep_lo:keep_hi], pair_t, at, op, 1, kind, scratch, acc)
-        st[S_ROUND] = k << 1
+        elif payload > 0:  # the halves' partials of the kept block, lower first: the caller's
+            pair[slot, tables:tables + (keep_hi - keep_lo) * item] = \
+                inbox[me, head + keep_lo * item:head + keep_hi * item]
+            st[S_RED] = 1
+            st[S_RLO] = keep_lo
+            st[S_RHI] = keep_hi
+            st[S_RAT] = tables // item
+            return REDUCE
     cols = _SIG_COLS
     if st[S_PHASE] == 0:
         agree = ksync.tables_agree(words, head // 8, cols, words[me, :cols - 1])
@@ -310,25 +323,42 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
             if counts[q] != nbytes:
                 agree = False
         if not agree or not halving:
-            st[S_ROUND], st[S_PHASE] = 1, 0
+            st[S_ROUND] = 1
+            st[S_PHASE] = 0
             return DONE if agree else DISAGREE
-        st[S_PHASE], st[S_ROUND] = 1, size >> 1  # every table agrees: the allgather (clause 8)
+        st[S_PHASE] = 1
+        st[S_ROUND] = size >> 1  # every table agrees: the allgather (clause 8)
+    base = inbox[me].ctypes.data + head
     while st[S_ROUND] >= 1:
         k = st[S_ROUND]
         lo, hi = _block(me, m, k)
         plo, phi = _block(me ^ k, m, k)
         if st[S_POSTED] == 0:
-            err = _swap(cfg, reqs, partial, lo, hi, plo, phi, me ^ k)
+            err = _swap(cfg, reqs, base, lo * item, hi * item, plo * item, phi * item, me ^ k)
             if err:
                 return -err
-            st[S_POSTED], st[S_NREQ] = 1, 2
+            st[S_POSTED] = 1
+            st[S_NREQ] = 2
         state = _poll(reqs, 2, cells, statuses, spins)
         if state <= 0:
             return PENDING if state == 0 else state
         st[S_POSTED] = 0
         st[S_ROUND] = k >> 1
-    st[S_ROUND], st[S_PHASE] = 1, 0
+    st[S_ROUND] = 1
+    st[S_PHASE] = 0
     return DONE
+
+
+@njit(nogil=True, cache=True)
+def reduce_step(st, partial, pair_t, op, kind, scratch, acc):
+    """The reduction :func:`advance` asked for (REDUCE), in the payload's dtype:
+    ``partial[lo:hi]`` = its two messages' copies in ``pair_t``, the lower half's first
+    (:func:`~terrapipe.kernels.oneshot.finish`; ``op``, ``kind``, ``scratch``, ``acc`` as
+    there). ``partial``: this rank's payload (``inbox[rank, head:nbytes]``) as its dtype;
+    ``pair_t``: ``pair`` as that dtype."""
+    if st[S_RED]:
+        koneshot.finish(partial[st[S_RLO]:st[S_RHI]], pair_t, st[S_RAT], op, 1, kind, scratch, acc)
+    st[S_RED] = 0
 
 
 @njit(nogil=True, cache=True)
@@ -351,6 +381,16 @@ def cancel(cfg, reqs, n):
             _Cancel(reqs.ctypes.data + 4 * i)
 
 
+def _entry(kernel, args: tuple):
+    """``kernel``'s compiled entry point for the types of ``args`` (compiled or loaded now):
+    called directly, it skips Numba's per-call type dispatch."""
+    from numba import typeof
+
+    sig = tuple(typeof(a) for a in args)
+    kernel.compile(sig)
+    return kernel.overloads[sig].entry_point
+
+
 class Exchange:
     """The compiled exchange of one communicator (NOTE [MPI from compiled code]): its handles,
     requests, statuses and state. Not thread-safe: the transport's calls are ordered."""
@@ -368,47 +408,44 @@ class Exchange:
         self.cfg[C_NULL] = _int32(MPI._handleof(MPI.REQUEST_NULL))
         self.cfg[C_HALVING] = halving_bytes
         self.doubling = doubling
-        self.st = np.array([1, 0, 0, 0], np.int64)
+        self.st = np.zeros(N_ST, np.int64)
+        self.st[S_ROUND] = 1
         self.reqs = np.full(2 * size, self.cfg[C_NULL], np.int32)
         self.statuses = np.zeros(2 * size * int(self.cfg[C_STATUS]), np.uint8)
         self.counts = np.zeros(size, np.int64)
         self.cells = np.zeros(2, np.int32)
         self.no_pair = np.zeros((2, 8), np.uint8)  # the pair where there is no recursive doubling
-        self._no_partial = np.zeros(0, np.float32)
-        self._no_scratch = np.zeros(1, np.float32)
         self._inbox = self._words = None
-        self._entries: dict = {}
+        self._steps: dict = {}  # reduce_step's entry points, by dtype
+        self._step = self._step_args = None
         self._args: tuple = ()
-        self._entry = None
+        self._advance = None
         self.state = PENDING  # the last start's or resume's
 
     def start(self, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray | None, reduction,
               spins: int) -> int:
         """Begin an exchange of ``inbox[rank, :nbytes]`` (see :func:`advance`) and take it as
-        far as it goes: DONE, DISAGREE, PENDING (then :meth:`resume`) or minus an MPI error.
-        ``reduction``: (partial, op, kind, scratch, acc) for recursive doubling's payloads
-        (:func:`advance`), or None where only tables travel (``nbytes == head``)."""
-        words = self.words(inbox)
-        if reduction is None:
-            partial, op, kind, scratch, acc = self._no_partial, 0, 0, self._no_scratch, self._no_scratch
-        else:
+        far as it goes: DONE, DISAGREE, PENDING (then :meth:`resume`) or minus an MPI error;
+        the reductions it asks for on the way are made here. ``pair``: recursive doubling's (2,
+        width) scratch, or None. ``reduction``: (partial, op, kind, scratch, acc), how payloads
+        are reduced on the way by recursive doubling (``partial`` this rank's payload as its
+        dtype), or None where they only travel with the tables."""
+        pair = self.no_pair if pair is None else pair
+        item = 1
+        self._step_args = None
+        if reduction is not None:
             partial, op, kind, scratch, acc = reduction
-        if pair is None:
-            pair = self.no_pair
-        pair_t = pair.view(partial.dtype)
-        args = (self.st, self.cfg, self.reqs, self.statuses, self.counts, self.cells, inbox, words, head,
-                nbytes, pair, partial, pair_t, op, kind, scratch, acc, spins)
-        key = (partial.dtype, scratch.dtype, partial.flags.c_contiguous)
-        entry = self._entries.get(key)
-        if entry is None:
-            from numba import typeof
-
-            sig = tuple(typeof(a) for a in args)
-            advance.compile(sig)
-            entry = self._entries[key] = advance.overloads[sig].entry_point
-        self._entry, self._args = entry, args
-        self.state = entry(*args)
-        return self.state
+            item = partial.itemsize
+            self._step_args = (self.st, partial, pair.view(partial.dtype), op, kind, scratch, acc)
+            key = (partial.dtype, scratch.dtype, partial.flags.c_contiguous)
+            self._step = self._steps.get(key)
+            if self._step is None:
+                self._step = self._steps[key] = _entry(reduce_step, self._step_args)
+        self._args = (self.st, self.cfg, self.reqs, self.statuses, self.counts, self.cells, inbox,
+                      self.words(inbox), head, nbytes, pair, item, spins)
+        if self._advance is None:
+            self._advance = _entry(advance, self._args)
+        return self.resume()
 
     def words(self, inbox: np.ndarray) -> np.ndarray:
         """``inbox`` as int64 (the transport's inbox, the same every call: the view is kept)."""
@@ -418,8 +455,15 @@ class Exchange:
 
     def resume(self) -> int:
         """Go on with the exchange :meth:`start` left PENDING; also kept in ``state``."""
-        self.state = self._entry(*self._args)
-        return self.state
+        state = self._advance(*self._args)
+        while state == REDUCE:
+            if self._step_args is None:  # a payload without a reduction: the caller's error
+                self.abandon()
+                raise ValueError("reduction: this exchange reduces payloads on the way")
+            self._step(*self._step_args)
+            state = self._advance(*self._args)
+        self.state = state
+        return state
 
     def late(self) -> list[int]:
         """Ranks of the communicator whose message this rank still waits for: every rank not
@@ -438,4 +482,5 @@ class Exchange:
         """Cancel what is posted and start the next exchange afresh (after a failure)."""
         if self.st[S_POSTED]:
             cancel(self.cfg, self.reqs, int(self.st[S_NREQ]))
-        self.st[:] = (1, 0, 0, 0)
+        self.st[:] = 0
+        self.st[S_ROUND] = 1
