@@ -92,7 +92,13 @@ def _asking_the_launcher():
 
         if not isinstance(e, DistNetworkError):
             raise
-        raise LauncherGone(_gone_message(settings.get("TERRAPIPE_ELASTIC"), str(e).splitlines()[0])) from e
+        raise LauncherGone(_gone_message(settings.get("TERRAPIPE_ELASTIC"), _first_line(e))) from e
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of ``e``'s text (torch's errors append a C++ backtrace), or its type."""
+    text = str(e)
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _gone_message(where: str, why: str) -> str:
@@ -152,7 +158,7 @@ def _watch_launcher(host: str, port: int) -> None:
             store.check(["elastic/latest"])
             continue
         except Exception as e:  # noqa: BLE001 - whatever the store raises, ask the port itself
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = _first_line(e)
         try:
             socket.create_connection((host, port), timeout=2).close()
             continue  # it still accepts connections: only slow

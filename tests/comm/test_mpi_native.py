@@ -59,3 +59,13 @@ def test_an_exchange_of_one_rank_is_done_at_once_and_leaves_its_state_ready():
     words[0, 49] = -1  # a padding row
     assert exchange.start(inbox, head, head, None, None, 4) == mpi_native.DONE
     assert exchange.st[0] == 1 and not exchange.st[1:].any()
+
+
+def test_the_fused_calls_local_wait_is_neither_an_exchange_state_nor_an_mpi_error():
+    # Regression: LOCAL_WAIT was -3, which is also minus MPI_ERR_TYPE, how the exchange returns
+    # that error: an MPI failure would have been taken for a late local rank.
+    from terrapipe.comm.algorithms import oneshot_nodes
+
+    states = {mpi_native.PENDING, mpi_native.DONE, mpi_native.DISAGREE, mpi_native.REDUCE}
+    assert len(states) == 4 and min(states) >= 0
+    assert oneshot_nodes.LOCAL_WAIT > 0 and oneshot_nodes.LOCAL_WAIT not in states

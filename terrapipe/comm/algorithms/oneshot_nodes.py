@@ -148,8 +148,9 @@ def part_of(n: int, local_size: int) -> int:
 
 
 # _fused's answer when the node's ranks had not all arrived within its yields (the caller waits
-# for them in Python, then goes on with the exchange).
-LOCAL_WAIT = -3
+# for them in Python, then goes on with the exchange): beside the exchange's answers (0-3), for
+# MPI's error codes come back negative, and -3 is MPI_ERR_TYPE.
+LOCAL_WAIT = 4
 
 
 @njit(nogil=True, cache=True)
@@ -249,15 +250,16 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         """Steps 1-4 in Python around the compiled kernels, from where _fused stopped (or from
         the start where MPI's C API is not reached from compiled code)."""
         partial = mine[h0:h0 + hi - lo]
-        if state < 0 and state != LOCAL_WAIT:
+        if state < 0:
             cross.raise_native_error(coll, state)
         if state == mpi_native.DISAGREE:
             cross.raise_mismatch(coll, inbox, head, native.counts, check)
         if state == LOCAL_WAIT:
-            if fns[4] is None:
-                state = fns[0](src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc,
-                               ONESHOT_SPINS, lo)  # 1, 2
-            if state == koneshot.WAITING or fns[4] is not None:
+            # 1, 2: done by _fused, which stopped waiting for the node's ranks; else done here
+            state = koneshot.WAITING if fns[4] is not None else fns[0](
+                src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc, ONESHOT_SPINS,
+                lo)
+            if state == koneshot.WAITING:
                 board.wait(step, timeout, coll)
                 if ksync.rows_equal(board.sigs(step)) < 0:
                     fns[1](partial, rows, h + lo, op, 1, kind, scratch, acc)

@@ -309,16 +309,14 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
             for i in range(k):  # another call's message: its tables tell which
                 counts[peer_base + i] = head + max(got - tables, 0)
         elif payload > 0:  # the halves' partials of the kept block, lower first: the caller's
-            pair[slot, tables:tables + (keep_hi - keep_lo) * item] = \
-                inbox[me, head + keep_lo * item:head + keep_hi * item]
+            _copy(pair[slot], tables, inbox[me], head + keep_lo * item, (keep_hi - keep_lo) * item)
             st[S_RED] = 1
             st[S_RLO] = keep_lo
             st[S_RHI] = keep_hi
             st[S_RAT] = tables // item
             return REDUCE
-    cols = _SIG_COLS
     if st[S_PHASE] == 0:
-        agree = ksync.tables_agree(words, head // 8, cols, words[me, :cols - 1])
+        agree = ksync.tables_agree(words, head // 8, _SIG_COLS, words[me, :_SIG_COLS - 1])
         for q in range(size):
             if counts[q] != nbytes:
                 agree = False
