@@ -15,6 +15,7 @@ Modules:
   rng     counter-based Philox keyed by (seed, epoch, sample index, op id)
   floats  float16 / bfloat16 held as uint16
   sync    step counters shared between processes: acquire loads, release stores, bounded spins
+  entry   a kernel's compiled entry point for given argument types (no dispatch per call)
   oneshot a small allreduce through shared rows (publish, wait, check, reduce) in one call
   shard   the parameter server's update rules applied to a shard under its lock
   geometry the crop boxes of random-resized-crop and center crop (pure arithmetic)
@@ -22,6 +23,7 @@ Modules:
 """
 
 from . import (
+    entry,
     floats,
     geometry,
     image,
@@ -35,6 +37,7 @@ from . import (
     sync,
     taps,
 )
+from .entry import entry_point
 from .floats import BF16, F16, compress, decompress
 from .image import (
     alloc_resize_scratch,
@@ -51,6 +54,7 @@ from .reduce import divide, reduce_into, reduce_many_into
 from .rng import fill_uniform, philox4x64, randint, random_u64, uniform
 
 __all__ = [
+    "entry",
     "floats",
     "geometry",
     "image",
@@ -63,6 +67,7 @@ __all__ = [
     "shard",
     "sync",
     "taps",
+    "entry_point",
     "BF16",
     "F16",
     "compress",

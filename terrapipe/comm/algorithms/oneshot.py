@@ -4,18 +4,27 @@ together in its row (one board step), and every rank reduces the whole message f
 into a private scratch row, never into its own shared row, which the others are still reading.
 One barrier where the other algorithms pay two or more; each rank reads p x n bytes, so it wins
 for small messages only (NOTE [algorithm selection] 5 in comm/select.py).
+
+NOTE [symmetric completion]
+    A rank must not do first-call work after a collective's meeting point that its peers skip.
+    In the one-shot, only a rank that arrived early and waited calls
+    :func:`~terrapipe.kernels.oneshot.finish`; compiled lazily there (hundreds of milliseconds
+    on a cold cache, milliseconds to load from a warm one), it left the collective that much
+    later than the rank that arrived last, so a rank's next step started late and Horovod's
+    barrier test, which times a barrier from the previous collective's return on each rank,
+    measured a barrier shorter than the peer's sleep. So a plan compiles every kernel it may
+    run after the meeting before its rank publishes (kernels/entry.py).
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from ...kernels import oneshot
+from ...kernels import entry_point, oneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 
-__all__ = ["allreduce", "plan", "limit", "entry_point", "ONESHOT_READ_BYTES", "ONESHOT_SPINS"]
+__all__ = ["allreduce", "plan", "limit", "ONESHOT_READ_BYTES", "ONESHOT_SPINS"]
 
 # The one-shot allreduce (one barrier: data and signature published together, every rank reduces
 # the whole message) has each rank read p x n bytes; it beats MPICH's Allreduce and our other
@@ -88,20 +97,3 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
             check(board.sigs(step), board.ranks)
 
     return call
-
-
-def entry_point(kernel, args: tuple):
-    """The compiled entry point of ``kernel`` for the types of ``args``, compiled (or loaded
-    from Numba's cache) now, without running it.
-
-    NOTE [symmetric completion]: a rank must not do first-call work after a collective's
-    meeting point that its peers skip. In the one-shot, only a rank that arrived early and
-    waited calls :func:`~terrapipe.kernels.oneshot.finish`; compiled lazily there (hundreds of
-    milliseconds on a cold cache, milliseconds to load from a warm one), it left the collective
-    that much later than the rank that arrived last, so a rank's next step started late and
-    Horovod's barrier test, which times a barrier from the previous collective's return on
-    each rank, measured a barrier shorter than the peer's sleep. So a plan compiles every kernel
-    it may run after the meeting before its rank publishes."""
-    key = tuple(numba.typeof(a) for a in args)
-    kernel.compile(key)
-    return kernel.overloads[key].entry_point

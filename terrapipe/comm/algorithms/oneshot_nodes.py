@@ -73,6 +73,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ...kernels import entry_point
 from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
@@ -80,7 +81,7 @@ from ..transports import mpi_native
 from ..transports.board import ROUND_SPINS, SIG_WORDS, YIELDS
 from ..transports.mpi import NATIVE_SPINS
 from ..transports.shm import PAYLOAD_BYTES
-from .oneshot import ONESHOT_SPINS, entry_point
+from .oneshot import ONESHOT_SPINS
 
 __all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES",
            "ONESHOT_WHOLE_BYTES"]

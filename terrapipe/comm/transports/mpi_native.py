@@ -67,6 +67,7 @@ import ctypes
 import numpy as np
 from numba import njit, types
 
+from ...kernels import entry_point
 from ...kernels import oneshot as koneshot
 from ...kernels import sync as ksync
 from .board import SIG_WORDS
@@ -379,16 +380,6 @@ def cancel(cfg, reqs, n):
             _Cancel(reqs.ctypes.data + 4 * i)
 
 
-def _entry(kernel, args: tuple):
-    """``kernel``'s compiled entry point for the types of ``args`` (compiled or loaded now):
-    called directly, it skips Numba's per-call type dispatch."""
-    from numba import typeof
-
-    sig = tuple(typeof(a) for a in args)
-    kernel.compile(sig)
-    return kernel.overloads[sig].entry_point
-
-
 class Exchange:
     """The compiled exchange of one communicator (NOTE [MPI from compiled code]): its handles,
     requests, statuses and state. Not thread-safe: the transport's calls are ordered."""
@@ -438,11 +429,11 @@ class Exchange:
             key = (partial.dtype, scratch.dtype, partial.flags.c_contiguous)
             self._step = self._steps.get(key)
             if self._step is None:
-                self._step = self._steps[key] = _entry(reduce_step, self._step_args)
+                self._step = self._steps[key] = entry_point(reduce_step, self._step_args)
         self._args = (self.st, self.cfg, self.reqs, self.statuses, self.counts, self.cells, inbox,
                       self.words(inbox), head, nbytes, pair, item, spins)
         if self._advance is None:
-            self._advance = _entry(advance, self._args)
+            self._advance = entry_point(advance, self._args)
         return self.resume()
 
     def words(self, inbox: np.ndarray) -> np.ndarray:
