@@ -92,6 +92,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_MPI_NATIVE", "flag", True,
             "`0`: the agreement's exchange between nodes through mpi4py, not MPI's C API from "
             "compiled code", "comm"),
+    Setting("TERRAPIPE_HALVING_BYTES", "count", None,
+            "Among a power of two of four or more nodes, payloads of at least this many bytes cross "
+            "by reduce-scatter and allgather, smaller ones by recursive doubling (0: never; default: "
+            "measured on the group's links when it is made)", "comm"),
     Setting("TERRAPIPE_HUGEPAGES", "flag", True,
             "`0`: never advise huge pages for buffers collectives read again and again", "comm"),
     Setting("TERRAPIPE_CUDA_COMM", "choice", "auto",

@@ -245,12 +245,22 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
     In place on ``x`` unless ``out`` (same shape and dtype) is given. Returns the result (x or
     out), or a Handle. float16/bfloat16 accumulate in float32; avg divides once.
     """
-    g = _g(group)
+    g = group if group is not None else _world if _world is not None else init()  # _g(group), inline
+    # Latency path first: small sync in-place allreduces of plain arrays skip the general
+    # machinery; those of a NumPy array it took before take its fast lane (select.small_lane).
+    if out is None and not async_op and type(x) is np.ndarray and type(op) is str:
+        lane = g.small_lanes.get((x.dtype, x.shape, op))
+        if lane is not None and lane(x):
+            return x
     code = kreduce.op_code(op)
-    # Latency path first: small sync in-place allreduces of plain arrays skip the general machinery.
     if out is None and not async_op:
         arr = plain_array(x)
         if arr is not None and select.allreduce_small(g, arr, code):
+            if arr is x and type(op) is str and (x.dtype, x.shape, op) not in g.small_lanes:
+                lanes = g.small_lanes
+                if len(lanes) > 1024:
+                    lanes.clear()
+                lanes[(x.dtype, x.shape, op)] = select.small_lane(g, x, code)  # None: it has none
             return x
     if _wants_nccl(g, x, "allreduce"):
         if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):

@@ -123,12 +123,16 @@ class Executor:
     def run_if_idle(self, fn, *args) -> bool:
         """Run ``fn(*args)`` inline when no async collective is pending and return True; else run
         nothing and return False (the caller queues it the ordinary way). The latency path's
-        entry: one lock, no wrapper."""
-        with self._state:
+        entry: no wrapper, and not the queue's lock (``pending`` is read twice instead: before
+        waiting for a body another thread runs inline, and again once this call holds
+        ``_exec``, where an async body that ran meanwhile may not have completed yet)."""
+        if self.pending:
+            return False
+        running = self._exec
+        running.acquire()
+        try:
             if self.pending:
                 return False
-            self._exec.acquire()
-        try:
             if self.failed:
                 raise CommError(f"this group is unusable after an earlier failure: {self.failed}")
             fn(*args)
@@ -136,7 +140,7 @@ class Executor:
             _failed(self, e)
             raise
         finally:
-            self._exec.release()
+            running.release()
         return True
 
     def close(self) -> None:

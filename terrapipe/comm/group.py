@@ -132,6 +132,7 @@ class Group:
         if cross_mpi is not None:  # NOTE [a peer lost across nodes] in transports/board.py
             for mpi in (self.mpi, cross_mpi):
                 mpi.on_lost, mpi.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
+            cross_mpi.choose_halving()  # NOTE [MPI from compiled code] 9 in transports/mpi_native.py
         self.shm.board.progress = self.mpi.progress  # NOTE [MPI progress] 4 in comm/algorithms/ring.py
         if cross_mpi is None:
             cross.Free()
@@ -242,6 +243,7 @@ class Group:
         self.staging_pool = None  # comm/staging.py: pinned buffers and side streams, made on demand
         self.nccl = None  # comm/transports/nccl.py: None (undecided), False (staged) or its NcclTransport
         self.small_plans: dict[tuple, tuple | None] = {}  # the latency path's (comm/select.py)
+        self.small_lanes: dict[tuple, object] = {}  # its fast lane's (select.small_lane)
         self.pinned: dict[str, str] = {}  # collective: algorithm (use_algorithm)
         self.algorithm_log: list | None = None  # record_algorithms
         forced = forced_backend()
@@ -362,6 +364,7 @@ class Group:
                 self.pinned.pop(coll, None)
             else:
                 self.pinned[coll] = algorithm
+            self.small_lanes.clear()  # each was chosen under the pins before
 
         self.run(body, False)
 

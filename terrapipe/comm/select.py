@@ -444,7 +444,7 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
     if not ckind and x.nbytes >= shared.SHARED_MIN_BYTES and g.shm.locate(x) is not None:
         return False  # the shared algorithm's, sync or async alike (NOTE [algorithm selection] 6)
     call, as16, request, algorithm = plan
-    flat = x.reshape(-1)
+    flat = x if x.ndim == 1 else x.reshape(-1)
     if as16:
         flat = flat.view(np.uint16)
     # Every step here is paid per call by the smallest allreduces: no closure, one lock.
@@ -455,6 +455,35 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
     if g.algorithm_log is not None:
         _ran(g, request, algorithm)
     return True
+
+
+def small_lane(g, x: np.ndarray, op: int):
+    """The latency path's fast lane, after :func:`allreduce_small` took ``x`` (``comm.allreduce``
+    in place of a NumPy array, op code ``op``): ``lane(y) -> bool``, which does for arrays ``y``
+    of ``x``'s dtype and shape what :func:`allreduce_small` would, with what does not change
+    between such calls looked up once (the plan, its kernels, the message's parts). False where
+    ``y`` does not qualify, or while an async collective is pending, the timeline records or
+    the group logs algorithms: the caller then takes :func:`allreduce_small`. None where ``x``
+    has no lane: a 16-bit format (passed as its bits), a size the shared algorithm may take,
+    a read-only array. Where emulated nodes share cores every rank's Python is the others'
+    wall time, several times over (NOTE [one-shot across nodes] 7 in
+    comm/algorithms/oneshot_nodes.py), so this is what the smallest allreduces pay per call."""
+    key = (x.dtype, x.shape, op, "allreduce", 0, g.pinned.get("allreduce") if g.pinned else None)
+    plan = g.small_plans.get(key)
+    if not plan or plan[1] or x.nbytes >= shared.SHARED_MIN_BYTES or not x.flags.writeable:
+        return None
+    call = plan[0]
+    how, run, executor = call.in_place(x.reshape(-1)), call.run, g.executor
+
+    def lane(y: np.ndarray) -> bool:
+        flags = y.flags
+        if (executor.pending or not (flags.c_contiguous and flags.writeable) or timeline.enabled()
+                or g.algorithm_log is not None):
+            return False
+        flat = y if y.ndim == 1 else y.reshape(-1)
+        return executor.run_if_idle(run, flat, flat, how)
+
+    return lane
 
 
 def _spanned(call, coll: str, nbytes: int, algorithm: str):

@@ -8,7 +8,6 @@ import torch
 
 import terrapipe.comm as comm
 from terrapipe.comm.algorithms import oneshot, oneshot_nodes
-from terrapipe.comm.transports import mpi as mpi_transport
 
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
 OPS = ["sum", "avg", "min", "max", "prod"]
@@ -339,13 +338,15 @@ def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches
     # mpi4py's (which never halves).
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"
     os.environ["TERRAPIPE_MPI_NATIVE"] = "1" if native else "0"
+    halving = 16 << 10  # pinned: measured, it depends on the links (NOTE [...] 9)
+    os.environ["TERRAPIPE_HALVING_BYTES"] = str(halving)
     g = comm.init(timeout=30)
     assert g.nnodes == 4 and g.shm.cross.doubling
     assert (g.shm.cross.native is not None) == native
+    assert g.shm.cross.halving_bytes == (halving if native else 0)
     r, p = g.rank, g.size
     log = g.record_algorithms()
     limit = oneshot_nodes.limit(g.shm)
-    halving = mpi_transport.HALVING_BYTES
     cases = [("float32", "sum"), ("float16", "sum"), ("bfloat16", "avg"), ("float64", "prod"),
              ("float32", "max")]
     for i, (dtype, op) in enumerate(cases * 5):
@@ -365,6 +366,33 @@ def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches
     _mismatch_then_exact(g, (big, limit // 4))
     _mismatch_then_exact(g, (100, 1000))
     _mismatch_then_exact(g, (1000, limit // 4))  # recursive doubling met by the reduce-scatter
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True, ci_ranks=(4,))
+def test_four_nodes_hold_one_halving_threshold_measured_or_set(mpi_comm):
+    # NOTE [MPI from compiled code] 9: among four nodes the payload from which the exchange
+    # reduce-scatters is measured on the links when a group is made, or set; every rank must
+    # hold the same one (a rank halving where its peer doubles would meet it with messages of
+    # other lengths), so measured, each takes the slowest rank's times, and set differently on
+    # each rank, the largest wins. Allreduces on either side of it stay exact.
+    os.environ["TERRAPIPE_NODE_SIZE"] = "1"
+    os.environ.pop("TERRAPIPE_HALVING_BYTES", None)
+    g = comm.init(timeout=30)
+    if g.shm.cross.native is None:
+        pytest.skip("this MPI's handles are not int32: the mpi4py exchange, which never halves")
+    measured = mpi_comm.allgather(g.shm.cross.halving_bytes)
+    assert len(set(measured)) == 1, measured
+    assert measured[0] == 0 or (64 <= measured[0] < 1 << 20 and measured[0] % 64 == 0), measured
+    os.environ["TERRAPIPE_HALVING_BYTES"] = str(1024 * (g.rank + 1) + 64 * g.rank)
+    comm.finalize()
+    g = comm.init(timeout=30)
+    assert mpi_comm.allgather(g.shm.cross.halving_bytes) == [4096 + 192] * 4
+    log = g.record_algorithms()
+    for n in (1, 1000, 1071, 1072, 1073, 5000):  # float32: 4284 / 4288 bytes about the threshold
+        x = np.arange(n, dtype=np.float32) + g.rank
+        comm.allreduce(x, "sum")
+        np.testing.assert_array_equal(x, 4 * np.arange(n, dtype=np.float32) + 6)
+    assert {a for _, a, _ in log} == {"oneshot_nodes"}
 
 
 def _one_shot_across_nodes_loop(per_node: int, nodes: int) -> None:

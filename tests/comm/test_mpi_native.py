@@ -69,3 +69,39 @@ def test_the_fused_calls_local_wait_is_neither_an_exchange_state_nor_an_mpi_erro
     states = {mpi_native.PENDING, mpi_native.DONE, mpi_native.DISAGREE, mpi_native.REDUCE}
     assert len(states) == 4 and min(states) >= 0
     assert oneshot_nodes.LOCAL_WAIT > 0 and oneshot_nodes.LOCAL_WAIT not in states
+
+
+PAYLOADS = (4 << 10, 8 << 10, 16 << 10, 32 << 10)
+
+
+@given(st.floats(20e-6, 200e-6), st.floats(0.1e-9, 20e-9), st.floats(1.0, 3.0), st.floats(0.55, 0.95))
+def test_the_halving_threshold_is_where_the_two_algorithms_times_cross(rounds_time, per_byte, more_rounds,
+                                                                      fewer_bytes):
+    # Times linear in the payload, as a link's are: halving pays more per call (its rounds)
+    # and less per byte. Where the lines cross among the measured payloads, the threshold is
+    # that crossover rounded up to 64 bytes; past the largest, never (0); below the smallest,
+    # extrapolated (at least 64 bytes). Below the threshold doubling is no slower, from it on
+    # halving is not.
+    from terrapipe.comm.transports.mpi import halving_threshold
+
+    doubling = [rounds_time + m * per_byte for m in PAYLOADS]
+    halving = [more_rounds * rounds_time + fewer_bytes * m * per_byte for m in PAYLOADS]
+    crossover = (more_rounds - 1) * rounds_time / ((1 - fewer_bytes) * per_byte)
+    got = halving_threshold(PAYLOADS, doubling, halving)
+    if crossover >= PAYLOADS[-1]:
+        assert got == 0
+    else:
+        assert got % 64 == 0 and got >= 64
+        assert max(crossover, 64) <= got < max(crossover, 64) + 64 + 1e-6
+
+
+def test_the_halving_threshold_trusts_only_a_lead_that_holds_at_every_larger_payload():
+    # A lead at 8 KiB lost again at 16 KiB is noise: the threshold is where halving leads for good.
+    from terrapipe.comm.transports.mpi import halving_threshold
+
+    doubling = [100e-6, 150e-6, 200e-6, 400e-6]
+    halving = [150e-6, 140e-6, 220e-6, 300e-6]
+    got = halving_threshold(PAYLOADS, doubling, halving)
+    assert 16 << 10 < got <= 32 << 10
+    assert halving_threshold(PAYLOADS, doubling, [h + 1 for h in halving]) == 0  # never leads
+    assert halving_threshold(PAYLOADS, [1e-3] * 4, [1e-6] * 4) == 64  # leads everywhere

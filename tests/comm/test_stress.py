@@ -89,3 +89,32 @@ def test_issuing_async_returns_while_a_large_collective_runs(world):
     assert big[0] == 2 and all(s[0] == 2 for s in small)
     if world.rank == 0:
         assert running, "issuing waited for the running collective"
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_the_latency_paths_fast_lane_queues_behind_async_collectives_of_its_own_shape(world):
+    # A sync allreduce of a shape the latency path took before goes by its fast lane
+    # (comm/select.py small_lane), which must still run in issue order (NOTE [collective
+    # ordering] 2): issued while async ones of the same shape are queued or running, it waits
+    # for them. Run out of order on one rank only, it would meet another call's data on the
+    # others: every result below would be wrong. Each round one rank issues late, so on the
+    # others the async calls are still pending when the sync one is issued.
+    p, r = comm.size(), comm.rank()
+    x = np.empty(1024, np.float32)
+    ys = [np.empty(1024, np.float32) for _ in range(6)]
+    for it in range(200):
+        x[:] = r + it
+        comm.allreduce(x, "sum")  # the lane is there from the first round on
+        assert x[0] == x[-1] == p * it + p * (p - 1) / 2, it
+        assert world.small_lanes.get((x.dtype, x.shape, "sum")) is not None
+        for k, y in enumerate(ys):
+            y[:] = 10 * (k + 1) + r
+        if r == it % p and it % 20 == 0:
+            time.sleep(0.05)
+        handles = [comm.allreduce(y, "sum", async_op=True) for y in ys]
+        x[:] = r - it
+        comm.allreduce(x, "sum")
+        assert x[0] == x[-1] == -p * it + p * (p - 1) / 2, it
+        for k, (h, y) in enumerate(zip(handles, ys, strict=True)):
+            h.wait()
+            assert y[0] == y[-1] == p * 10 * (k + 1) + p * (p - 1) / 2, (it, k)

@@ -55,7 +55,9 @@ def plan(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, c
     """:func:`allreduce` with everything but the arrays fixed: a function ``(src, dst)``, one per
     signature (kept on the transport for the general path and the latency path alike,
     comm/select.py), which calls the compiled overload directly once it knows the argument
-    types (skipping Numba's per-call type dispatch)."""
+    types (skipping Numba's per-call type dispatch). Its attributes split a call in two for
+    the latency path, which keeps the first half's answer: ``in_place(x)``, how a call in place
+    on arrays like ``x`` runs, and ``run(src, dst, how)``, the call."""
     plans = shm.plans
     key = (dtype, op, kind, coll, sig.tobytes())
     made = plans.get(key)
@@ -75,25 +77,49 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     compiled = {}
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
-        h = shm.next_half() * half
-        step, col = board.reserve()
+        run(src, dst, in_place(src) if src is dst else _how(src, dst))
+
+    def in_place(x: np.ndarray):
+        """How a call in place on arrays like ``x`` runs, for :func:`run`: its kernels, compiled
+        and looked up once per type (the latency path keeps them, comm/select.py)."""
+        flags = x.flags
+        key = (x.dtype, flags.c_contiguous, flags.writeable)
+        fns = compiled.get(key)
+        if fns is None:
+            fns = compiled[key] = _compile(x, x)
+        return fns
+
+    def _how(src: np.ndarray, dst: np.ndarray):
+        key = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous)
+        fns = compiled.get(key)
+        if fns is None:
+            fns = compiled[key] = _compile(src, dst)
+        return fns
+
+    def _compile(src: np.ndarray, dst: np.ndarray):
+        """Both kernels a call of these types may run, before its rank publishes (NOTE
+        [symmetric completion]). What Numba's type of an array depends on: dtype, layout,
+        writeability."""
+        h, step, col = 0, 1, 1  # any: only their types count here
         args = (src, dst, rows, h, me, table, col, sig, step, op, divisor, kind, scratch, acc,
                 ONESHOT_SPINS, 0)
-        tail = (dst, rows, h, op, divisor, kind, scratch, acc)
-        # What Numba's type of an array depends on: dtype, layout, writeability.
-        types = (src.dtype, src.flags.c_contiguous, src.flags.writeable,
-                 dst.dtype, dst.flags.c_contiguous)
-        fns = compiled.get(types)
-        if fns is None:  # NOTE [symmetric completion]: both kernels before this rank publishes
-            fns = compiled[types] = (entry_point(oneshot.oneshot_allreduce, args),
-                                     entry_point(oneshot.finish, tail))
-        state = fns[0](*args)
+        return (entry_point(oneshot.oneshot_allreduce, args),
+                entry_point(oneshot.finish, (dst, rows, h, op, divisor, kind, scratch, acc)))
+
+    def run(src: np.ndarray, dst: np.ndarray, fns) -> None:
+        """The call, with the kernels for arrays like these (:func:`in_place`)."""
+        h = shm.next_half() * half
+        step, col = board.reserve()
+        state = fns[0](src, dst, rows, h, me, table, col, sig, step, op, divisor, kind, scratch, acc,
+                       ONESHOT_SPINS, 0)
         if state == oneshot.WAITING:
             board.wait(step, timeout, coll)
             state = ksync.rows_equal(board.sigs(step))
             if state < 0:
-                fns[1](*tail)
+                fns[1](dst, rows, h, op, divisor, kind, scratch, acc)
         if state >= 0:
             check(board.sigs(step), board.ranks)
 
+    call.in_place = in_place
+    call.run = run
     return call

@@ -33,8 +33,9 @@ NOTE [one-shot across nodes]
        Among three nodes, or more but not a power of two, the exchange is all to all, (nodes -
        1) x n per link; among four, eight, ... it goes by recursive doubling (clause 8),
        log2(nodes) x n, where a ring sends about 2n: either way it wins for small messages
-       only (ONESHOT_NODES_BYTES; between two nodes, where it sends what a ring does, up to
-       ONESHOT_TWO_NODES_BYTES; NOTE [algorithm selection] 4 in comm/select.py).
+       only (ONESHOT_NODES_BYTES; up to ONESHOT_TWO_NODES_BYTES between two nodes, where it
+       sends what a ring does, and where the compiled exchange may reduce-scatter, 1.5 x n at
+       four nodes as MPICH's allreduce; NOTE [algorithm selection] 4 in comm/select.py).
     7. Python's part is paid per call by the smallest allreduces, on every rank, and where
        emulated nodes share a machine's cores every rank's pays for the others': a call is a
        plan per signature (:func:`plan`, as the one-shot's, taken by the latency path of
@@ -47,7 +48,15 @@ NOTE [one-shot across nodes]
        from compiled code the whole call is one compiled call (:func:`_fused`), Python only
        where it stops (a late peer, a mismatch): at 2 nodes x 2 ranks on two cores a 4 KiB
        call took 110 us of CPU per rank before, 65 with the exchange compiled, 48-53 fused,
-       MPICH's allreduce 43-53 in the same runs.
+       MPICH's allreduce 43-53 in the same runs. There a microsecond of Python a call costs
+       several of wall time: at 4 nodes x 1 over 2.5gbit, 8 KiB, the compiled call alone took
+       0.55-0.58 of MPICH's time, the same call through ``comm.allreduce`` 0.69-0.79 when the
+       Python around it took ~4.5 us (its 16 fixed arrays alone 2.3 us to pass: Numba wraps
+       each one per call). So they travel in one :class:`_Fixed` (0.6 us), a call of a size
+       already seen looks up how it runs once (``in_place``), and ``comm.allreduce`` of a NumPy
+       array takes the latency path's fast lane (comm/select.py ``small_lane``): 0.64-0.67.
+       Over 1gbit, 4 / 8 KiB against MPICH's allreduce, interleaved: 1.05 / 1.03 before, 0.73
+       / 0.79 after.
     8. Among a power of two of at least four nodes, step 3 is recursive doubling (NOTE
        [agreement across nodes] 3 in comm/transports/shm.py): after each round this rank's
        partial becomes its half's, the two halves' partials combined lower half first
@@ -57,9 +66,10 @@ NOTE [one-shot across nodes]
        over 1gbit (Xeon, 2 cores), us against MPICH's allreduce at 16 / 32 KiB: 335 / 553
        against 188 / 412, where the exchange to all took 419 / 826 against 203 / 412; at 64
        KiB it lost to the hierarchical ring (1102 against 956), so the limit among more than
-       two nodes stays ONESHOT_NODES_BYTES. From HALVING_BYTES (comm/transports/mpi.py) the
-       compiled exchange reduce-scatters the partials and allgathers them instead (NOTE [MPI
-       from compiled code] 8): the same bits on every rank, 1.5 x n per link at 4 nodes.
+       two nodes stays ONESHOT_NODES_BYTES. From a payload measured on the links when the
+       group is made, the compiled exchange reduce-scatters the partials and allgathers them
+       instead (NOTE [MPI from compiled code] 8-9): the same bits on every rank, 1.5 x n per
+       link at 4 nodes.
     9. Up to ONESHOT_WHOLE_BYTES, on nodes of several ranks, every local rank carries the whole
        message instead of its part (step 2 reduces every element, step 4 writes the output),
        and step 5 goes: its second meeting of the node's ranks cost more than the link's extra
@@ -71,7 +81,9 @@ NOTE [one-shot across nodes]
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.core.extending import overload
+from numba.experimental import structref
 
 from ...kernels import entry_point
 from ...kernels import oneshot as koneshot
@@ -96,6 +108,10 @@ ONESHOT_NODES_BYTES = 32 << 10
 # Between two nodes each part crosses a link once, as in a ring (clause 6), so the one-shot
 # leads further: 2 nodes x 2 over 1gbit (Xeon, 2 cores; pinned, rounds interleaved), us at 32 /
 # 64 / 128 / 256 KiB: 378 / 542 / 1102 / 2188, the hierarchical segment 823 / 848 / 1081 / 2201.
+# So does it among a power of two of four or more nodes where the compiled exchange may
+# reduce-scatter (clause 8): at 4 x 1 against MPICH's allreduce (interleaved, 2026-11-27), over
+# 2.5gbit 64 KiB 329 / 326 us where the hierarchical path (the agreement, then MPI's own) took
+# 654 / 325, over 1gbit 48 / 64 KiB 621 / 615 and 824 / 820.
 ONESHOT_TWO_NODES_BYTES = 64 << 10
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
@@ -105,9 +121,12 @@ ONESHOT_WHOLE_BYTES = 8 << 10
 
 def limit(shm) -> int:
     """The largest allreduce (bytes as exchanged) the one-shot across nodes takes: half a row
-    of the node's segment, and at most ``ONESHOT_TWO_NODES_BYTES`` between two nodes,
-    ``ONESHOT_NODES_BYTES`` among more."""
-    most = ONESHOT_TWO_NODES_BYTES if shm.cross is not None and shm.cross.size == 2 else ONESHOT_NODES_BYTES
+    of the node's segment, and at most ``ONESHOT_TWO_NODES_BYTES`` between two nodes and among
+    a power of two of four or more whose exchange is compiled (and so may reduce-scatter),
+    ``ONESHOT_NODES_BYTES`` among others."""
+    cross = shm.cross
+    wide = cross is not None and (cross.size == 2 or (cross.doubling and cross.native is not None))
+    most = ONESHOT_TWO_NODES_BYTES if wide else ONESHOT_NODES_BYTES
     return min(shm.row_bytes // 2, most, PAYLOAD_BYTES)
 
 
@@ -127,7 +146,8 @@ def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, k
 
 def plan(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check, size: int):
     """:func:`allreduce` with everything but the arrays fixed: a function ``(src, dst)``, one per
-    signature, kept with the one-shot's plans on the transport (NOTE [one-shot across nodes] 7)."""
+    signature, kept with the one-shot's plans on the transport (NOTE [one-shot across nodes] 7),
+    with the attributes ``in_place`` and ``run`` of :func:`terrapipe.comm.algorithms.oneshot.plan`."""
     plans = shm.plans
     key = ("nodes", dtype, op, kind, coll, sig.tobytes())
     made = plans.get(key)
@@ -154,18 +174,80 @@ def part_of(n: int, local_size: int) -> int:
 LOCAL_WAIT = 4
 
 
+@structref.register
+class _FixedType(types.StructRef):
+    """Numba's type of :class:`_Fixed` (one per dtype and layout of its arrays)."""
+
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class _Fixed(structref.StructRefProxy):
+    """:func:`_fused`'s arguments that do not change from call to call, in one object (NOTE
+    [one-shot across nodes] 7): the one-shot's arrays (the node's rows, the board's table, the
+    signature, the scratch row and accumulator), the exchange's (the inbox as bytes, as the
+    payload's dtype and as words, the pair as bytes and as that dtype, and the state, config,
+    requests, statuses, counts and cells of
+    :class:`~terrapipe.comm.transports.mpi_native.Exchange`) and this rank's place (local
+    rank, local size, node, the payloads' first element, the table's bytes, op, divisor,
+    16-bit format, whether by recursive doubling). Made by :func:`_new_fixed`; every array the
+    transport's, only referenced."""
+
+
+structref.define_boxing(_FixedType, _Fixed)
+
+
+def _make_fixed(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, cfg, reqs, statuses,
+                counts, cells, me, p, node, h0, head, op, divisor, kind, doubling):
+    raise NotImplementedError("compiled code only (_new_fixed)")
+
+
+@overload(_make_fixed)
+def _make_fixed_impl(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, cfg, reqs,
+                     statuses, counts, cells, me, p, node, h0, head, op, divisor, kind, doubling):
+    fields = dict(rows=rows, table=table, sig=sig, scratch=scratch, acc=acc, parts=parts, inbox=inbox,
+                  words=words, pair=pair, pair_t=pair_t, st=st, cfg=cfg, reqs=reqs, statuses=statuses,
+                  counts=counts, cells=cells, me=me, p=p, node=node, h0=h0, head=head, op=op, divisor=divisor,
+                  kind=kind, doubling=doubling)
+    fixed_type = _FixedType(list(fields.items()))
+
+    def impl(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, cfg, reqs, statuses,
+             counts, cells, me, p, node, h0, head, op, divisor, kind, doubling):
+        f = structref.new(fixed_type)
+        f.rows, f.table, f.sig, f.scratch, f.acc, f.parts = rows, table, sig, scratch, acc, parts
+        f.inbox, f.words, f.pair, f.pair_t, f.st, f.cfg = inbox, words, pair, pair_t, st, cfg
+        f.reqs, f.statuses, f.counts, f.cells = reqs, statuses, counts, cells
+        f.me, f.p, f.node, f.h0, f.head, f.op, f.divisor, f.kind, f.doubling = (
+            me, p, node, h0, head, op, divisor, kind, doubling)
+        return f
+
+    return impl
+
+
+@njit(cache=True)
+def _new_fixed(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, cfg, reqs, statuses,
+               counts, cells, me, p, node, h0, head, op, divisor, kind, doubling):
+    """A :class:`_Fixed` holding these (arrays by reference)."""
+    return _make_fixed(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, cfg, reqs,
+                       statuses, counts, cells, me, p, node, h0, head, op, divisor, kind, doubling)
+
+
 @njit(nogil=True, cache=True)
-def _fused(src, dst, rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, cfg, reqs,
-           statuses, counts, cells, h, step, col, lo, hi, whole, me, p, node, h0, head, op, divisor, kind,
-           doubling):
+def _fused(src, dst, fx, h, step, col, lo, hi, whole):
     """Steps 1-4 of NOTE [one-shot across nodes] in one compiled call, the exchange by MPI's C
     API (NOTE [MPI from compiled code] in comm/transports/mpi_native.py): DONE, or where it
     stopped for the caller to go on in Python: LOCAL_WAIT (the node's ranks not all there
     after its yields: steps 1-2 done, the wait and the rest to do), PENDING (the exchange
     posted and polled: resume it), DISAGREE (every table known: describe the mismatch), or
-    minus an MPI error code. Arguments as :func:`allreduce` builds them: the one-shot's
-    (kernels/oneshot.py), the exchange's (:func:`mpi_native.advance`) and this call's part
-    ``[lo, hi)`` of the message, whether it goes ``whole`` (clause 9)."""
+    minus an MPI error code. ``fx``: a :class:`_Fixed`, the one-shot's and the exchange's
+    arrays and this rank's place; this call's half ``h``, board ``step`` and signature
+    column ``col``, its part ``[lo, hi)`` of the message, whether it goes ``whole`` (clause
+    9)."""
+    rows, table, sig, scratch, acc, parts = fx.rows, fx.table, fx.sig, fx.scratch, fx.acc, fx.parts
+    inbox, words, pair, pair_t, st, cfg = fx.inbox, fx.words, fx.pair, fx.pair_t, fx.st, fx.cfg
+    reqs, statuses, counts, cells = fx.reqs, fx.statuses, fx.counts, fx.cells
+    me, p, node, h0, head = fx.me, fx.p, fx.node, fx.h0, fx.head
+    op, divisor, kind = fx.op, fx.divisor, fx.kind
     partial = parts[node, h0:h0 + hi - lo]
     state = koneshot.oneshot_allreduce(src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch,
                                        acc, ONESHOT_SPINS, lo)
@@ -189,7 +271,7 @@ def _fused(src, dst, rows, table, sig, scratch, acc, parts, inbox, words, pair, 
         return state
     # clause 8: by recursive doubling the partials were reduced on the way: the last step only
     # divides this node's row
-    finals = parts[node:node + 1] if doubling else parts
+    finals = parts[node:node + 1] if fx.doubling else parts
     if whole:
         koneshot.finish(dst, finals, h0, op, divisor, kind, scratch, acc)
     else:
@@ -217,30 +299,39 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     fixed = None
     if native is not None:  # _fused's arguments that do not change from call to call
         pair = shm.pair if shm.pair is not None else native.no_pair
-        fixed = (rows, table, sig, scratch, acc, parts, inbox, native.words(inbox), pair, pair.view(dtype),
-                 native.st, native.cfg, native.reqs, native.statuses, native.counts, native.cells)
-        tail = (me, p, node, h0, head, op, divisor, kind, doubling)
+        fixed = _new_fixed(rows, table, sig, scratch, acc, parts, inbox, native.words(inbox), pair,
+                           pair.view(dtype), native.st, native.cfg, native.reqs, native.statuses,
+                           native.counts, native.cells, me, p, node, h0, head, op, divisor, kind, doubling)
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
-        n = src.shape[0]
-        # clause 9: a message this small goes whole from every local rank, with no step 5
-        whole = p == 1 or n * dtype.itemsize <= ONESHOT_WHOLE_BYTES
-        part = n if whole else part_of(n, p)
-        lo = 0 if whole else min(me * part, n)
-        hi = min(lo + part, n)
+        run(src, dst, in_place(src) if src is dst else _how(src, dst))
+
+    def in_place(x: np.ndarray):
+        """How a call in place on arrays like ``x`` runs (clause 7), for :func:`run`: compiled
+        and looked up once per size and type (the latency path keeps it, comm/select.py)."""
+        flags = x.flags
+        key = (x.shape[0], x.dtype, flags.c_contiguous, flags.writeable)
+        how = compiled.get(key)
+        if how is None:
+            how = compiled[key] = _compile(x, x)
+        return how
+
+    def _how(src: np.ndarray, dst: np.ndarray):
+        key = (src.shape[0], src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype,
+               dst.flags.c_contiguous)
+        how = compiled.get(key)
+        if how is None:
+            how = compiled[key] = _compile(src, dst)
+        return how
+
+    def run(src: np.ndarray, dst: np.ndarray, how) -> None:
+        """The call, ``how`` it runs for arrays like these (:func:`in_place`)."""
+        fns, whole, part, lo, hi = how
         h = shm.next_half() * half
         step, col = board.reserve()
-        # What Numba's type of an array depends on: dtype, layout, writeability; and whether the
-        # call is in place (the latency path's, the only one _fused is compiled for: each of its
-        # specializations costs seconds of compilation on a first run).
-        types = (src.dtype, src.flags.c_contiguous, src.flags.writeable, dst.dtype, dst.flags.c_contiguous,
-                 whole, src is dst)
-        fns = compiled.get(types)
-        if fns is None:  # NOTE [symmetric completion] in comm/algorithms/oneshot.py
-            fns = compiled[types] = _compile(src, dst, h, step, col, lo, hi, whole)
         state = LOCAL_WAIT
         if fns[4] is not None:  # all of it in one compiled call, Python only where it stops
-            state = fns[4](src, dst, *fixed, h, step, col, lo, hi, whole, *tail)
+            state = fns[4](src, dst, fixed, h, step, col, lo, hi, whole)
         if state != mpi_native.DONE:
             _go_on(state, src, dst, fns, h, step, col, lo, hi, whole)
         if not whole:  # 5
@@ -271,18 +362,33 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         out = dst if whole else rows[me, h + lo:h + hi]
         fns[2](out, parts[node:node + 1] if doubling else parts, h0, op, divisor, kind, scratch, acc)  # 4
 
-    def _compile(src, dst, h, step, col, lo, hi, whole):
-        """Every kernel a call of these types may run, compiled (or loaded) before it publishes."""
+    def _compile(src, dst):
+        """How a call of these sizes and types runs: every kernel it may run, compiled (or
+        loaded) before its rank publishes (NOTE [symmetric completion] in
+        comm/algorithms/oneshot.py); whether it goes whole, its part, and the part's [lo, hi).
+        What Numba's type of an array depends on: dtype, layout, writeability; _fused is
+        compiled for calls in place only (the latency path's: each of its specializations
+        costs seconds of compilation on a first run)."""
+        n = src.shape[0]
+        # clause 9: a message this small goes whole from every local rank, with no step 5
+        whole = p == 1 or n * dtype.itemsize <= ONESHOT_WHOLE_BYTES
+        part = n if whole else part_of(n, p)
+        lo = 0 if whole else min(me * part, n)
+        hi = min(lo + part, n)
+        h, step, col = 0, 1, 1  # any: only their types count here
         partial = mine[h0:h0 + hi - lo]
         out = dst if whole else rows[me, h + lo:h + hi]
         local = (src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch, acc, ONESHOT_SPINS,
                  lo)
-        gather = (dst, rows, h, part_of(src.shape[0], p), kind)
-        return (entry_point(koneshot.oneshot_allreduce, local),
-                entry_point(koneshot.finish, (partial, rows, h + lo, op, 1, kind, scratch, acc)),
-                entry_point(koneshot.finish, (out, parts, h0, op, divisor, kind, scratch, acc)),
-                entry_point(koneshot.collect, gather) if p > 1 else None,
-                entry_point(_fused, (src, dst, *fixed, h, step, col, lo, hi, whole, *tail))
-                if fixed is not None and src is dst and src.flags.writeable else None)
+        gather = (dst, rows, h, part, kind)
+        fns = (entry_point(koneshot.oneshot_allreduce, local),
+               entry_point(koneshot.finish, (partial, rows, h + lo, op, 1, kind, scratch, acc)),
+               entry_point(koneshot.finish, (out, parts, h0, op, divisor, kind, scratch, acc)),
+               entry_point(koneshot.collect, gather) if p > 1 else None,
+               entry_point(_fused, (src, dst, fixed, h, step, col, lo, hi, whole))
+               if fixed is not None and src is dst and src.flags.writeable else None)
+        return fns, whole, part, lo, hi
 
+    call.in_place = in_place
+    call.run = run
     return call

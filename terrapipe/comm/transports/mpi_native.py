@@ -41,19 +41,35 @@ NOTE [MPI from compiled code]
        holds every table, whatever the payloads were, so every rank decides alike whether the
        group agrees; a rank in another collective (another payload, or none) still meets its
        peers round for round and raises the same mismatch.
-    8. A payload of at least ``cfg[C_HALVING]`` bytes (``HALVING_BYTES`` in
-       comm/transports/mpi.py) goes by reduce-scatter and allgather instead of whole in each
-       round: in round k a rank sends the half of its block that the peer keeps (the upper half
-       where bit k of the peer's rank is set, :func:`_block`) and reduces the half it keeps,
-       the lower rank's data first; once every table agrees (only then: a group that
+    8. A payload of at least ``cfg[C_HALVING]`` bytes (clause 9) goes by reduce-scatter and allgather
+       instead of whole in each round: in round k a rank sends the half of its block that the peer
+       keeps (the upper half where bit k of the peer's rank is set, :func:`_block`) and reduces the
+       half it keeps, the lower rank's data first; once every table agrees (only then: a group that
        disagrees stops after the first phase, on every rank), the allgather's rounds, from the
-       largest distance down, swap finished blocks into place. A link carries 1.5 x the
-       payload at 4 nodes (2 (size - 1) / size), not 2 x: what MPICH's allreduce does there
-       from a few KiB. Every block is reduced on one rank and copied to the others, so every
-       rank holds the same bits. Among 4 emulated nodes over 1gbit links (2-core Xeon, float32,
-       both ways and MPICH's allreduce interleaved in one run), us at 12 / 16 / 24 / 32 KiB:
-       doubling 208 / 280 / 418 / 554, halving 226 / 270 / 316 / 419, MPICH 154 / 200 / 312 /
-       414. Links there move a KiB in 8.2 us, so both are bound by the bytes a link carries.
+       largest distance down, swap finished blocks into place. A link carries 1.5 x the payload at
+       4 nodes (2 (size - 1) / size), not 2 x: what MPICH's allreduce does there from a few KiB.
+       Every block is reduced on one rank and copied to the others, so every rank holds the same
+       bits. Among 4 emulated nodes over 1gbit links (2-core Xeon, float32, both ways and MPICH's
+       allreduce interleaved in one run), us at 12 / 16 / 24 / 32 KiB: doubling 208 / 280 / 418 /
+       554, halving 226 / 270 / 316 / 419, MPICH 154 / 200 / 312 / 414. Links there move a KiB in
+       8.2 us, so both are bound by the bytes a link carries.
+    9. Where the two cross depends on the links: halving saves bytes and costs log2(size) more
+       rounds, so it wins from a payload that grows with the link's rate (and with what a round
+       costs where ranks share cores). Measured interleaved in one run each (4 emulated nodes,
+       2-core Xeon, float32, us doubling / halving): over 1gbit 12 KiB 206 / 157 and 8 KiB 107 /
+       151; over 2.5gbit 16 KiB 133 / 205 and 32 KiB near even. No constant fits both, so the
+       transport between nodes measures it when a group is made (``MpiTransport.choose_halving``,
+       comm/transports/mpi.py; ``TERRAPIPE_HALVING_BYTES`` sets it instead): each rank times
+       loops of both exchanges at 4, 8, 16, 32 and 64 KiB in the steady state of a training loop
+       (each loop after exchanges that send 384 KiB a rank: a shaped link's burst allowance, or
+       a switch's buffers, spent; before that, doubling's extra bytes went at burst speed and it
+       looked faster than it is), the slowest rank's times travel to every rank (in table rows
+       the check skips), and the threshold is where halving's lead begins for good,
+       interpolated (``halving_threshold``). Every rank so holds the same threshold: a rank
+       halving where its peer doubles would meet it with messages of other lengths. In three
+       groups each it chose 7.9-13.1 KiB over 1gbit links and 24-38 KiB over 2.5gbit; a first
+       group's took 0.5-0.9 s, with the one-time costs a first collective pays otherwise (the
+       compiled exchange loaded, MPI's connections made).
 
 Why one module: the functions bound by name, the compiled code that calls them and the object
 that holds one communicator's handles and state are one contract (the slots of ``cfg`` and
@@ -72,7 +88,8 @@ from ...kernels import oneshot as koneshot
 from ...kernels import sync as ksync
 from .board import SIG_WORDS
 
-__all__ = ["bind", "supported", "Exchange", "advance", "reduce_step", "DONE", "PENDING", "DISAGREE", "REDUCE"]
+__all__ = ["bind", "supported", "Exchange", "advance", "advance_reducing", "reduce_step", "DONE", "PENDING",
+           "DISAGREE", "REDUCE", "C_HALVING"]
 
 PENDING, DONE, DISAGREE, REDUCE = 0, 1, 2, 3
 
@@ -138,7 +155,8 @@ def bind(comm, tag: int, doubling: bool, halving_bytes: int = 0):
     """An :class:`Exchange` over ``comm`` (an mpi4py communicator), or None where MPI's C API
     cannot be reached from compiled code (NOTE [MPI from compiled code] 3). ``doubling``: by
     recursive doubling (a power of two of ranks); ``halving_bytes``: payloads of at least this
-    many bytes go by reduce-scatter and allgather there (clause 8; 0: never)."""
+    many bytes go by reduce-scatter and allgather there (clause 8; 0: never; the caller may
+    set ``cfg[C_HALVING]`` later, clause 9)."""
     from mpi4py import MPI
 
     if not _resolve(MPI):
@@ -361,6 +379,20 @@ def reduce_step(st, partial, pair_t, op, kind, scratch, acc):
 
 
 @njit(nogil=True, cache=True)
+def advance_reducing(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair, spins, partial,
+                     pair_t, op, kind, scratch, acc):
+    """:func:`advance` with the reductions it asks for made here (:func:`reduce_step`), in the
+    payload's dtype: DONE, DISAGREE, PENDING or minus an MPI error code, never REDUCE. Arguments
+    as theirs (the element size is ``partial``'s)."""
+    while True:
+        state = advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
+                        partial.itemsize, spins)
+        if state != REDUCE:
+            return state
+        reduce_step(st, partial, pair_t, op, kind, scratch, acc)
+
+
+@njit(nogil=True, cache=True)
 def unfinished(cfg, reqs, n, cells, statuses, out):
     """Which of the first ``n`` requests are not complete (``MPI_Request_get_status``, which
     frees nothing): ``out[i]`` 1 or 0. Returns 0 or an MPI error code."""
@@ -405,35 +437,35 @@ class Exchange:
         self.cells = np.zeros(2, np.int32)
         self.no_pair = np.zeros((2, 8), np.uint8)  # the pair where there is no recursive doubling
         self._inbox = self._words = None
-        self._steps: dict = {}  # reduce_step's entry points, by dtype
-        self._step = self._step_args = None
+        self._reducing: dict = {}  # advance_reducing's entry points, by dtype
         self._args: tuple = ()
-        self._advance = None
+        self._advance = self._run = None
         self.state = PENDING  # the last start's or resume's
 
     def start(self, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray | None, reduction,
               spins: int) -> int:
         """Begin an exchange of ``inbox[rank, :nbytes]`` (see :func:`advance`) and take it as
         far as it goes: DONE, DISAGREE, PENDING (then :meth:`resume`) or minus an MPI error;
-        the reductions it asks for on the way are made here. ``pair``: recursive doubling's (2,
-        width) scratch, or None. ``reduction``: (partial, op, kind, scratch, acc), how payloads
-        are reduced on the way by recursive doubling (``partial`` this rank's payload as its
-        dtype), or None where they only travel with the tables."""
+        the reductions it asks for on the way are made in the same compiled call
+        (:func:`advance_reducing`). ``pair``: recursive doubling's (2, width) scratch, or None.
+        ``reduction``: (partial, op, kind, scratch, acc), how payloads are reduced on the way
+        by recursive doubling (``partial`` this rank's payload as its dtype), or None where
+        they only travel with the tables."""
         pair = self.no_pair if pair is None else pair
-        item = 1
-        self._step_args = None
-        if reduction is not None:
+        args = (self.st, self.cfg, self.reqs, self.statuses, self.counts, self.cells, inbox,
+                self.words(inbox), head, nbytes, pair)
+        if reduction is None:
+            self._args = (*args, 1, spins)
+            if self._advance is None:
+                self._advance = entry_point(advance, self._args)
+            self._run = self._advance
+        else:
             partial, op, kind, scratch, acc = reduction
-            item = partial.itemsize
-            self._step_args = (self.st, partial, pair.view(partial.dtype), op, kind, scratch, acc)
+            self._args = (*args, spins, partial, pair.view(partial.dtype), op, kind, scratch, acc)
             key = (partial.dtype, scratch.dtype, partial.flags.c_contiguous)
-            self._step = self._steps.get(key)
-            if self._step is None:
-                self._step = self._steps[key] = entry_point(reduce_step, self._step_args)
-        self._args = (self.st, self.cfg, self.reqs, self.statuses, self.counts, self.cells, inbox,
-                      self.words(inbox), head, nbytes, pair, item, spins)
-        if self._advance is None:
-            self._advance = entry_point(advance, self._args)
+            self._run = self._reducing.get(key)
+            if self._run is None:
+                self._run = self._reducing[key] = entry_point(advance_reducing, self._args)
         return self.resume()
 
     def words(self, inbox: np.ndarray) -> np.ndarray:
@@ -444,13 +476,10 @@ class Exchange:
 
     def resume(self) -> int:
         """Go on with the exchange :meth:`start` left PENDING; also kept in ``state``."""
-        state = self._advance(*self._args)
-        while state == REDUCE:
-            if self._step_args is None:  # a payload without a reduction: the caller's error
-                self.abandon()
-                raise ValueError("reduction: this exchange reduces payloads on the way")
-            self._step(*self._step_args)
-            state = self._advance(*self._args)
+        state = self._run(*self._args)
+        if state == REDUCE:  # a payload without a reduction: the caller's error
+            self.abandon()
+            raise ValueError("reduction: this exchange reduces payloads on the way")
         self.state = state
         return state
 
