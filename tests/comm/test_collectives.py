@@ -1,6 +1,7 @@
 """Collectives against NumPy at 1, 2 and 4 ranks (the same bodies at every rank count)."""
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -393,6 +394,34 @@ def test_four_nodes_hold_one_halving_threshold_measured_or_set(mpi_comm):
         comm.allreduce(x, "sum")
         np.testing.assert_array_equal(x, 4 * np.arange(n, dtype=np.float32) + 6)
     assert {a for _, a, _ in log} == {"oneshot_nodes"}
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True)
+def test_four_nodes_exchange_goes_on_in_python_and_back_when_a_node_is_late(mpi_comm):
+    # A node late to the one-shot across nodes: its peers' compiled exchange stops waiting
+    # (PENDING), Python checks for a dead peer and the timeout, then the exchange goes on in
+    # compiled code with its reductions (mpi_native.advance_reducing), by recursive doubling and
+    # by reduce-scatter, for every dtype. The late rank differs per call, so every rank waits
+    # in every round at some point; the results must be exact and the same bits everywhere.
+    os.environ["TERRAPIPE_NODE_SIZE"] = "1"
+    os.environ["TERRAPIPE_HALVING_BYTES"] = str(8 << 10)
+    g = comm.init(timeout=30)
+    assert g.nnodes == 4 and g.shm.cross.halving_bytes == (8 << 10 if g.shm.cross.native else 0)
+    r, p = g.rank, g.size
+    i = 0
+    for dtype, op in (("float32", "sum"), ("float64", "max"), ("bfloat16", "avg"), ("int32", "min")):
+        size = np.dtype(dtype if dtype != "bfloat16" else "float16").itemsize
+        for n in (100, (8 << 10) // size, (16 << 10) // size + 7):
+            i += 1
+            x = _data(r, n, dtype, seed=40 + i)
+            if r == i % p:
+                time.sleep(0.05)  # far past the compiled exchange's yields (NATIVE_SPINS)
+            comm.allreduce(x, op)
+            np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=40 + i),
+                                       rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
+            every = np.empty((p, n), np.float64)
+            mpi_comm.Allgather(_np(x).astype(np.float64), every)
+            assert (every == every[0]).all(), (dtype, n)
 
 
 def _one_shot_across_nodes_loop(per_node: int, nodes: int) -> None:
