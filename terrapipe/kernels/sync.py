@@ -43,13 +43,14 @@ from __future__ import annotations
 import platform
 import sys
 
+import numpy as np
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["load_acquire", "load_seq_cst", "store_release", "store_seq_cst", "fetch_add", "address_of",
            "compare_exchange", "spin_until", "yield_until", "release_step", "publish_step", "rows_equal",
-           "sleep_until", "CAN_SLEEP"]
+           "sleep_until", "sig_digest", "sig_digests", "tables_agree", "CAN_SLEEP"]
 
 # futex(2): its system call number per architecture (NOTE [sleeping on a counter] 5).
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower(), -1)
@@ -271,6 +272,29 @@ def rows_equal(table):
             if table[r, i] != table[0, i]:
                 return r
     return -1
+
+
+@njit(nogil=True, cache=True)
+def sig_digest(sig):
+    """A 64-bit digest of ``sig`` (1-D int64, a collective's signature): the same on every
+    process and machine (no per-process seed), and where two signatures differ their digests
+    differ but for a chance of 2**-64. Each word is mixed by splitmix64's finalizer into a
+    running state, so a difference in any word, or words swapped, changes the result."""
+    h = np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(sig.shape[0])
+    for i in range(sig.shape[0]):
+        z = h + np.uint64(sig[i]) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        h = z ^ (z >> np.uint64(31))
+    return np.int64(h)
+
+
+@njit(nogil=True, cache=True)
+def sig_digests(sigs, out, col):
+    """``out[r, col]`` = :func:`sig_digest` of row r of ``sigs`` ((rows, words) int64) for every
+    row; ``out`` (rows or more, cols) int64, the caller's."""
+    for r in range(sigs.shape[0]):
+        out[r, col] = sig_digest(sigs[r])
 
 
 @njit(nogil=True, cache=True)

@@ -51,12 +51,14 @@ def test_an_exchange_of_one_rank_is_done_at_once_and_leaves_its_state_ready():
     exchange = mpi_native.bind(MPI.COMM_SELF, 7, doubling=False)
     if exchange is None:
         pytest.skip("this MPI's handles are not int32 (the mpi4py path runs)")
-    head = 2 * 8 * 25
+    from terrapipe.comm.transports.board import TABLE_COLS
+
+    head = 2 * 8 * TABLE_COLS
     inbox = np.zeros((1, head + 64), np.uint8)
     words = inbox.view(np.int64)
-    words[0, :25] = np.arange(25)
-    words[0, 24] = 0  # the table's one row: its rank
-    words[0, 49] = -1  # a padding row
+    words[0, 0] = 12345  # the table's one row: a signature's digest, then its rank
+    words[0, TABLE_COLS - 1] = 0
+    words[0, 2 * TABLE_COLS - 1] = -1  # a padding row
     assert exchange.start(inbox, head, head, None, None, 4) == mpi_native.DONE
     assert exchange.st[0] == 1 and not exchange.st[1:].any()
 

@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from numba import njit
 
 from terrapipe.kernels.sync import (
@@ -15,6 +17,8 @@ from terrapipe.kernels.sync import (
     fetch_add,
     load_seq_cst,
     release_step,
+    sig_digest,
+    sig_digests,
     sleep_until,
     spin_until,
     store_seq_cst,
@@ -148,3 +152,25 @@ def test_yield_until_returns_once_every_counter_is_there_and_gives_up_after_its_
             seen.append(True)
     t.join()
     assert steps.tolist() == [1, 1, 1]
+
+
+@given(st.lists(st.integers(-(2 ** 63), 2 ** 63 - 1), min_size=1, max_size=24), st.data())
+def test_a_signature_digest_is_the_same_for_equal_signatures_and_differs_for_others(words, data):
+    # NOTE [agreement across nodes] 4 in comm/transports/shm.py: the exchange across nodes
+    # compares digests, so equal signatures must digest alike (a copy, another process) and a
+    # change of any one word, or two different words swapped, must change the digest.
+    sig = np.array(words, np.int64)
+    assert sig_digest(sig) == sig_digest(sig.copy())
+    i = data.draw(st.integers(0, len(words) - 1))
+    other = sig.copy()
+    other[i] = np.int64(data.draw(st.integers(-(2 ** 63), 2 ** 63 - 1).filter(lambda v: v != words[i])))
+    assert sig_digest(other) != sig_digest(sig)
+    j = data.draw(st.integers(0, len(words) - 1))
+    if sig[i] != sig[j]:
+        swapped = sig.copy()
+        swapped[[i, j]] = swapped[[j, i]]
+        assert sig_digest(swapped) != sig_digest(sig)
+    table = np.stack([sig, other])
+    out = np.full((3, 2), -1, np.int64)
+    sig_digests(table, out, 0)
+    assert out[0, 0] == sig_digest(sig) and out[1, 0] == sig_digest(other) and (out[2] == -1).all()

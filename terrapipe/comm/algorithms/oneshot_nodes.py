@@ -90,7 +90,7 @@ from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from ..transports import mpi_native
-from ..transports.board import ROUND_SPINS, SIG_WORDS, YIELDS
+from ..transports.board import ROUND_SPINS, SIG_WORDS, TABLE_COLS, YIELDS
 from ..transports.mpi import NATIVE_SPINS
 from ..transports.shm import PAYLOAD_BYTES
 from .oneshot import ONESHOT_SPINS
@@ -256,10 +256,8 @@ def _fused(src, dst, fx, h, step, col, lo, hi, whole):
             return LOCAL_WAIT
         if ksync.rows_equal(table[:, col:col + SIG_WORDS]) < 0:
             koneshot.finish(partial, rows, h + lo, op, 1, kind, scratch, acc)
-    cols = SIG_WORDS + 1  # this node's table: each local rank's signature (its rank is set)
-    for r in range(p):
-        for i in range(SIG_WORDS):
-            words[node, r * cols + i] = table[r, col + i]
+    for r in range(p):  # this node's table: each local rank's signature digest (its rank is set)
+        words[node, r * TABLE_COLS] = ksync.sig_digest(table[r, col:col + SIG_WORDS])
     nbytes = head + (hi - lo) * parts.itemsize
     state = mpi_native.advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
                                parts.itemsize, NATIVE_SPINS)
@@ -345,7 +343,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         if state < 0:
             cross.raise_native_error(coll, state)
         if state == mpi_native.DISAGREE:
-            cross.raise_mismatch(coll, inbox, head, native.counts, check)
+            cross.raise_mismatch(coll, inbox, head, native.counts, check, board.sigs(step))
         if state == LOCAL_WAIT:
             # 1, 2: done by _fused, which stopped waiting for the node's ranks; else done here
             state = koneshot.WAITING if fns[4] is not None else fns[0](

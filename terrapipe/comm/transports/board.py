@@ -50,12 +50,15 @@ from ...launch_env import alive
 from ..errors import CollectiveTimeoutError
 from ..wait import wait_until
 
-__all__ = ["Board", "LOST", "SIG_WORDS", "ROUND_SPINS", "YIELDS", "wait_mode"]
+__all__ = ["Board", "LOST", "SIG_WORDS", "TABLE_COLS", "ROUND_SPINS", "YIELDS", "wait_mode"]
 
 LOST = "lost across nodes by a rank of this node"  # ShmTransport.late()'s why (clause 5)
 
 _SLOT = 64  # int64 words per rank on the board: one cache line for the counter, then the rest
 SIG_WORDS = 24
+# A row of the tables the exchange across nodes carries (NOTE [agreement across nodes] 4 in
+# comm/transports/shm.py): a rank's signature digest, then its group rank (-1: padding).
+TABLE_COLS = 2
 _SIG_COLS = (8, 32)  # the two signature slots (by step parity); column 0 is the counter
 # Polls of the step counters before a waiting rank first yields its core (a few microseconds:
 # the usual wait when every rank has a core), then per round between yields.

@@ -35,7 +35,7 @@ from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from ..wait import wait_until
 from .base import OwnCollectives
-from .board import LOST, SIG_WORDS
+from .board import LOST, SIG_WORDS, TABLE_COLS
 from .mpi_native import C_HALVING, DONE, PENDING, bind
 
 __all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES", "halving_threshold"]
@@ -153,7 +153,7 @@ class MpiTransport(OwnCollectives):
         """This rank's seconds per exchange at each of _PROBE_PAYLOADS, by recursive doubling
         then by reduce-scatter and allgather, (payloads x 2) flattened: the median of
         _PROBE_ROUNDS loops each, in the steady state (clause 9)."""
-        head = 8 * (SIG_WORDS + 1)  # one table row per rank, all zero: every table agrees
+        head = 8 * TABLE_COLS  # one table row per rank, all zero: every table agrees
         width = -(-(head * self.size + _PROBE_PAYLOADS[-1]) // 64) * 64
         inbox, pair = np.zeros((self.size, width), np.uint8), np.zeros((2, width), np.uint8)
         scratch, acc = np.zeros(width // 4, np.float32), np.zeros(kreduce.TILE, np.float32)
@@ -180,17 +180,19 @@ class MpiTransport(OwnCollectives):
         return np.median(samples, axis=0).ravel()
 
     def _slowest(self, values: np.ndarray) -> np.ndarray:
-        """The largest of every rank's ``values`` (float64, at most SIG_WORDS of them), on every
-        rank: each rank's travel in a table row of its own that the tables' check skips (its
-        last word -1), through the compiled exchange."""
-        cols = SIG_WORDS + 1
-        inbox = np.zeros((self.size, 16 * cols), np.uint8)
-        pair = np.zeros((2, 8 * cols * self.size), np.uint8)
-        words = inbox.view(np.int64)
-        words[self.rank, cols:cols + values.size] = values.astype(np.float64).view(np.int64)
-        words[self.rank, 2 * cols - 1] = -1
-        self._exchange_native("agreeing on the links' measurement", inbox, 16 * cols, 16 * cols, pair, None)
-        return words[:, cols:cols + values.size].copy().view(np.float64).max(axis=0)
+        """The largest of every rank's ``values`` (float64), on every rank: each rank's travel
+        in its table, one per row after an agreeing first row, in rows the tables' check skips
+        (their last word -1), through the compiled exchange."""
+        rows = 1 + values.size
+        head = rows * TABLE_COLS * 8
+        inbox = np.zeros((self.size, head), np.uint8)
+        pair = np.zeros((2, self.size // 2 * head), np.uint8)
+        table = inbox[self.rank].view(np.int64).reshape(rows, TABLE_COLS)
+        table[1:, 0] = values.astype(np.float64).view(np.int64)
+        table[1:, -1] = -1
+        self._exchange_native("agreeing on the links' measurement", inbox, head, head, pair, None)
+        every = inbox.view(np.int64).reshape(self.size, rows, TABLE_COLS)[:, 1:, 0].copy()
+        return every.view(np.float64).max(axis=0)
 
     # -- waiting ------------------------------------------------------------------------------
     def wait(self, req, what: str, peer: int | None = None) -> None:
@@ -285,16 +287,19 @@ class MpiTransport(OwnCollectives):
         comm/transports/shm.py): among a power of two of at least four ranks."""
         return self.size >= 4 and self.size & (self.size - 1) == 0
 
-    def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check, pair=None,
-                     reduction: tuple | None = None) -> None:
+    def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check, sigs: np.ndarray,
+                     pair=None, reduction: tuple | None = None) -> None:
         """Send this rank's message, ``inbox[rank, :nbytes]``, to every rank of ``comm`` and
         receive theirs into their rows of ``inbox`` (:meth:`exchange`); call ``check(sigs,
         ranks)`` on every rank's signature, in rank order, where any differ. A message begins
-        with its node's table, ``head`` bytes of int64 (rows, SIG_WORDS + 1): a row per rank of
-        the node, its signature then its group rank, -1 for padding rows; any payload follows.
+        with its node's table, ``head`` bytes of int64 (rows, TABLE_COLS): a row per rank of
+        the node, its signature's digest then its group rank, -1 for padding rows (NOTE
+        [agreement across nodes] 4 in comm/transports/shm.py); any payload follows.
         ``inbox``: (size, width) uint8, C-contiguous, the caller's, ``width`` a multiple of 8
-        and at least the longest message any rank sends. Returns once every table agrees:
-        every message then has ``nbytes`` bytes.
+        and at least the longest message any rank sends. ``sigs``: (local_size, SIG_WORDS)
+        int64, the signatures this rank's table digests, in its rows' order (a mismatch is
+        named with them). Returns once every table agrees: every message then has ``nbytes``
+        bytes.
 
         Where :attr:`doubling`, by :meth:`exchange_doubling` (``pair``: its (2, width) uint8
         scratch; ``reduction``: (partial, op, kind, scratch, acc), how the payloads are reduced
@@ -302,35 +307,59 @@ class MpiTransport(OwnCollectives):
         :func:`~terrapipe.kernels.oneshot.finish`; None where only tables travel). In compiled
         code where MPI's C API can be reached (NOTE [MPI from compiled code] in
         comm/transports/mpi_native.py), else through mpi4py."""
-        if self.native is not None:
-            counts = self._exchange_native(coll, inbox, head, nbytes, pair, reduction)
-            if counts is None:
-                return
-        elif self.doubling:
-            counts = self.exchange_doubling(coll, inbox, head, nbytes, pair, reduction)
-        else:
-            counts = self.exchange(coll, inbox, nbytes)
+        counts = self._tables_only(coll, inbox, head, nbytes, pair, reduction)
+        if counts is None:
+            return
         words = inbox.view(np.int64)
-        cols = SIG_WORDS + 1
         # Compiled: NumPy calls cost microseconds each, which the smallest allreduces pay.
-        if ksync.tables_agree(words, head // 8, cols, words[self.rank, : cols - 1]) and \
+        if ksync.tables_agree(words, head // 8, TABLE_COLS, words[self.rank, : TABLE_COLS - 1]) and \
                 all(c == nbytes for c in counts):
             return
-        self.raise_mismatch(coll, inbox, head, counts, check)
+        self.raise_mismatch(coll, inbox, head, counts, check, sigs)
 
-    def raise_mismatch(self, coll, inbox: np.ndarray, head: int, counts, check) -> None:
+    def _tables_only(self, coll, inbox: np.ndarray, head: int, nbytes: int, pair, reduction):
+        """The exchange of :meth:`agree_tables`: each rank's message length, or None where the
+        compiled exchange found every table agreeing already."""
+        if self.native is not None:
+            return self._exchange_native(coll, inbox, head, nbytes, pair, reduction)
+        if self.doubling:
+            return self.exchange_doubling(coll, inbox, head, nbytes, pair, reduction)
+        return self.exchange(coll, inbox, nbytes)
+
+    def raise_mismatch(self, coll, inbox: np.ndarray, head: int, counts, check, sigs: np.ndarray) -> None:
         """Raise what an exchange that did not agree means: ``check(sigs, ranks)`` on every
         rank's signature, in rank order (CollectiveMismatchError where they differ), else
-        CommError for messages of different lengths under one signature. ``inbox`` and
-        ``head`` as in :meth:`agree_tables`; ``counts``: each rank's message length."""
-        cols = SIG_WORDS + 1
+        CommError for messages of different lengths under one signature. ``inbox``, ``head``
+        and ``sigs`` as in :meth:`agree_tables`; ``counts``: each rank's message length. Where
+        the digests differ every rank sees it, and every rank swaps the whole signatures with
+        the others first (NOTE [agreement across nodes] 4 in comm/transports/shm.py)."""
         words = inbox.view(np.int64)
-        tables = words[:, : head // 8].reshape(-1, cols)  # sorted by rank only to describe
-        rows = tables[tables[:, -1] >= 0]
-        rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
-        check(rows[:, :-1], [int(r) for r in rows[:, -1]])
+        tables = words[:, : head // 8].reshape(-1, TABLE_COLS)
+        digests = tables[tables[:, -1] >= 0, 0]
+        if (digests != digests[0]).any():
+            rows = head // 8 // TABLE_COLS
+            mine = words[self.rank, : head // 8].reshape(rows, TABLE_COLS)[: len(sigs), -1]
+            whole = self._whole_signatures(coll, mine, sigs, rows)
+            rows = whole[whole[:, -1] >= 0]
+            rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
+            check(rows[:, :-1], [int(r) for r in rows[:, -1]])
         lengths = sorted({int(c) for c in counts})
         raise CommError(f"{coll}: messages of {lengths} bytes under one signature")
+
+    def _whole_signatures(self, coll, ranks: np.ndarray, sigs: np.ndarray, rows: int) -> np.ndarray:
+        """Every rank's table with whole signatures, (size x rows, SIG_WORDS + 1) int64: each
+        rank's ``rows`` rows, ``sigs`` with ``ranks`` (its node's group ranks), -1 padding;
+        through the same exchange, of tables alone."""
+        cols = SIG_WORDS + 1
+        head = rows * cols * 8
+        inbox = np.zeros((self.size, head), np.uint8)
+        table = inbox[self.rank].view(np.int64).reshape(rows, cols)
+        table[:, -1] = -1
+        table[: len(sigs), :-1] = sigs
+        table[: len(sigs), -1] = ranks
+        pair = np.zeros((2, self.size // 2 * head), np.uint8) if self.doubling else None
+        self._tables_only(f"{coll} (naming the mismatch)", inbox, head, head, pair, None)
+        return inbox.view(np.int64).reshape(-1, cols)
 
     def raise_native_error(self, what: str, state: int) -> None:
         """Raise minus ``state``, an MPI error code from the compiled exchange, with MPI's text,

@@ -86,7 +86,7 @@ from numba import njit, types
 from ...kernels import entry_point
 from ...kernels import oneshot as koneshot
 from ...kernels import sync as ksync
-from .board import SIG_WORDS
+from .board import TABLE_COLS
 
 __all__ = ["bind", "supported", "Exchange", "advance", "advance_reducing", "reduce_step", "DONE", "PENDING",
            "DISAGREE", "REDUCE", "C_HALVING"]
@@ -104,7 +104,6 @@ C_COMM, C_BYTE, C_TAG, C_RANK, C_SIZE, C_DOUBLING, C_STATUS, C_NULL, C_HALVING, 
 # [lo, hi) of this rank's payload, and where the two messages hold them (reduce_step()).
 S_ROUND, S_POSTED, S_NREQ, S_PHASE, S_RED, S_RLO, S_RHI, S_RAT, N_ST = range(9)
 
-_SIG_COLS = SIG_WORDS + 1  # a table's row: a rank's signature, then its group rank
 
 _i32, _ptr = types.int32, types.uintp
 _Isend = types.ExternalFunction("MPI_Isend", _i32(_ptr, _i32, _i32, _i32, _i32, _i32, _ptr))
@@ -335,7 +334,7 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
             st[S_RAT] = tables // item
             return REDUCE
     if st[S_PHASE] == 0:
-        agree = ksync.tables_agree(words, head // 8, _SIG_COLS, words[me, :_SIG_COLS - 1])
+        agree = ksync.tables_agree(words, head // 8, TABLE_COLS, words[me, :TABLE_COLS - 1])
         for q in range(size):
             if counts[q] != nbytes:
                 agree = False
