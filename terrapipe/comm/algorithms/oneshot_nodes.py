@@ -259,12 +259,8 @@ def _fused(src, dst, fx, h, step, col, lo, hi, whole):
     for r in range(p):  # this node's table: each local rank's signature digest (its rank is set)
         words[node, r * TABLE_COLS] = ksync.sig_digest(table[r, col:col + SIG_WORDS])
     nbytes = head + (hi - lo) * parts.itemsize
-    state = mpi_native.advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
-                               parts.itemsize, NATIVE_SPINS)
-    while state == mpi_native.REDUCE:
-        mpi_native.reduce_step(st, partial, pair_t, op, kind, scratch, acc)
-        state = mpi_native.advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
-                                   parts.itemsize, NATIVE_SPINS)
+    state = mpi_native.advance_reducing(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes,
+                                        pair, NATIVE_SPINS, partial, pair_t, op, kind, scratch, acc)
     if state != mpi_native.DONE:
         return state
     # clause 8: by recursive doubling the partials were reduced on the way: the last step only
