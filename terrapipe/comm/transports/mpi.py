@@ -181,17 +181,12 @@ class MpiTransport(OwnCollectives):
 
     def _slowest(self, values: np.ndarray) -> np.ndarray:
         """The largest of every rank's ``values`` (float64), on every rank: each rank's travel
-        in its table, one per row after an agreeing first row, in rows the tables' check skips
-        (their last word -1), through the compiled exchange."""
-        rows = 1 + values.size
-        head = rows * TABLE_COLS * 8
-        inbox = np.zeros((self.size, head), np.uint8)
-        pair = np.zeros((2, self.size // 2 * head), np.uint8)
-        table = inbox[self.rank].view(np.int64).reshape(rows, TABLE_COLS)
+        in its table, one per row after an agreeing first row (all zero), in rows the tables'
+        check skips (their last word -1)."""
+        table = np.zeros((1 + values.size, TABLE_COLS), np.int64)
         table[1:, 0] = values.astype(np.float64).view(np.int64)
         table[1:, -1] = -1
-        self._exchange_native("agreeing on the links' measurement", inbox, head, head, pair, None)
-        every = inbox.view(np.int64).reshape(self.size, rows, TABLE_COLS)[:, 1:, 0].copy()
+        every = self._every_table("agreeing on the links' measurement", table)[:, 1:, 0].copy()
         return every.view(np.float64).max(axis=0)
 
     # -- waiting ------------------------------------------------------------------------------
@@ -348,18 +343,22 @@ class MpiTransport(OwnCollectives):
 
     def _whole_signatures(self, coll, ranks: np.ndarray, sigs: np.ndarray, rows: int) -> np.ndarray:
         """Every rank's table with whole signatures, (size x rows, SIG_WORDS + 1) int64: each
-        rank's ``rows`` rows, ``sigs`` with ``ranks`` (its node's group ranks), -1 padding;
-        through the same exchange, of tables alone."""
-        cols = SIG_WORDS + 1
-        head = rows * cols * 8
-        inbox = np.zeros((self.size, head), np.uint8)
-        table = inbox[self.rank].view(np.int64).reshape(rows, cols)
-        table[:, -1] = -1
+        rank's ``rows`` rows, ``sigs`` with ``ranks`` (its node's group ranks), -1 padding."""
+        table = np.full((rows, SIG_WORDS + 1), -1, np.int64)
         table[: len(sigs), :-1] = sigs
         table[: len(sigs), -1] = ranks
+        return self._every_table(f"{coll} (naming the mismatch)", table).reshape(-1, SIG_WORDS + 1)
+
+    def _every_table(self, what: str, mine: np.ndarray) -> np.ndarray:
+        """Every rank's ``mine`` ((rows, cols) int64, C-contiguous, the same shape on every
+        rank), (size, rows, cols), through the exchange of tables alone
+        (:meth:`_tables_only`; whether they agree is the caller's to judge)."""
+        head = mine.nbytes
+        inbox = np.zeros((self.size, head), np.uint8)
+        inbox[self.rank] = mine.view(np.uint8).ravel()
         pair = np.zeros((2, self.size // 2 * head), np.uint8) if self.doubling else None
-        self._tables_only(f"{coll} (naming the mismatch)", inbox, head, head, pair, None)
-        return inbox.view(np.int64).reshape(-1, cols)
+        self._tables_only(what, inbox, head, head, pair, None)
+        return inbox.view(np.int64).reshape(self.size, *mine.shape)
 
     def raise_native_error(self, what: str, state: int) -> None:
         """Raise minus ``state``, an MPI error code from the compiled exchange, with MPI's text,
