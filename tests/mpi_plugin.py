@@ -18,24 +18,27 @@ and topology tests do, so every ``make test`` still runs the comm core under loa
 
     @pytest.mark.mpi(ranks=(2, 4), ci_ranks=(2, 4))
 
-NOTE [one job per module]
+NOTE [one job per rank count]
 
   Starting ranks costs more than most bodies (each rank imports torch, numba and pytest, then
-  joins MPI: 2 s on two cores), so the tests of one module at one rank count share a job:
+  joins MPI: 2 s on two cores), so every test at one rank count shares a job, across modules:
 
   1. At the first such test the parent starts ``mpiexec -n N python -m pytest <every selected
-     test of the module at N ranks>``. Each rank holds before every test until the parent
-     releases it (a ``go`` file): one test runs at a time, in the parent's order, as if each had
-     its own job, and a test the parent skips is skipped in the job too.
+     test still to come at N ranks, in the parent's order>``. Each rank holds before every test
+     until the parent releases it (a ``go`` file): one test runs at a time, in the parent's
+     order, as if each had its own job, and a test the parent skips is skipped in the job too.
+     A rank held for over a second looks for its ``go`` less often (the parent is running
+     tests of its own, and the ranks must not take its cores).
   2. After each test every rank undoes what a process exit would (``_fresh_process``: Horovod's
      shutdown, torch.distributed's process group, terrapipe.comm's world, and the environment
      as it was when the test began) before reporting, so the next test starts from a process as
      new as a fresh one in everything terrapipe keeps.
   3. A test that hangs, crashes a rank, or fails on one rank while the others wait ends its job:
-     the parent kills it, reports that test, and the module's next test starts a new job.
+     the parent kills it, reports that test, and the next test at N ranks starts a new job.
   4. Once a job's last test has passed on every rank, every rank must exit within 60 s with
      status 0; a rank stuck at exit (a thread left running) fails that last test.
-  5. ``@pytest.mark.mpi(..., own_job=True)``: a test of process start or exit runs alone.
+  5. ``@pytest.mark.mpi(..., own_job=True)``: a test of process start or exit runs alone, in a
+     job of its own; the shared job waits for the tests after it.
 
 NOTE [jobs across an emulated cluster]
 
@@ -79,6 +82,7 @@ _EXIT_TIMEOUT = float(os.environ.get("TERRAPIPE_TEST_MPI_EXIT_TIMEOUT", "60"))  
 # How long the other ranks may still report after one rank failed (clause 3).
 _FAILED_GRACE = float(os.environ.get("TERRAPIPE_TEST_MPI_FAILED_GRACE", "10"))
 _POLL = 0.005
+_IDLE_POLL = 0.05  # a rank held for over a second (clause 1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -268,7 +272,7 @@ class _Job:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_jobs: dict[tuple[str, int], _Job] = {}
+_jobs: dict[int, _Job] = {}  # rank count -> its shared job (clause 1)
 
 
 def _close_all_jobs() -> None:
@@ -282,23 +286,21 @@ atexit.register(_close_all_jobs)  # the parent's last word: no rank outlives it
 
 
 def _job_for(item: pytest.Item, nranks: int) -> _Job:
-    """The live job that holds ``item``, else a new one holding it and the rest of its module's
-    tests at ``nranks`` (NOTE [one job per module] clause 1)."""
-    key = (str(item.path), nranks)
-    job = _jobs.get(key)
+    """The live job that holds ``item``, else a new one holding it and every later test at
+    ``nranks`` (NOTE [one job per rank count] clauses 1 and 5)."""
+    if _own_job(item):
+        return _Job(item.config, [item.nodeid], nranks)
+    job = _jobs.get(nranks)
     if job is not None and item.nodeid in job.nodeids and item.nodeid not in job.released \
             and job.alive():
         return job
     if job is not None:
         job.close()
-        del _jobs[key]
-    if _own_job(item):
-        return _Job(item.config, [item.nodeid], nranks)
+        del _jobs[nranks]
     items = item.session.items
     rest = [it.nodeid for it in items[items.index(item):]
-            if it.path == item.path and it.get_closest_marker("mpi") is not None
-            and _ranks_of(it) == nranks and not _own_job(it)]
-    job = _jobs[key] = _Job(item.config, rest, nranks)
+            if it.get_closest_marker("mpi") is not None and _ranks_of(it) == nranks and not _own_job(it)]
+    job = _jobs[nranks] = _Job(item.config, rest, nranks)
     return job
 
 
@@ -420,9 +422,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     # Clause 1: hold until the parent releases this test.
     go = Path(job_dir) / f"{_key(item.nodeid)}.go"
-    checked = time.monotonic()
+    held = checked = time.monotonic()
     while not go.exists():
-        time.sleep(_POLL)
+        time.sleep(_POLL if time.monotonic() - held < 1.0 else _IDLE_POLL)
         if time.monotonic() - checked > 1.0:
             checked = time.monotonic()
             if not _parent_alive():

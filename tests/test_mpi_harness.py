@@ -18,9 +18,10 @@ def test_every_rank_runs_the_body(mpi_comm):
     assert total[0] == n * (n + 1) // 2
 
 
-def _inner_project(pytester, body: str):
+def _inner_project(pytester, body: str, **more: str):
+    """A project of ``test_inner.py`` (``body``) and a module per keyword (name: its body)."""
     pytester.makeconftest('pytest_plugins = ["tests.mpi_plugin"]\n')
-    pytester.makepyfile(test_inner=textwrap.dedent(body))
+    pytester.makepyfile(test_inner=textwrap.dedent(body), **{k: textwrap.dedent(v) for k, v in more.items()})
 
 
 def _run(pytester, monkeypatch, *args):
@@ -119,24 +120,34 @@ def test_skip_on_every_rank_skips_and_on_one_rank_fails(pytester, monkeypatch):
 
 
 @pytest.mark.full  # make test-full: a check of the test harness itself, not of terrapipe (CI time)
-def test_a_module_shares_one_job_and_a_broken_test_breaks_only_itself(pytester, monkeypatch):
-    # NOTE [one job per module] in tests/mpi_plugin.py: tests of one module at one rank count run
-    # in the same rank processes, one at a time; a hang, a crash or a one-rank failure ends that
-    # job, and the next test gets a new one. The bodies record their pids to show which is which.
-    _inner_project(
-        pytester,
-        """
+def test_modules_share_one_job_and_a_broken_test_breaks_only_itself(pytester, monkeypatch):
+    # NOTE [one job per rank count] in tests/mpi_plugin.py: every test at one rank count runs in
+    # the same rank processes, across modules, one at a time; a test of its own job (clause 5)
+    # leaves that job running; a hang, a crash or a one-rank failure ends it, and the next test
+    # gets a new one. The bodies record their pids to show which is which.
+    record = """
         import os, time
         import pytest
 
         def record(mpi_comm, name):
             with open(f"{os.environ['PIDS_DIR']}/{name}.{mpi_comm.rank}", "w") as f:
                 f.write(str(os.getpid()))
-
+        """
+    _inner_project(
+        pytester,
+        record + """
         @pytest.mark.mpi(ranks=(2,), timeout=60)
         def test_a_first(mpi_comm):
             record(mpi_comm, "a")
 
+        @pytest.mark.mpi(ranks=(2,), timeout=60, own_job=True)
+        def test_a_own_job(mpi_comm):
+            record(mpi_comm, "own")
+
+        def test_a_single_process():
+            time.sleep(1.5)  # past a held rank's first second (clause 1)
+        """,
+        test_inner_b=record + """
         @pytest.mark.mpi(ranks=(2,), timeout=60)
         def test_b_second(mpi_comm):
             record(mpi_comm, "b")
@@ -169,13 +180,14 @@ def test_a_module_shares_one_job_and_a_broken_test_breaks_only_itself(pytester, 
     monkeypatch.setenv("PIDS_DIR", str(pids))
     monkeypatch.setenv("TERRAPIPE_TEST_MPI_FAILED_GRACE", "3")
     result = _run(pytester, monkeypatch, "-rs")
-    result.assert_outcomes(passed=3, failed=2, skipped=1)
+    result.assert_outcomes(passed=5, failed=2, skipped=1)
     out = result.stdout.str()
     assert "rank 0 of 2 never reported (timed out after 6s)" in out
     assert "rank 1 of 2 failed" in out and "deliberate failure on rank one" in out
     assert "rank 0 of 2 never reported (still running 3s after another rank failed)" in out
     pid = {p.name: p.read_text() for p in pids.iterdir()}
-    assert pid["a.0"] == pid["b.0"] == pid["d.0"] and pid["a.1"] == pid["b.1"] == pid["d.1"]
+    assert pid["a.0"] == pid["b.0"] == pid["d.0"] and pid["a.1"] == pid["b.1"] == pid["d.1"]  # across modules
+    assert pid["own.0"] not in (pid["a.0"], pid["b.0"])
     assert len({pid["d.0"], pid["e.0"], pid["f.0"]}) == 3  # a new job after each broken one
     assert len({pid["a.0"], pid["a.1"]}) == 2
 

@@ -7,7 +7,7 @@ import types
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from terrapipe.comm.transports import mpi_native
@@ -77,6 +77,8 @@ PAYLOADS = (4 << 10, 8 << 10, 16 << 10, 32 << 10)
 
 
 @given(st.floats(20e-6, 200e-6), st.floats(0.1e-9, 20e-9), st.floats(1.0, 3.0), st.floats(0.55, 0.95))
+# Regression: a crossover of 7744.66 bytes was floored to 7744 before rounding up to 64 bytes.
+@example(6.936789328017596e-05, 1.102007161012794e-08, 1.3463134198748263, 0.7185242908052057)
 def test_the_halving_threshold_is_where_the_two_algorithms_times_cross(rounds_time, per_byte, more_rounds,
                                                                       fewer_bytes):
     # Times linear in the payload, as a link's are: halving pays more per call (its rounds)

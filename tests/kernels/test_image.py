@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -56,6 +56,9 @@ def image_box_size(draw, channels=(1, 3)):
 
 
 @given(image_box_size())
+# Two values, one a level apart (exact 190.375: ours 190; Pillow, rounding after each pass, 191):
+# too few values to say that most agree.
+@example((np.array([[[188], [199]], [[187], [199]]], np.uint8), (0, 0, 1, 2), (1, 2)))
 def test_resize_within_one_level_of_pillow(args):
     img, box, size = args
     ours = resize_crop(img, box, size)
@@ -63,7 +66,8 @@ def test_resize_within_one_level_of_pillow(args):
     # Pillow rounds twice (after each pass), we round once: at most one level apart; pillow-simd
     # (16-bit weights) may add one more.
     assert np.abs(ours.astype(int) - ref).max() <= 2
-    assert np.mean(ours != ref) < 0.5
+    if ours.size >= 16:  # and most values agree (a bias of one level would not)
+        assert np.mean(ours != ref) < 0.5
 
 
 def test_identity_box_is_an_exact_crop():

@@ -21,6 +21,7 @@ polls; split, each would reach into the others' state.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -83,7 +84,7 @@ def halving_threshold(payloads, doubling, halving) -> int:
     x0, x1, y0, y1 = payloads[j], payloads[j + 1], lead[j], lead[j + 1]
     crossover = x0 - y0 * (x1 - x0) / (y1 - y0) if y1 != y0 else 64  # (equal: a lead all the way down)
     crossover = min(max(crossover, 64), payloads[i])
-    return -(-int(crossover) // 64) * 64
+    return math.ceil(crossover / 64) * 64  # up, from the real value (not from its floor)
 
 
 class MpiTransport(OwnCollectives):
