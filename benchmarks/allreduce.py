@@ -12,7 +12,9 @@ buckets where there is no shared memory) and of a plain ``torch.ones`` tensor (P
 allocator, 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1), ``comm.allreduce`` (NumPy array), our
 chunked ring over MPI point-to-point (the path ``comm.allreduce`` takes between nodes and under
 ``backend="mpi"`` from 1 MiB), ``MPI.COMM_WORLD.Allreduce`` in place, and
-``torch.distributed.all_reduce`` over Gloo, all summing in place. A sample is the slowest rank's
+``torch.distributed.all_reduce`` over Gloo, and ``comm.allreduce`` on a group over that Gloo
+group (what a torchrun job's ``comm.init`` makes: across machines, shared memory on each, NOTE
+[machines over Gloo] in comm/group.py), all summing in place. A sample is the slowest rank's
 time for a batch of calls. Reported: median algbw (bytes / time) and busbw (algbw x 2(p-1)/p),
 next to this machine's single-thread memory-copy bandwidth (bytes copied per second, np.copyto of
 64 MiB) measured in the same run.
@@ -51,7 +53,7 @@ from .common import (
 )
 
 CASES = ("jit_allreduce", "jit (private bucket)", "jit (torch.ones)", "comm.allreduce", "ring over MPI",
-         "mpi Allreduce", "gloo all_reduce")
+         "mpi Allreduce", "gloo all_reduce", "comm over gloo")
 ALGORITHMS = ("shm one-shot", "shm single copy", "shm chunked", "shm shared array",
               "mpi transport: MPI's own", "comm.allreduce", "mpi transport: ring", "mpi Allreduce")
 
@@ -109,6 +111,9 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
             port = s.getsockname()[1]
     addr, port = mpi.bcast((addr, port), root=0)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=p)
+    # A torchrun job's group: Gloo, with shared memory on each machine across machines (NOTE
+    # [machines over Gloo] in comm/group.py).
+    over_gloo = comm.Group.over_torch(300.0)
 
     sizes = []
     b = 4 << 10
@@ -136,6 +141,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
                                                         lambda req, _w, _p: req.Wait(), pending, scratch),
             "mpi Allreduce": lambda a=a: mpi.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
             "gloo all_reduce": lambda t=t: dist.all_reduce(t),
+            "comm over gloo": lambda a=a: comm.allreduce(a, "sum", group=over_gloo),
         }
         # The buffer each case reduces: refilled right before its sample, so that no case starts
         # with its data hotter in cache than another's.
@@ -169,6 +175,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
                 np.copyto(copy_dst, copy_src)
                 copies.append(copy_src.nbytes / (time.perf_counter() - start) / 1e9)
             mpi.Barrier()
+    over_gloo.close()
     dist.destroy_process_group()
     mpi.Barrier()
     if rank == 0:
@@ -216,16 +223,17 @@ def main(argv: list[str] | None = None) -> None:
         row.append(f"{1e6 * med[('comm.allreduce', b)]:.0f}/{1e6 * med[('mpi Allreduce', b)]:.0f}")
         row.append(f"{med[('gloo all_reduce', b)] / med[('jit_allreduce', b)]:.1f}x/"
                    f"{med[('mpi Allreduce', b)] / med[('jit_allreduce', b)]:.1f}x")
+        row.append(f"{med[('gloo all_reduce', b)] / med[('comm over gloo', b)]:.2f}x")
         if bound is not None:
-            row.append("/".join(f"{bound(b) / med[(c, b)]:.0%}"
-                                for c in ("comm.allreduce", "mpi Allreduce", "gloo all_reduce")))
+            row.append("/".join(f"{bound(b) / med[(c, b)]:.0%}" for c in
+                                ("comm.allreduce", "mpi Allreduce", "gloo all_reduce", "comm over gloo")))
         rows.append(row)
     where = f"{nranks} ranks" if args.cluster is None else \
         f"{args.cluster[0]} emulated nodes x {args.cluster[1]} ranks, {args.link} links"
     print(f"\n{where}, float32 sum in place, median of {args.rounds} interleaved rounds;"
           f" algbw/busbw in GB/s; single-thread memcpy {copy:.1f} GB/s (bytes copied per second)")
-    extra = ["of link bound comm/mpi/gloo"] if bound is not None else []
-    print(format_table(["size", *CASES, "us comm/mpi", "jit vs gloo/mpi", *extra], rows))
+    extra = ["of link bound comm/mpi/gloo/comm-gloo"] if bound is not None else []
+    print(format_table(["size", *CASES, "us comm/mpi", "jit vs gloo/mpi", "comm-gloo vs gloo", *extra], rows))
     result = {"ranks": nranks, "copy_gbs": copy, "records": records}
     if args.cluster is not None:
         result.update(nodes=args.cluster[0], ranks_per_node=args.cluster[1], link=args.link)

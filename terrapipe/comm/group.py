@@ -6,6 +6,30 @@ a transport (comm/transports/); the order calls run in is comm/execution.py's.
 Why one module: a group's constructors (MPI, torch.distributed, a store), its topology and
 the signature agreement all describe the same object; the executor and the data paths are
 elsewhere.
+
+NOTE [machines over Gloo]
+    A group over Gloo whose ranks span machines (torchrun across nodes, :meth:`Group.over_torch`;
+    an elastic generation across machines, :meth:`Group.over_store_and_gloo`) keeps what each
+    machine offers, as a group over MPI does:
+
+    1. Its topology (``local_rank``, ``local_size``, ``nnodes``) comes from the machine each
+       rank runs on (:func:`~terrapipe.comm.store.node_of`, exchanged over the store), not from
+       launcher variables.
+    2. Where every machine holds the same number of ranks, two or more, the ranks of a machine
+       share a segment (``shm``, set up over the store under a prefix of this group's own) and
+       the ranks of each local rank form a Gloo group (``cross``): every rank makes every such
+       group, in local-rank order, as ``torch.distributed.new_group`` requires.
+    3. Reductions (allreduce, reduce) run hierarchical (NOTE [algorithm selection] 2): each
+       machine reduces its parts in its segment, each local rank allreduces its part with its
+       peers on the other machines over Gloo, and every rank copies the result out. The
+       signature is agreed over the whole group's Gloo first, as for any Gloo group; the other
+       collectives are Gloo's own.
+    4. A local rank that fails on a far peer marks it lost on its machine's board, and marks
+       itself waiting while it waits on other machines (NOTE [a peer lost across nodes] in
+       transports/board.py): its machine's ranks raise naming that peer, not their neighbour.
+    5. A split of such a group is one too (Horovod's ``hvd.init`` works on a split of the
+       world): every rank makes the Gloo groups of every color's machines, in color order, and
+       the ranks of its own color their segments, under the parent's prefix.
 """
 
 from __future__ import annotations
@@ -26,6 +50,7 @@ from .transports.shm import SIG_WORDS, ShmTransport
 __all__ = ["Group", "Handle", "forced_backend", "force_backend"]
 
 _backend_choice: str | None = None  # comm.init(backend=...) when it named one
+_machines_made = 0  # worlds over torch.distributed made by this process (NOTE [machines over Gloo])
 
 
 def force_backend(backend: str | None) -> None:
@@ -141,11 +166,23 @@ class Group:
     @classmethod
     def over_torch(cls, timeout: float = 300.0, pg=None) -> Group:
         """A group over torch.distributed (Gloo): the default group (initialised here from the
-        environment if nothing did), or the process group ``pg``."""
+        environment if nothing did), or the process group ``pg``. The default group across
+        machines also gets shared memory on each (NOTE [machines over Gloo])."""
         from .. import launch_env
+        from .store import StoreComm, node_of
         from .transports.gloo import GlooTransport
 
-        return cls._over_gloo(GlooTransport(timeout, pg), timeout, pg is None and launch_env.local_size())
+        global _machines_made
+        self = cls._over_gloo(GlooTransport(timeout, pg), timeout, pg is None and launch_env.local_size())
+        if pg is None and self.size > 1:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            # The store outlives a world that is closed and made again: keys of their own.
+            _machines_made += 1
+            store, prefix = _get_default_store(), f"terrapipe/machines{_machines_made}"
+            nodes = StoreComm(store, f"{prefix}/nodes", self.rank, self.size, timeout).allgather(node_of())
+            self._machines_over_gloo(store, prefix, nodes)
+        return self
 
     @classmethod
     def over_store(cls, store, prefix: str, rank: int, size: int, timeout: float = 300.0,
@@ -202,11 +239,61 @@ class Group:
         gloo = GlooTransport(timeout)
         gloo.owns_init = True  # made here: close() destroys it, so the next generation can make its own
         self = cls._over_gloo(gloo, timeout, None)
-        same = [r for r in range(size) if nodes[r] == nodes[rank]]
-        self.local_rank, self.local_size = same.index(rank), len(same)
-        self.nnodes = len(set(nodes))
-        self.uniform = len({nodes.count(n) for n in set(nodes)}) == 1
+        self._machines_over_gloo(store, f"{prefix}/machines", nodes, abandon)
         return self
+
+    def _machines_over_gloo(self, store, prefix: str, nodes: list[str], abandon=None) -> None:
+        """NOTE [machines over Gloo]: this Gloo group's topology from ``nodes`` (each rank's
+        machine, :func:`~terrapipe.comm.store.node_of`), and where every machine holds the same
+        number of ranks, two or more, shared memory on each (set up over ``store`` under
+        ``prefix``) and a Gloo group among the ranks of each local rank. Collective."""
+        from .store import StoreComm
+        from .transports.gloo import GlooTransport
+
+        self._machines = (store, prefix, nodes)
+        names = sorted(set(nodes), key=nodes.index)
+        same = [r for r in range(self.size) if nodes[r] == nodes[self.rank]]
+        self.local_rank, self.local_size = same.index(self.rank), len(same)
+        self.nnodes = len(names)
+        self.uniform = len({nodes.count(n) for n in names}) == 1
+        if not Group._tiered(nodes):
+            return
+        local = StoreComm(store, f"{prefix}/{names.index(nodes[self.rank])}", self.local_rank,
+                          self.local_size, self.timeout, abandon)
+        cores = set().union(*map(set, local.allgather(sorted(os.sched_getaffinity(0)))))
+        self.oversubscribed = self.local_size > len(cores)
+        self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout)
+        world_ranks = [self.gloo._global(r) for r in range(self.size)]
+        members, pg = Group._cross_groups(nodes, world_ranks)[self.local_rank]
+        self.cross = GlooTransport(self.timeout, pg)
+        self.cross.members = members
+        # 4: NOTE [a peer lost across nodes] in transports/board.py
+        self.cross.on_lost, self.cross.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
+
+    @staticmethod
+    def _tiered(nodes: list[str]) -> bool:
+        """Whether ranks on ``nodes`` get NOTE [machines over Gloo] 2: several machines, the same
+        number of ranks on each, two or more (one machine is over_store's; machines of one rank
+        gain nothing from a segment)."""
+        counts = {nodes.count(n) for n in nodes}
+        return len(set(nodes)) > 1 and len(counts) == 1 and counts.pop() > 1
+
+    @staticmethod
+    def _cross_groups(nodes: list[str], world_ranks: list[int]) -> list[tuple[list[int], object]]:
+        """The Gloo groups among the ranks of each local rank (NOTE [machines over Gloo] 2) of
+        ranks on ``nodes`` whose torch.distributed ranks are ``world_ranks``: (group ranks,
+        process group) per local rank, made by every rank in the same order (new_group is
+        collective over the default group); none where :meth:`_tiered` is False."""
+        import torch.distributed as dist
+
+        if not Group._tiered(nodes):
+            return []
+        place = [[q for q in range(len(nodes)) if nodes[q] == nodes[r]].index(r) for r in range(len(nodes))]
+        groups = []
+        for j in range(max(place) + 1):
+            members = [r for r in range(len(nodes)) if place[r] == j]
+            groups.append((members, dist.new_group([world_ranks[m] for m in members], backend="gloo")))
+        return groups
 
     def _split_over_store(self, color: int, key: int, timeout: float) -> Group:
         """:meth:`split` of a group made by :meth:`over_store`: membership agreed over the same
@@ -237,6 +324,8 @@ class Group:
         self.shm: ShmTransport | None = None
         self.mpi = self.gloo = self.cross = self.control = None
         self.store_comm = None  # over_store's StoreComm (what split agrees over)
+        self._machines = None  # a Gloo group's (store, prefix, each rank's machine): NOTE [machines
+        # over Gloo]
         self._splits = 0
         self.uniform = True
         self.oversubscribed = False
@@ -282,7 +371,18 @@ class Group:
         if timeout <= 0:
             raise ValueError(f"split: timeout must be positive, got {timeout}")
         if self.gloo is not None:
-            return Group._over_gloo(self.gloo.split(int(color), key), timeout, None)
+            transport, colors = self.gloo.split(int(color), key)
+            sub = Group._over_gloo(transport, timeout, None)
+            if self._machines is not None:  # NOTE [machines over Gloo] 5
+                store, prefix, nodes = self._machines
+                self._splits += 1
+                for c, members in colors.items():  # in the same order on every rank
+                    where = [nodes[q] for q in members]
+                    if c == color:
+                        sub._machines_over_gloo(store, f"{prefix}/split{self._splits}/{c}", where)
+                    else:
+                        Group._cross_groups(where, [self.gloo._global(q) for q in members])
+            return sub
         if self.store_comm is not None:
             return self._split_over_store(int(color), key, timeout)
         if self.comm is None:

@@ -19,6 +19,7 @@ import time
 import horovod.torch as hvd
 import torch
 
+import terrapipe.comm as comm
 from terrapipe.comm import rendezvous
 
 p = argparse.ArgumentParser()
@@ -71,7 +72,8 @@ def train(state):
             sampler.record_batch(i, BATCH)
             emit({"generation": rendezvous.last_generation(), "epoch": state.epoch, "step": state.step,
                   "rank": hvd.rank(), "size": hvd.size(), "indices": idx.tolist(), "loss": loss.item(),
-                  "t": time.time()})
+                  "t": time.time(), "local_size": hvd.local_size(),
+                  "tiered": comm.world().cross is not None})  # NOTE [machines over Gloo]
             if (state.step == args.kill_step and hvd.rank() == args.kill_rank
                     and rendezvous.last_generation() == 1):
                 os.kill(os.getpid(), signal.SIGKILL)

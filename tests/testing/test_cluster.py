@@ -172,13 +172,47 @@ TORCHRUN = textwrap.dedent("""
     comm.allreduce(x)
     t = torch.full((5,), float(r))
     dist.all_reduce(t)
+    ok = bool(np.all(x == n * (n + 1) / 2)) and t[0].item() == n * (n - 1) / 2
+    # NOTE [machines over Gloo]: a segment on each machine and a Gloo group per local rank;
+    # reductions hierarchical and exact, small to several chunks, in a loop with async calls
+    # outstanding; the other collectives Gloo's own.
+    tiered = g.shm is not None and g.cross is not None and g.cross.size == g.nnodes
+    log = g.record_algorithms()
+    for i in range(12):
+        for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int32", "max")):
+            xs = [np.full(m, r + 1 + i, dtype) for m in (1, 1000, 65_537, 2_000_003)]
+            handles = [comm.allreduce(v, op, async_op=True) for v in xs]
+            for h in handles:
+                h.wait()
+            want = {"sum": n * (n + 1) / 2 + n * i, "avg": (n + 1) / 2 + i, "max": n + i}[op]
+            ok &= all(bool(np.all(v == np.asarray(want, dtype))) for v in xs)
+    b = torch.full((100_000,), float(r + 1), dtype=torch.bfloat16)
+    comm.allreduce(b, "sum")
+    ok &= bool(torch.all(b == n * (n + 1) / 2))
+    red = np.full(70_000, r + 1.0)
+    comm.reduce(red, root=n - 1)
+    ok &= bool(np.all(red == (n * (n + 1) / 2 if r == n - 1 else r + 1.0)))
+    c = np.arange(5.0) if r == 1 else np.zeros(5)
+    comm.broadcast(c, 1)
+    ok &= bool(np.all(c == np.arange(5.0)))
+    paths = sorted({(c, a) for c, a, _ in log})
+    # Splits (NOTE [machines over Gloo] 5): the whole world again (hvd.init's), tiered; one
+    # rank per machine and one machine each, not.
+    splits = []
+    for color_of in (lambda q: 0, lambda q: q % 2, lambda q: q // 2):
+        sub = g.split(color_of(r))
+        y = np.full(70_000, r + 1.0)
+        comm.allreduce(y, group=sub)
+        ok &= bool(np.all(y == sum(q + 1.0 for q in range(n) if color_of(q) == color_of(r))))
+        splits.append([sub.size, sub.nnodes, sub.local_size, sub.cross is not None])
     report = {"rank": r, "host": socket.gethostname(), "local": [comm.local_rank(), comm.local_size()],
-              "nnodes": g.nnodes, "ok": bool(np.all(x == n * (n + 1) / 2)) and t[0].item() == n * (n - 1) / 2}
+              "nnodes": g.nnodes, "ok": ok, "tiered": tiered, "paths": paths, "splits": splits}
+    comm.finalize()
     open(f"{sys.argv[1]}/rank{r}.json", "w").write(json.dumps(report))
 """)
 
 
-def test_torchrun_per_node_crosses_the_same_links(tmp_path):
+def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp_path):
     if tc.available():
         pytest.skip(tc.available())
     script = tmp_path / "torchrun_whoami.py"
@@ -189,6 +223,9 @@ def test_torchrun_per_node_crosses_the_same_links(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     reports = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
                      key=lambda d: d["rank"])
-    assert [(d["rank"], d["host"], d["local"], d["nnodes"], d["ok"]) for d in reports] == [
-        (r, f"node{r // 2}", [r % 2, 2], 2, True) for r in range(4)], p.stderr[-3000:]
+    assert [(d["rank"], d["host"], d["local"], d["nnodes"], d["ok"], d["tiered"]) for d in reports] == [
+        (r, f"node{r // 2}", [r % 2, 2], 2, True, True) for r in range(4)], p.stderr[-3000:]
+    assert all(d["paths"] == [["allreduce", "segment"], ["broadcast", "gloo"], ["reduce", "segment"]]
+               for d in reports), reports
+    assert all(d["splits"] == [[4, 2, 2, True], [2, 2, 1, False], [2, 1, 2, False]] for d in reports), reports
     assert _leftovers() == []

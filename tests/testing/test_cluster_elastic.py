@@ -43,6 +43,9 @@ def test_a_node_lost_at_2x2_the_job_carries_on_at_1x2(emulated_cluster):
     steps = [r for r in records if "step" in r]
     assert {r["size"] for r in steps if r["generation"] == 1} == {4}
     assert {r["size"] for r in steps if r["generation"] == int(last[0])} == {2}
+    # 2 machines of 2: shared memory on each, Gloo between them; then one machine's segment
+    assert {(r["local_size"], r["tiered"]) for r in steps if r["generation"] == 1} == {(2, True)}
+    assert {(r["local_size"], r["tiered"]) for r in steps if r["generation"] == int(last[0])} == {(2, False)}
     assert {r["size"] for r in steps} == {4, 2}
     epochs_covered_once(records, 2, 256)
     assert c.processes(0) == [] and c.processes(1) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -54,6 +55,12 @@ class GlooTransport(OwnCollectives):
         self._key = "terrapipe/" + ("world" if pg is None else "-".join(map(str, world_ranks)))
         self._seq = 0
         self._acc = np.empty(kreduce.TILE, np.float32)
+        # As MpiTransport's, for the exchange between machines of a group with shared memory on
+        # each (NOTE [a peer lost across nodes] in transports/board.py): told around each wait
+        # on other machines, and of the peer (by ``members``) a failed one could not reach.
+        self.members = list(range(self.size))
+        self.on_lost: Callable[[int], None] = lambda rank: None
+        self.on_waiting: Callable[[bool], None] = lambda waiting: None
 
     # -- errors ------------------------------------------------------------------------------------
     def _call(self, what: str, fn, *args, **kwargs):
@@ -66,6 +73,8 @@ class GlooTransport(OwnCollectives):
             if not (timed_out or closed):
                 raise CommError(f"{what}: {text}") from e
             late = self._late_ranks()
+            if late:
+                self.on_lost(self.members[late[0]])
             names = ", ".join(f"rank {r}" for r in late) or "no rank (every rank signed in)"
             cause = f"Timed out after {self.timeout:g}s" if timed_out else "a connection closed"
             raise CollectiveTimeoutError(f"{what}: {cause} waiting for {names} (gloo): {text}", late) from e
@@ -103,6 +112,17 @@ class GlooTransport(OwnCollectives):
             self._call(what, self._dist.all_reduce, self._t(flat), op=rop)
         if op == kreduce.AVG:
             divide(flat, self.size, kind)
+
+    def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
+        """Gloo's allreduce in place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``);
+        ``avg`` sums (the caller divides, by the size of the whole group when this is its part
+        between machines, NOTE [machines over Gloo] in comm/group.py)."""
+        self._seq += 1  # names this call's sign-in keys should it fail
+        self.on_waiting(True)
+        try:
+            self._reduce_host(buf, kreduce.SUM if op == kreduce.AVG else op, kind, what)
+        finally:
+            self.on_waiting(False)  # a peer marked lost stays marked
 
     # -- collectives ---------------------------------------------------------------------------
     def agree(self, coll, sig, check) -> None:
@@ -159,18 +179,18 @@ class GlooTransport(OwnCollectives):
         """torch.distributed's functions take global ranks, even with a subgroup."""
         return rank if self.pg is None else self._dist.get_global_rank(self.pg, rank)
 
-    def split(self, color: int, key: int) -> GlooTransport:
-        """Ranks of one ``color`` in a new process group, ordered by ``key`` (collective)."""
+    def split(self, color: int, key: int) -> tuple[GlooTransport, dict[int, list[int]]]:
+        """Ranks of one ``color`` in a new process group, ordered by ``key`` (collective); with
+        every color's members (this group's ranks, in their new order)."""
         pairs = [None] * self.size
         self._call("split", self._dist.all_gather_object, pairs, (int(color), int(key), self.rank))
-        mine = None
+        mine, colors = None, {}
         for c in sorted({p[0] for p in pairs}):
-            members = [self._global(p[2]) for p in
-                       sorted((q for q in pairs if q[0] == c), key=lambda q: (q[1], q[2]))]
-            pg = self._dist.new_group(members)  # every rank takes part in every new_group
+            colors[c] = [p[2] for p in sorted((q for q in pairs if q[0] == c), key=lambda q: (q[1], q[2]))]
+            pg = self._dist.new_group([self._global(q) for q in colors[c]])  # every rank makes every group
             if c == color:
                 mine = GlooTransport(self.timeout, pg)
-        return mine
+        return mine, colors
 
     def close(self) -> None:
         if self.owns_init and self._dist.is_initialized():

@@ -1,0 +1,126 @@
+"""Allreduce of a torchrun job across machines: terrapipe's hierarchical path over Gloo against
+Gloo's own, through the same group, and torch.distributed's all_reduce alone.
+
+    python -m benchmarks.gloo_machines --cluster 2x2 --link 1gbit [--rounds 7]   # as root
+
+Starts an emulated cluster (``terrapipe.testing.cluster``) and one torchrun per node. Every
+rank's ``comm.init`` makes a group over Gloo that keeps each machine's shared memory (NOTE
+[machines over Gloo] in terrapipe/comm/group.py). Per message size (float32, 4 KiB .. 16 MiB),
+interleaved, each round starting with the next case: ``comm.allreduce`` pinned to the
+hierarchical segment (what it selects there), pinned to Gloo's own allreduce (what the group did
+before it had shared memory: both pay the group's signature agreement over Gloo), and
+``torch.distributed.all_reduce`` on the default group (Gloo's, no agreement). A sample is the
+slowest rank's time per call over a batch. Reported: medians, the median per-round ratio of
+Gloo's own through the group to the segment, and each case's share of the link's bound (a ring
+between nodes sends and receives 2(N-1)/N of the data over each node's link).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .common import format_table, link_bits_per_second, save
+
+CASES = ("segment", "gloo (same group)", "dist.all_reduce")
+
+
+def _worker(out: str, rounds: int, max_mib: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import terrapipe.comm as comm
+
+    g = comm.init(timeout=300)
+    if g.cross is None:
+        sys.exit(f"rank {g.rank}: no shared memory tier (nodes {g.nnodes}, local size {g.local_size})")
+    sizes, b = [], 4 << 10
+    while b <= max_mib << 20:
+        sizes.append(b)
+        b *= 4
+    samples: dict[str, dict[int, list[float]]] = {c: {} for c in CASES}
+    for nbytes in sizes:
+        a = np.ones(nbytes // 4, np.float32)
+        t = torch.from_numpy(a)
+        reps = max(2, min(30, (8 << 20) // nbytes))
+
+        def run(case: str, a=a, t=t) -> None:
+            if case == "dist.all_reduce":
+                dist.all_reduce(t)
+            else:
+                comm.allreduce(a, "sum")
+
+        for k in range(rounds + 1):  # round 0 warms up (connections, compilation, page faults)
+            for case in CASES[k % len(CASES):] + CASES[:k % len(CASES)]:
+                g.use_algorithm("allreduce", {"segment": "segment", "gloo (same group)": "gloo"}.get(case))
+                a.fill(1.0)
+                comm.barrier()
+                start = time.perf_counter()
+                for _ in range(reps):
+                    run(case)
+                dt = np.array([(time.perf_counter() - start) / reps])
+                g.use_algorithm("allreduce", None)
+                comm.allreduce(dt, "max")
+                if k:
+                    samples[case].setdefault(nbytes, []).append(float(dt[0]))
+    if g.rank == 0:
+        Path(out).write_text(json.dumps({"ranks": g.size, "nodes": g.nnodes, "local_size": g.local_size,
+                                         "samples": {c: {str(b): v for b, v in s.items()}
+                                                     for c, s in samples.items()}}))
+    comm.finalize()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", default="2x2", help="NxK: N emulated nodes of K ranks (K >= 2)")
+    p.add_argument("--link", default="1gbit", help="each node's link rate (tc's units)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--max-mib", type=int, default=16)
+    p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.worker, args.rounds, args.max_mib)
+        return
+    from terrapipe.testing.cluster import Cluster
+
+    nodes, per_node = (int(v) for v in args.cluster.split("x"))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/result.json"
+        with Cluster(nodes, args.link) as c:
+            code = c.run([sys.executable, "-m", "benchmarks.gloo_machines", "--worker", out, "--rounds",
+                          str(args.rounds), "--max-mib", str(args.max_mib)], ranks_per_node=per_node,
+                         launcher="torchrun", timeout=1800)
+        if code != 0 or not Path(out).exists():
+            sys.exit(f"benchmark failed (exit code {code})")
+        data = json.loads(Path(out).read_text())
+    rate = link_bits_per_second(args.link)
+    med = {c: {int(b): statistics.median(v) for b, v in s.items()} for c, s in data["samples"].items()}
+    rows, records = [], []
+    for b in sorted(med["segment"]):
+        bound = 2 * (nodes - 1) / nodes * b * 8 / rate
+        ratios = [x / y for x, y in zip(data["samples"]["gloo (same group)"][str(b)],
+                                        data["samples"]["segment"][str(b)], strict=True)]
+        ratio = statistics.median(ratios)
+        rows.append([f"{b >> 10} KiB", *(f"{1e3 * med[c][b]:.2f}" for c in CASES), f"{ratio:.2f}x",
+                     "/".join(f"{bound / med[c][b]:.0%}" for c in CASES)])
+        records.append({"bytes": b, "seconds": {c: med[c][b] for c in CASES}, "gloo_over_segment": ratio,
+                        "of_link_bound": {c: bound / med[c][b] for c in CASES},
+                        "samples_s": {c: data["samples"][c][str(b)] for c in CASES}})
+    print(f"\n{nodes} emulated nodes x {per_node} ranks under torchrun, {args.link} links, float32 sum in "
+          f"place, median of {args.rounds} interleaved rounds (ms per call, slowest rank)")
+    print(format_table(["size", *(f"{c} ms" for c in CASES), "gloo/segment (same group)",
+                        "of link bound"], rows))
+    for f in save(f"gloo_machines_{nodes}x{per_node}_{args.link}",
+                  {"nodes": nodes, "ranks_per_node": per_node, "link": args.link, "records": records}):
+        print(f"wrote {f}")
+
+
+if __name__ == "__main__":
+    main()
