@@ -23,8 +23,8 @@ NOTE [algorithm selection]
        (NOTE [machines over Gloo] in comm/group.py): those run hierarchical, the segment on each
        machine and each local rank's part allreduced between machines over Gloo, a ring of
        nnodes ranks where Gloo's own is a ring of every rank. At 2 nodes x 2 under torchrun,
-       pinned and interleaved (``python -m benchmarks.gloo_machines``): 1.20-1.50x Gloo's own
-       from 4 KiB to 16 MiB over 1gbit links, 1.20-1.29x over 2.5gbit.
+       pinned and interleaved (``python -m benchmarks.gloo_machines``): 1.10-1.83x Gloo's own
+       through the same group from 4 KiB to 16 MiB over 1gbit links, 1.29-1.93x over 2.5gbit.
     3. Under MPI, every collective is MPI's own, or our ring for allreduces from ``ring_bytes``,
        when MPI is forced (``TERRAPIPE_COMM_BACKEND=mpi``) or nodes differ in rank count.
     4. Across nodes: an allreduce of at most ``oneshot_nodes.limit`` bytes is the one-shot

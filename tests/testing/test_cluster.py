@@ -177,6 +177,12 @@ TORCHRUN = textwrap.dedent("""
     # reductions hierarchical and exact, small to several chunks, in a loop with async calls
     # outstanding; the other collectives Gloo's own.
     tiered = g.shm is not None and g.cross is not None and g.cross.size == g.nnodes
+    for odd in (3, 1):  # one rank's call differs, on the other machine, then on this one
+        try:
+            comm.allreduce(np.zeros(10 + (r == odd)))
+            ok = False
+        except comm.CollectiveMismatchError as e:
+            ok &= f"rank {odd}: float64 (11,)" in str(e) and "rank 0: float64 (10,)" in str(e)
     log = g.record_algorithms()
     for i in range(12):
         for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int32", "max")):

@@ -28,7 +28,7 @@ from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, segments
 from .base import OwnCollectives
 
-__all__ = ["GlooTransport"]
+__all__ = ["GlooTransport", "MachinesAgreement"]
 
 _SIGN_IN_SECONDS = 30.0  # the longest a failing rank looks for the others' keys
 
@@ -198,3 +198,27 @@ class GlooTransport(OwnCollectives):
             # shutdown (split() subgroups included) can abort in C++ ("terminate called ...").
             self._dist.destroy_process_group()
             self.owns_init = False
+
+
+class MachinesAgreement:
+    """The signature agreement of a Gloo group with shared memory on each machine (NOTE
+    [machines over Gloo] 6 in comm/group.py): the machine's signatures meet on its board (``shm``),
+    then each local rank swaps its machine's with its peers of the other machines over its Gloo
+    group (``cross``), so every rank holds every rank's signature. ``ranks``: the group rank of
+    each row of that whole table (machines in ``cross``'s order, each machine's ranks in local
+    order)."""
+
+    name = "gloo"
+
+    def __init__(self, shm, cross: GlooTransport, ranks: list[int]) -> None:
+        self.shm, self.cross, self.ranks = shm, cross, ranks
+
+    def agree(self, coll, sig, check) -> None:
+        board = self.shm.board
+        mine = board.sigs(board.barrier(self.shm.timeout, coll, sig))
+        every = np.empty((self.cross.size, mine.size), mine.dtype)
+        self.cross._seq += 1  # names this call's sign-in keys should it fail
+        self.cross.allgather(np.ascontiguousarray(mine).reshape(-1), every)
+        every = every.reshape(-1, mine.shape[1])
+        if not (every == every[0]).all():
+            check(every, self.ranks)  # every rank holds the same table: all raise alike
