@@ -270,7 +270,7 @@ class Group:
         self.oversubscribed = self.local_size > len(cores)
         self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout)
         world_ranks = [self.gloo._global(r) for r in range(self.size)]
-        members, pg = Group._cross_groups(nodes, world_ranks)[self.local_rank]
+        members, pg = Group._cross_groups(nodes, world_ranks, self.timeout)[self.local_rank]
         self.cross = GlooTransport(self.timeout, pg)
         self.cross.members = members
         # 4: NOTE [a peer lost across nodes] in transports/board.py
@@ -287,11 +287,15 @@ class Group:
         return len(set(nodes)) > 1 and len(counts) == 1 and counts.pop() > 1
 
     @staticmethod
-    def _cross_groups(nodes: list[str], world_ranks: list[int]) -> list[tuple[list[int], object]]:
+    def _cross_groups(nodes: list[str], world_ranks: list[int],
+                      timeout: float) -> list[tuple[list[int], object]]:
         """The Gloo groups among the ranks of each local rank (NOTE [machines over Gloo] 2) of
         ranks on ``nodes`` whose torch.distributed ranks are ``world_ranks``: (group ranks,
         process group) per local rank, made by every rank in the same order (new_group is
-        collective over the default group); none where :meth:`_tiered` is False."""
+        collective over the default group; each waits ``timeout`` seconds, not torch's default
+        of 30 minutes); none where :meth:`_tiered` is False."""
+        import datetime
+
         import torch.distributed as dist
 
         if not Group._tiered(nodes):
@@ -300,7 +304,8 @@ class Group:
         groups = []
         for j in range(max(place) + 1):
             members = [r for r in range(len(nodes)) if place[r] == j]
-            groups.append((members, dist.new_group([world_ranks[m] for m in members], backend="gloo")))
+            groups.append((members, dist.new_group([world_ranks[m] for m in members], backend="gloo",
+                                                   timeout=datetime.timedelta(seconds=timeout))))
         return groups
 
     def _split_over_store(self, color: int, key: int, timeout: float) -> Group:
@@ -379,7 +384,7 @@ class Group:
         if timeout <= 0:
             raise ValueError(f"split: timeout must be positive, got {timeout}")
         if self.gloo is not None:
-            transport, colors = self.gloo.split(int(color), key)
+            transport, colors = self.gloo.split(int(color), key, timeout)
             sub = Group._over_gloo(transport, timeout, None)
             if self._machines is not None:  # NOTE [machines over Gloo] 5
                 store, prefix, nodes = self._machines
@@ -389,7 +394,7 @@ class Group:
                     if c == color:
                         sub._machines_over_gloo(store, f"{prefix}/split{self._splits}/{c}", where)
                     else:
-                        Group._cross_groups(where, [self.gloo._global(q) for q in members])
+                        Group._cross_groups(where, [self.gloo._global(q) for q in members], timeout)
             return sub
         if self.store_comm is not None:
             return self._split_over_store(int(color), key, timeout)

@@ -149,3 +149,44 @@ def test_a_node_lost_mid_allreduce_ends_the_job_and_leaves_nothing(emulated_clus
     assert time.monotonic() - lost < TIMEOUT + 10
     for i in range(2):
         assert _left_on(cluster, i) == ([], []), (i, _left_on(cluster, i))
+
+
+def test_a_link_down_under_torchrun_every_rank_names_the_far_rank(emulated_cluster, tmp_path):
+    """The same cut under torchrun, where the group is Gloo's with a segment on each node (NOTE
+    [machines over Gloo] in comm/group.py): a rank that raises names a rank of the other node
+    within the timeout (the one that moved data between nodes by its Gloo group, its node's
+    peers by the board), never its neighbour, and every worker is gone soon after with its
+    shared memory. (The cut-off node's torchrun itself waits on its rendezvous, torch's own
+    timeouts; the test stops it.)"""
+    cluster = emulated_cluster(2, "1gbit")
+    procs = [subprocess.Popen([*cluster.torchrun_args(i, 2), *_job(tmp_path, 1 << 18)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for i in range(2)]
+    try:
+        _wait_started(tmp_path, 4, lambda: next((p.poll() for p in procs if p.poll() is not None), None))
+        down = time.time()
+        subprocess.run(["ip", "link", "set", f"{cluster.name}v1", "down"], check=True)
+        def workers_left():
+            return [([c for c in cmds if "job.py" in c], shm) for cmds, shm in map(
+                lambda i: _left_on(cluster, i), range(2))]
+
+        while workers_left() != [([], [])] * 2 and time.time() - down < TIMEOUT + 20:
+            time.sleep(0.2)
+        left = workers_left()
+    finally:
+        for i in range(2):
+            for pid in cluster.processes(i):
+                os.kill(pid, 9)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+            p.wait()
+    reports = _reports(tmp_path)
+    assert {r // 2 for r in reports} == {0, 1}, reports  # the first on each node, at least
+    for r, rep in reports.items():
+        other = 1 - r // 2
+        assert rep["host"] == f"node{r // 2}"
+        assert rep["type"] == "CollectiveTimeoutError", rep
+        assert rep["ranks"] and all(q // 2 == other for q in rep["ranks"]), rep
+        assert rep["at"] - down < TIMEOUT + 3, rep  # within the collective's timeout
+    assert left == [([], [])] * 2, left

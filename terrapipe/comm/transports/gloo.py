@@ -72,9 +72,9 @@ class GlooTransport(OwnCollectives):
             closed = any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe"))
             if not (timed_out or closed):
                 raise CommError(f"{what}: {text}") from e
-            late = self._late_ranks()
+            late = [self.members[q] for q in self._late_ranks()]  # as the group numbers them
             if late:
-                self.on_lost(self.members[late[0]])
+                self.on_lost(late[0])
             names = ", ".join(f"rank {r}" for r in late) or "no rank (every rank signed in)"
             cause = f"Timed out after {self.timeout:g}s" if timed_out else "a connection closed"
             raise CollectiveTimeoutError(f"{what}: {cause} waiting for {names} (gloo): {text}", late) from e
@@ -82,20 +82,32 @@ class GlooTransport(OwnCollectives):
     def _late_ranks(self) -> list[int]:
         """NOTE [naming a late rank over Gloo]."""
         others = [q for q in range(self.size) if q != self.rank]
+        if len(others) == 1:
+            return others  # nothing to ask: it is the one peer
         try:
             from torch.distributed.distributed_c10d import _get_default_store
 
             store = _get_default_store()
+        except Exception:  # noqa: BLE001 - no default group: every other rank is a suspect
+            return others
+        # The store's own timeout may be many minutes, and its host may be the one cut off:
+        # every question to it waits at most this look's own bound.
+        bound = min(self.timeout, _SIGN_IN_SECONDS)
+        before = store.timeout
+        store.set_timeout(datetime.timedelta(seconds=bound))
+        try:
             prefix = f"{self._key}/{self._seq}/"
             store.set(prefix + str(self.rank), "1")
-            deadline = time.monotonic() + min(self.timeout, _SIGN_IN_SECONDS)
+            deadline = time.monotonic() + bound
             missing = others
             while missing and time.monotonic() < deadline:
                 missing = [q for q in missing if not store.check([prefix + str(q)])]
                 time.sleep(0.05)
             return missing
-        except Exception:  # no store reachable (its host died): every other rank is a suspect
+        except Exception:  # noqa: BLE001 - no store reachable (its host is gone or cut off)
             return others
+        finally:
+            store.set_timeout(before)
 
     def _t(self, arr: np.ndarray):
         # Gloo has no 16-bit integer types: bit patterns travel as float16, which gather,
@@ -179,17 +191,20 @@ class GlooTransport(OwnCollectives):
         """torch.distributed's functions take global ranks, even with a subgroup."""
         return rank if self.pg is None else self._dist.get_global_rank(self.pg, rank)
 
-    def split(self, color: int, key: int) -> tuple[GlooTransport, dict[int, list[int]]]:
-        """Ranks of one ``color`` in a new process group, ordered by ``key`` (collective); with
-        every color's members (this group's ranks, in their new order)."""
+    def split(self, color: int, key: int, timeout: float) -> tuple[GlooTransport, dict[int, list[int]]]:
+        """Ranks of one ``color`` in a new process group, ordered by ``key``, waiting ``timeout``
+        seconds on its peers (collective); with every color's members (this group's ranks, in
+        their new order)."""
         pairs = [None] * self.size
         self._call("split", self._dist.all_gather_object, pairs, (int(color), int(key), self.rank))
         mine, colors = None, {}
         for c in sorted({p[0] for p in pairs}):
             colors[c] = [p[2] for p in sorted((q for q in pairs if q[0] == c), key=lambda q: (q[1], q[2]))]
-            pg = self._dist.new_group([self._global(q) for q in colors[c]])  # every rank makes every group
+            # Every rank makes every group, each with the timeout asked for (torch's default: 30 min).
+            pg = self._dist.new_group([self._global(q) for q in colors[c]],
+                                      timeout=datetime.timedelta(seconds=timeout))
             if c == color:
-                mine = GlooTransport(self.timeout, pg)
+                mine = GlooTransport(timeout, pg)
         return mine, colors
 
     def close(self) -> None:
@@ -218,7 +233,11 @@ class MachinesAgreement:
         mine = board.sigs(board.barrier(self.shm.timeout, coll, sig))
         every = np.empty((self.cross.size, mine.size), mine.dtype)
         self.cross._seq += 1  # names this call's sign-in keys should it fail
-        self.cross.allgather(np.ascontiguousarray(mine).reshape(-1), every)
+        self.cross.on_waiting(True)  # NOTE [a peer lost across nodes] 1: not late, waiting afar
+        try:
+            self.cross.allgather(np.ascontiguousarray(mine).reshape(-1), every)
+        finally:
+            self.cross.on_waiting(False)
         every = every.reshape(-1, mine.shape[1])
         if not (every == every[0]).all():
             check(every, self.ranks)  # every rank holds the same table: all raise alike
