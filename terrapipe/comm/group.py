@@ -40,6 +40,7 @@ NOTE [machines over Gloo]
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import socket
@@ -261,7 +262,7 @@ class Group:
         same = [r for r in range(self.size) if nodes[r] == nodes[self.rank]]
         self.local_rank, self.local_size = same.index(self.rank), len(same)
         self.nnodes = len(names)
-        self.uniform = len({nodes.count(n) for n in names}) == 1
+        self.uniform = len(set(collections.Counter(nodes).values())) == 1
         if not Group._tiered(nodes):
             return
         local = StoreComm(store, f"{prefix}/{names.index(nodes[self.rank])}", self.local_rank,
@@ -283,8 +284,8 @@ class Group:
         """Whether ranks on ``nodes`` get NOTE [machines over Gloo] 2: several machines, the same
         number of ranks on each, two or more (one machine is over_store's; machines of one rank
         gain nothing from a segment)."""
-        counts = {nodes.count(n) for n in nodes}
-        return len(set(nodes)) > 1 and len(counts) == 1 and counts.pop() > 1
+        counts = set(collections.Counter(nodes).values())
+        return len(counts) == 1 and len(set(nodes)) > 1 and counts.pop() > 1
 
     @staticmethod
     def _cross_groups(nodes: list[str], world_ranks: list[int],
@@ -300,7 +301,10 @@ class Group:
 
         if not Group._tiered(nodes):
             return []
-        place = [[q for q in range(len(nodes)) if nodes[q] == nodes[r]].index(r) for r in range(len(nodes))]
+        place, seen = [], collections.Counter()  # each rank's local rank: its place on its machine
+        for n in nodes:
+            place.append(seen[n])
+            seen[n] += 1
         groups = []
         for j in range(max(place) + 1):
             members = [r for r in range(len(nodes)) if place[r] == j]

@@ -16,6 +16,7 @@ NOTE [naming a late rank over Gloo]
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Callable
@@ -125,16 +126,24 @@ class GlooTransport(OwnCollectives):
         if op == kreduce.AVG:
             divide(flat, self.size, kind)
 
+    @contextlib.contextmanager
+    def afar(self):
+        """Around a call that waits on other machines: its own sign-in keys should it fail
+        (NOTE [naming a late rank over Gloo]), and this rank marked waiting, not late, for its
+        machine's ranks meanwhile (NOTE [a peer lost across nodes] 1 in transports/board.py)."""
+        self._seq += 1
+        self.on_waiting(True)
+        try:
+            yield
+        finally:
+            self.on_waiting(False)  # a peer marked lost stays marked
+
     def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
         """Gloo's allreduce in place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``);
         ``avg`` sums (the caller divides, by the size of the whole group when this is its part
         between machines, NOTE [machines over Gloo] in comm/group.py)."""
-        self._seq += 1  # names this call's sign-in keys should it fail
-        self.on_waiting(True)
-        try:
+        with self.afar():
             self._reduce_host(buf, kreduce.SUM if op == kreduce.AVG else op, kind, what)
-        finally:
-            self.on_waiting(False)  # a peer marked lost stays marked
 
     # -- collectives ---------------------------------------------------------------------------
     def agree(self, coll, sig, check) -> None:
@@ -232,12 +241,8 @@ class MachinesAgreement:
         board = self.shm.board
         mine = board.sigs(board.barrier(self.shm.timeout, coll, sig))
         every = np.empty((self.cross.size, mine.size), mine.dtype)
-        self.cross._seq += 1  # names this call's sign-in keys should it fail
-        self.cross.on_waiting(True)  # NOTE [a peer lost across nodes] 1: not late, waiting afar
-        try:
+        with self.cross.afar():
             self.cross.allgather(np.ascontiguousarray(mine).reshape(-1), every)
-        finally:
-            self.cross.on_waiting(False)
         every = every.reshape(-1, mine.shape[1])
         if not (every == every[0]).all():
             check(every, self.ranks)  # every rank holds the same table: all raise alike
