@@ -87,6 +87,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_RING_BYTES", "bytes", 1 << 20,
             "Allreduces of at least this many bytes take the ring over MPI (the autotuner moves it)",
             "comm"),
+    Setting("TERRAPIPE_TCP_RING_BYTES", "bytes", 256 << 10,
+            "Between machines of a group without MPI (torchrun across nodes), allreduce parts of at least "
+            "this many bytes take the ring over TCP; smaller ones an allgather of the whole part",
+            "comm"),
     Setting("TERRAPIPE_CMA", "flag", True,
             "`0`: never read peers' memory directly (single-copy collectives off)", "comm"),
     Setting("TERRAPIPE_MPI_NATIVE", "flag", True,

@@ -29,7 +29,7 @@ def align(group) -> tuple[int, int]:
     if group.comm is not None:
         send, recv, done = _over_mpi(group.comm)
     elif group.gloo is not None:
-        send, recv, done = _over_torch(group.gloo.pg)
+        send, recv, done = _over_gloo(group.gloo)
     else:
         return 0, 0
     buf = np.zeros(1, np.int64)
@@ -67,18 +67,11 @@ def _over_mpi(world):
     return send, recv, comm.Free
 
 
-def _over_torch(pg):
-    import torch
-    import torch.distributed as dist
-
-    t = torch.zeros(1, dtype=torch.int64)
-
+def _over_gloo(gloo):
     def send(buf, peer):
-        t[0] = int(buf[0])
-        dist.send(t, dst=peer, group=pg)
+        gloo.send(buf, peer, 7)
 
     def recv(buf, peer):
-        dist.recv(t, src=peer, group=pg)
-        buf[0] = int(t[0])
+        gloo.recv(buf, peer, 7)
 
     return send, recv, lambda: None

@@ -17,25 +17,31 @@ NOTE [machines over Gloo]
        launcher variables.
     2. Where every machine holds the same number of ranks, two or more, the ranks of a machine
        share a segment (``shm``, set up over the store under a prefix of this group's own) and
-       the ranks of each local rank form a Gloo group (``cross``): every rank makes every such
-       group, in local-rank order, as ``torch.distributed.new_group`` requires.
+       the ranks of each local rank, one per machine, form a ring of TCP streams (``cross``,
+       NOTE [a ring over TCP] in transports/tcp.py), set up by those ranks alone over the same
+       store. Nothing is registered with torch.distributed, so a ``torch.distributed`` backend
+       can build such a group too (distributed/process_group.py, with a Gloo group of its own
+       for the rest: NOTE [Gloo groups of our own] in transports/gloo.py).
     3. Reductions (allreduce, reduce) run hierarchical (NOTE [algorithm selection] 2): each
        machine reduces its parts in its segment, each local rank allreduces its part with its
-       peers on the other machines over Gloo, and every rank copies the result out. The other
-       collectives are Gloo's own, after the agreement (6).
+       peers on the other machines over its ring, and every rank copies the result out. The
+       other collectives are Gloo's own, after the agreement (6).
     4. A local rank that fails on a far peer marks it lost on its machine's board, and marks
        itself waiting while it waits on other machines (NOTE [a peer lost across nodes] in
        transports/board.py): its machine's ranks raise naming that peer, not their neighbour.
     5. A split of such a group is one too (Horovod's ``hvd.init`` works on a split of the
-       world): every rank makes the Gloo groups of every color's machines, in color order, and
-       the ranks of its own color their segments, under the parent's prefix.
+       world): the ranks of each color make their segments and rings under the parent's prefix.
     6. The signature agreement (``control``: transports/gloo.py's ``MachinesAgreement``) takes
        two steps where a Gloo group's takes an allgather over every rank: the machine's
        signatures meet on its board, then each local rank allgathers its machine's (local_size
-       rows) with its peers over its Gloo group. Every rank then holds every rank's signature,
-       so a mismatch anywhere raises on every rank, each call described. At 2 nodes x 2 over
-       emulated 1gbit links, where Gloo's allgather among the 4 ranks took 3.5 ms, a 4 KiB
-       allreduce went from 7.5 ms (agreed over every rank) to 4.4 (benchmarks.gloo_machines).
+       rows) with its peers over its ring. Every rank then holds every rank's signature, so a
+       mismatch anywhere raises on every rank, each call described.
+    7. Why TCP streams of our own between machines, where the group has Gloo: Gloo's small
+       transfers take milliseconds there. At 2 nodes x 2 over emulated 1gbit links (Intel Xeon,
+       2026-11-27, benchmarks.ddp_machines), a 4 KiB allreduce through the torch backend took
+       about 5 ms with Gloo between machines, as Gloo's own did, and 1.1 ms over the rings;
+       16 MiB reached 93% of the links' bound, Gloo's own 63%. Agreeing over every rank with
+       Gloo had cost 7.5 ms per 4 KiB allreduce, over the machines' Gloo groups 4.4.
 """
 
 from __future__ import annotations
@@ -229,7 +235,7 @@ class Group:
         ``prefix``: Gloo between them (torch.distributed's default group, made here and destroyed
         when the group closes), its local ranks those on this machine. ``abandon``: as for
         :meth:`over_store`. For an elastic job's generation that spans machines
-        (comm/rendezvous.py); collectives take Gloo's paths (no shared memory)."""
+        (comm/rendezvous.py); shared memory on each machine as NOTE [machines over Gloo] says."""
         import datetime
 
         import torch.distributed as dist
@@ -249,13 +255,31 @@ class Group:
         self._machines_over_gloo(store, f"{prefix}/machines", nodes, abandon)
         return self
 
+    @classmethod
+    def over_store_across_machines(cls, store, prefix: str, rank: int, size: int, nodes: list[str],
+                                   timeout: float = 300.0) -> Group:
+        """A group of ``size`` processes on several machines (``nodes``: each rank's,
+        :func:`~terrapipe.comm.store.node_of`, as every rank found them), set up through
+        ``store`` under ``prefix``: a Gloo group of its own among them (NOTE [Gloo groups of our
+        own] in transports/gloo.py; torch.distributed's default group, if any, is not touched)
+        and shared memory on each machine (NOTE [machines over Gloo]). For a torch.distributed
+        backend whose ranks span machines without MPI (distributed/process_group.py). Collective."""
+        import torch.distributed as dist
+
+        from .transports.gloo import GlooTransport
+
+        gloo = GlooTransport.of_its_own(dist.PrefixStore(f"{prefix}/gloo/", store), rank, size, timeout)
+        self = cls._over_gloo(gloo, timeout, None)
+        self._machines_over_gloo(store, f"{prefix}/machines", list(nodes))
+        return self
+
     def _machines_over_gloo(self, store, prefix: str, nodes: list[str], abandon=None) -> None:
         """NOTE [machines over Gloo]: this Gloo group's topology from ``nodes`` (each rank's
         machine, :func:`~terrapipe.comm.store.node_of`), and where every machine holds the same
         number of ranks, two or more, shared memory on each (set up over ``store`` under
         ``prefix``) and a Gloo group among the ranks of each local rank. Collective."""
         from .store import StoreComm
-        from .transports.gloo import GlooTransport, MachinesAgreement
+        from .transports.gloo import MachinesAgreement
 
         self._machines = (store, prefix, nodes)
         names = sorted(set(nodes), key=nodes.index)
@@ -263,24 +287,21 @@ class Group:
         self.local_rank, self.local_size = same.index(self.rank), len(same)
         self.nnodes = len(names)
         self.uniform = len(set(collections.Counter(nodes).values())) == 1
-        if not Group._tiered(nodes):
+        if not Group.tiered(nodes):
             return
         local = StoreComm(store, f"{prefix}/{names.index(nodes[self.rank])}", self.local_rank,
                           self.local_size, self.timeout, abandon)
         cores = set().union(*map(set, local.allgather(sorted(os.sched_getaffinity(0)))))
         self.oversubscribed = self.local_size > len(cores)
         self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout)
-        world_ranks = [self.gloo._global(r) for r in range(self.size)]
-        members, pg = Group._cross_groups(nodes, world_ranks, self.timeout)[self.local_rank]
-        self.cross = GlooTransport(self.timeout, pg)
-        self.cross.members = members
+        members, self.cross = Group._cross_group(nodes, self.rank, store, prefix, self.timeout, abandon)
         # 4: NOTE [a peer lost across nodes] in transports/board.py
         self.cross.on_lost, self.cross.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
         rows = [q for m in members for q in range(self.size) if nodes[q] == nodes[m]]  # 6
         self.control = MachinesAgreement(self.shm, self.cross, rows)
 
     @staticmethod
-    def _tiered(nodes: list[str]) -> bool:
+    def tiered(nodes: list[str]) -> bool:
         """Whether ranks on ``nodes`` get NOTE [machines over Gloo] 2: several machines, the same
         number of ranks on each, two or more (one machine is over_store's; machines of one rank
         gain nothing from a segment)."""
@@ -288,29 +309,22 @@ class Group:
         return len(counts) == 1 and len(set(nodes)) > 1 and counts.pop() > 1
 
     @staticmethod
-    def _cross_groups(nodes: list[str], world_ranks: list[int],
-                      timeout: float) -> list[tuple[list[int], object]]:
-        """The Gloo groups among the ranks of each local rank (NOTE [machines over Gloo] 2) of
-        ranks on ``nodes`` whose torch.distributed ranks are ``world_ranks``: (group ranks,
-        process group) per local rank, made by every rank in the same order (new_group is
-        collective over the default group; each waits ``timeout`` seconds, not torch's default
-        of 30 minutes); none where :meth:`_tiered` is False."""
-        import datetime
+    def _cross_group(nodes: list[str], rank: int, store, prefix: str, timeout: float, abandon=None):
+        """``rank``'s transport among the ranks of its local rank on ``nodes`` (NOTE [machines
+        over Gloo] 2): a ring of TCP streams (NOTE [a ring over TCP] in transports/tcp.py) set up
+        by those ranks alone over ``store`` under ``prefix``. Returns (their group ranks, in
+        machine order; the transport)."""
+        from .store import StoreComm
+        from .transports.tcp import TcpTransport
 
-        import torch.distributed as dist
-
-        if not Group._tiered(nodes):
-            return []
         place, seen = [], collections.Counter()  # each rank's local rank: its place on its machine
         for n in nodes:
             place.append(seen[n])
             seen[n] += 1
-        groups = []
-        for j in range(max(place) + 1):
-            members = [r for r in range(len(nodes)) if place[r] == j]
-            groups.append((members, dist.new_group([world_ranks[m] for m in members], backend="gloo",
-                                                   timeout=datetime.timedelta(seconds=timeout))))
-        return groups
+        members = [q for q in range(len(nodes)) if place[q] == place[rank]]
+        comm = StoreComm(store, f"{prefix}/cross{place[rank]}", members.index(rank), len(members), timeout,
+                         abandon)
+        return members, TcpTransport(comm, timeout, members, [nodes[m] for m in members])
 
     def _split_over_store(self, color: int, key: int, timeout: float) -> Group:
         """:meth:`split` of a group made by :meth:`over_store`: membership agreed over the same
@@ -393,12 +407,8 @@ class Group:
             if self._machines is not None:  # NOTE [machines over Gloo] 5
                 store, prefix, nodes = self._machines
                 self._splits += 1
-                for c, members in colors.items():  # in the same order on every rank
-                    where = [nodes[q] for q in members]
-                    if c == color:
-                        sub._machines_over_gloo(store, f"{prefix}/split{self._splits}/{c}", where)
-                    else:
-                        Group._cross_groups(where, [self.gloo._global(q) for q in members], timeout)
+                where = [nodes[q] for q in colors[color]]
+                sub._machines_over_gloo(store, f"{prefix}/split{self._splits}/{color}", where)
             return sub
         if self.store_comm is not None:
             return self._split_over_store(int(color), key, timeout)
@@ -407,16 +417,13 @@ class Group:
         return Group(self.comm.Split(int(color), key), timeout)
 
     def exchange_objects(self, obj) -> list:
-        """Every rank's ``obj`` (picklable, small), in rank order; outside the collective order,
-        for set-up between collectives (comm/transports/nccl.py)."""
+        """Every rank's ``obj`` (small; over MPI picklable, over Gloo JSON's types, tuples
+        coming back as lists), in rank order; outside the collective order, for set-up between
+        collectives (comm/transports/nccl.py)."""
         if self.comm is not None:
             return self.comm.allgather(obj)
         if self.gloo is not None:
-            import torch.distributed as dist
-
-            out = [None] * self.size
-            dist.all_gather_object(out, obj, group=self.gloo.pg)
-            return out
+            return self.gloo.allgather_objects(obj)
         return [obj]
 
     def close(self) -> None:

@@ -10,9 +10,12 @@ NOTE [the terrapipe process group]
        instead of corrupting data or hanging. Under an MPI launcher (``mpiexec``, ``terrapipe
        run``) whose ranks are torch's ranks, the group is made over MPI (shared memory on each
        node, MPI between nodes and for the ring, as ``terrapipe.comm`` routes them); else it is
-       shared memory between the ranks of one node, set up through the store torch hands the
-       backend (no MPI needed; under MPI too with ``TERRAPIPE_COMM_BACKEND=shm``). The ranks
-       decide which together, through the store.
+       set up through the store torch hands the backend (no MPI needed; under MPI too with
+       ``TERRAPIPE_COMM_BACKEND=shm``): shared memory between the ranks of one machine, and
+       where they span machines of as many ranks each (torchrun across nodes), shared memory on
+       each machine and Gloo groups of the group's own between them (NOTE [machines over Gloo]
+       in comm/group.py), allreduces hierarchical. The ranks decide which together, through the
+       store.
     2. An asynchronous call (``opts.asyncOp``, which DDP's reducer and ``async_op=True`` set)
        returns at once. The transfer runs on the group's ordered executor thread, which releases
        the GIL inside the kernels, so backward keeps running on the caller's thread while a
@@ -25,8 +28,10 @@ NOTE [the terrapipe process group]
        without ``async_op``) runs on the caller's thread, in order after anything outstanding,
        and takes terrapipe's latency path: no thread hand-off for the 4 KiB allreduce.
     3. What the shared-memory transport does not do (point-to-point, all-to-all, gather and
-       scatter of lists, bitwise reductions, dtypes the reduction kernels do not cover, ranks on
-       several nodes) goes to a Gloo process group built on the same store beside it, so every
+       scatter of lists, bitwise reductions, dtypes the reduction kernels do not cover; ranks on
+       machines of unequal rank counts, or of one rank each) goes to a Gloo process group built
+       on the same store beside it (never the one the terrapipe group's own Gloo calls use, whose
+       order is the group's executor's), so every
        call of the ProcessGroup API behaves as on Gloo. Each channel keeps its own issue order,
        identical on every rank; as with any async collective, a result is read after ``wait()``.
     4. Timeouts: the group's timeout (``init_process_group(timeout=)``) bounds every wait on
@@ -62,6 +67,7 @@ from ..comm import broadcast as _broadcast
 from ..comm import jit_allreduce as _jit_allreduce
 from ..comm import reduce as _reduce
 from ..comm import reduce_scatter as _reduce_scatter
+from ..comm.store import node_of
 
 __all__ = ["ProcessGroupTerrapipe", "create"]
 
@@ -165,10 +171,7 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
         self._group: Group | None = _mpi_group(store, rank, size, list(global_ranks), seconds)
         if self._group is None:
-            try:
-                self._group = Group.over_store(dist.PrefixStore("shm/", store), "g", rank, size, seconds)
-            except ValueError:
-                self._group = None  # several nodes and no MPI: everything on Gloo (3)
+            self._group = _group_over_store(store, rank, size, seconds)
 
     # -- plumbing ------------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -478,6 +481,20 @@ def _mpi_group(store, rank: int, size: int, global_ranks: list[int], timeout: fl
         return None
     comm = world.Create_group(world.Get_group().Incl(ranks))
     return Group(comm, timeout)
+
+
+def _group_over_store(store, rank: int, size: int, timeout: float) -> Group | None:
+    """Without MPI (NOTE [the terrapipe process group] 1): shared memory where every rank is on
+    this machine; across machines of as many ranks each, two or more, shared memory on each and
+    Gloo groups of its own between them (NOTE [machines over Gloo] in comm/group.py); else None,
+    everything on Gloo (3). Decided alike on every rank, from every rank's machine."""
+    nodes = StoreComm(dist.PrefixStore("nodes/", store), "n", rank, size, timeout).allgather(node_of())
+    if len(set(nodes)) == 1:
+        return Group.over_store(dist.PrefixStore("shm/", store), "g", rank, size, timeout)
+    if Group.tiered(nodes):
+        return Group.over_store_across_machines(dist.PrefixStore("machines/", store), "g", rank, size,
+                                                nodes, timeout)
+    return None
 
 
 def create(opts, backend_options=None) -> ProcessGroupTerrapipe:

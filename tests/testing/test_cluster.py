@@ -235,3 +235,93 @@ def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp
                for d in reports), reports
     assert all(d["splits"] == [[4, 2, 2, True], [2, 2, 1, False], [2, 1, 2, False]] for d in reports), reports
     assert _leftovers() == []
+
+
+DDP_ACROSS = textwrap.dedent("""
+    import datetime, json, socket, sys
+    import torch
+    import torch.distributed as dist
+    from terrapipe.comm import CollectiveMismatchError
+    dist.init_process_group("terrapipe", timeout=datetime.timedelta(seconds=60))  # torchrun's env://
+    r, n = dist.get_rank(), dist.get_world_size()
+    pg = dist.group.WORLD
+    g = pg.group  # NOTE [the terrapipe process group] 1: no MPI, ranks on 2 machines of 2
+    tiered = g is not None and g.shm is not None and g.cross is not None and g.cross.size == 2
+    log = g.record_algorithms() if g is not None else []
+    gloo = dist.new_group(backend="gloo")  # the reference, in the same job
+    ok = True
+    for i in range(8):  # many outstanding, sizes on both sides of every threshold
+        ts = [torch.full((m,), float(r + 1 + i)) for m in (5, 4096, 70_001, 300_001, 3 << 20)]
+        works = [dist.all_reduce(t, async_op=True) for t in ts]
+        for w in works:
+            w.wait()
+        ok &= all(t[0].item() == t[-1].item() == n * (n + 1) / 2 + n * i for t in ts)
+    x = torch.full((1000,), float(r))
+    dist.broadcast(x, src=n - 1)
+    out = torch.empty(n * 1000)
+    dist.all_gather_into_tensor(out, torch.full((1000,), float(r)))
+    ok &= x[0].item() == n - 1 and out.view(n, 1000)[:, 0].tolist() == [float(q) for q in range(n)]
+    try:  # one rank's call differs, on the other machine: every rank raises naming it
+        dist.all_reduce(torch.zeros(3 + (r == 3)))
+        ok = False
+    except CollectiveMismatchError as e:
+        ok &= "rank 3" in str(e)
+    pair = dist.new_group([0, 2], backend="terrapipe")  # one rank per machine: all on Gloo
+    if r in (0, 2):
+        t = torch.full((10,), float(r))
+        dist.all_reduce(t, group=pair)
+        ok &= t[0].item() == 2.0 and pair.group is None
+    # DDP on this backend and on Gloo, the same batches: the same training, every rank's
+    # weights bit-identical to the others' (the hierarchical sum is copied out alike).
+    torch.manual_seed(0)
+    nets = [torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+            for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    ddps = [torch.nn.parallel.DistributedDataParallel(nets[0], bucket_cap_mb=0.01),
+            torch.nn.parallel.DistributedDataParallel(nets[1], process_group=gloo, bucket_cap_mb=0.01)]
+    opts = [torch.optim.SGD(d.parameters(), lr=0.05, momentum=0.9) for d in ddps]
+    gen = torch.Generator().manual_seed(100 + r)
+    target = torch.randn(32, 4, generator=torch.Generator().manual_seed(7))
+    for step in range(30):
+        xb = torch.randn(16, 32, generator=gen)
+        for d, o in zip(ddps, opts):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(d(xb), xb @ target).backward()
+            o.step()
+    flat = [torch.cat([p.detach().reshape(-1) for p in net.parameters()]) for net in nets]
+    every = [torch.empty_like(flat[0]) for _ in range(n)]
+    dist.all_gather(every, flat[0], group=gloo)
+    ok &= all(torch.equal(every[0], e) for e in every)
+    gap = (flat[0] - flat[1]).abs().max().item()
+    paths = sorted({(c, a) for c, a, _ in log})
+    report = {"rank": r, "host": socket.gethostname(), "ok": bool(ok), "tiered": tiered,
+              "local": [g.local_rank, g.local_size, g.nnodes] if g is not None else None,
+              "paths": paths, "gap": gap, "scale": flat[1].abs().max().item(), "served": dict(pg.served)}
+    dist.destroy_process_group()
+    open(f"{sys.argv[1]}/rank{r}.json", "w").write(json.dumps(report))
+""")
+
+
+def test_ddp_on_terrapipe_under_torchrun_across_machines_has_shared_memory_on_each(tmp_path):
+    """torch.distributed with backend="terrapipe" under torchrun at 2x2, no MPI: the backend's
+    group gets a segment on each machine and Gloo groups of its own between them (it was all
+    Gloo across machines), allreduces run hierarchical and exact with many outstanding, a
+    mismatch raises on every rank, a group of one rank per machine is Gloo's, and DDP trains as
+    it does on Gloo, every rank's weights bit-identical."""
+    if tc.available():
+        pytest.skip(tc.available())
+    script = tmp_path / "ddp_across.py"
+    script.write_text(DDP_ACROSS)
+    p = subprocess.run([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes", "2",
+                        "--ranks-per-node", "2", "--launcher", "torchrun", "--", sys.executable,
+                        str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    reports = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
+                     key=lambda d: d["rank"])
+    assert [(d["rank"], d["host"], d["ok"], d["tiered"], d["local"]) for d in reports] == [
+        (r, f"node{r // 2}", True, True, [r % 2, 2, 2]) for r in range(4)], p.stderr[-3000:]
+    assert all(["allreduce", "segment"] in d["paths"] for d in reports), reports
+    assert all(d["served"]["terrapipe"] > 60 for d in reports), reports
+    # Gloo's ring adds the four ranks' floats in another order: a rounding apart, no more.
+    assert all(d["gap"] <= 1e-5 * max(1.0, d["scale"]) for d in reports), reports
+    assert _leftovers() == []

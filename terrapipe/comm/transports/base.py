@@ -12,6 +12,7 @@ shm        the node's shared segment: rows per rank, a board   comm/transports/s
 cma        the peers' own memory (``process_vm_readv``)        comm/transports/cma.py
 mpi        MPI point-to-point and MPI's own collectives        comm/transports/mpi.py
 gloo       torch.distributed's Gloo and its collectives        comm/transports/gloo.py
+tcp        a ring of TCP streams between machines (no MPI)     comm/transports/tcp.py
 nccl       torch.distributed's NCCL (CUDA tensors)             comm/transports/nccl.py
 =========  ==================================================  ===========================
 

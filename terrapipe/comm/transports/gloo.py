@@ -9,17 +9,17 @@ NOTE [naming a late rank over Gloo]
     Gloo reports a timeout ("Timed out waiting ... for recv") or a closed connection, not which
     rank is missing. Every collective starts with the agreement, which counts collectives per
     group (``_seq``). When one fails, each rank that reached it writes
-    ``terrapipe/<group>/<seq>/<rank>`` to torch's store (served by rank 0's process) and looks
+    ``terrapipe/<group>/<seq>/<rank>`` to torch's store (served by rank 0's process; a group of
+    our own's store, NOTE [Gloo groups of our own] 2) and looks
     for the others' keys for up to the timeout (ranks reach the failure up to that far apart):
     the ranks without a key never arrived, and CollectiveTimeoutError names them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import json
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -35,47 +35,71 @@ _SIGN_IN_SECONDS = 30.0  # the longest a failing rank looks for the others' keys
 
 
 class GlooTransport(OwnCollectives):
-    """Collectives over the torch.distributed process group ``pg`` (None: the default group,
-    initialised here over Gloo if nothing initialised it: ``owns_init``)."""
+    """Collectives over a Gloo process group: ``pg``, one torch.distributed made
+    (``new_group``; None: the default group, initialised here over Gloo if nothing initialised
+    it: ``owns_init``), or, with ``store``, a ``ProcessGroupGloo`` made directly over that
+    store and not registered with torch.distributed (NOTE [Gloo groups of our own]).
+
+    NOTE [Gloo groups of our own]
+        1. Calls go to the process group's own methods (``pg.allreduce([t], opts)``), in the
+           group's rank numbering, not through ``torch.distributed``'s functions: those accept
+           only groups torch registered, and a group made inside a ``torch.distributed``
+           backend (distributed/process_group.py), or among some ranks only, is not.
+        2. A group of our own is made by its members alone (``ProcessGroupGloo(store, ...)``),
+           where ``new_group`` is collective over torch's whole world; its ``store`` (a key space
+           of the group's own) also takes the sign-ins that name a late rank (NOTE [naming a
+           late rank over Gloo]), where a registered group's go to torch's default store.
+    """
 
     name = "gloo"
 
-    def __init__(self, timeout: float, pg=None) -> None:
+    def __init__(self, timeout: float, pg=None, store=None) -> None:
         import torch
+        import torch._C._distributed_c10d as c10d
         import torch.distributed as dist
 
-        self._torch, self._dist = torch, dist
+        self._torch, self._dist, self._c10d = torch, dist, c10d
         self.owns_init = pg is None and not dist.is_initialized()
         if self.owns_init:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
         self.pg = pg
+        self.store = store
+        self._pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
         self.timeout = timeout
-        self.rank = dist.get_rank(pg)
-        self.size = dist.get_world_size(pg)
-        world_ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.size))
-        self._key = "terrapipe/" + ("world" if pg is None else "-".join(map(str, world_ranks)))
+        self.rank, self.size = self._pg.rank(), self._pg.size()
+        if store is not None:
+            self._key = "terrapipe"  # the store is the group's own
+        else:
+            world_ranks = dist.get_process_group_ranks(pg) if pg is not None else list(range(self.size))
+            self._key = "terrapipe/" + ("world" if pg is None else "-".join(map(str, world_ranks)))
         self._seq = 0
+        self._splits = 0
         self._acc = np.empty(kreduce.TILE, np.float32)
-        # As MpiTransport's, for the exchange between machines of a group with shared memory on
-        # each (NOTE [a peer lost across nodes] in transports/board.py): told around each wait
-        # on other machines, and of the peer (by ``members``) a failed one could not reach.
-        self.members = list(range(self.size))
-        self.on_lost: Callable[[int], None] = lambda rank: None
-        self.on_waiting: Callable[[bool], None] = lambda waiting: None
+
+    @classmethod
+    def of_its_own(cls, store, rank: int, size: int, timeout: float) -> GlooTransport:
+        """A Gloo group of ``size`` ranks made over ``store`` (a key space for this group alone)
+        by its members alone, not registered with torch.distributed (NOTE [Gloo groups of our
+        own]). Collective over those ranks; each waits ``timeout`` seconds for the others."""
+        import torch.distributed as dist
+
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg/", store), int(rank), int(size),
+                                   datetime.timedelta(seconds=float(timeout)))
+        return cls(timeout, pg, dist.PrefixStore("late/", store))
 
     # -- errors ------------------------------------------------------------------------------------
-    def _call(self, what: str, fn, *args, **kwargs):
+    def _call(self, what: str, method: str, *args):
+        """``self._pg.<method>(*args)``, waited on (NOTE [Gloo groups of our own] 1); Gloo's
+        timeouts and closed connections raised naming the late ranks."""
         try:
-            return fn(*args, group=self.pg, **kwargs)
+            return getattr(self._pg, method)(*args).wait()
         except RuntimeError as e:
             text = str(e)
             timed_out = "imed out" in text or "timeout" in text.lower()
             closed = any(s in text for s in ("Connection closed", "Connection reset", "Broken pipe"))
             if not (timed_out or closed):
                 raise CommError(f"{what}: {text}") from e
-            late = [self.members[q] for q in self._late_ranks()]  # as the group numbers them
-            if late:
-                self.on_lost(late[0])
+            late = self._late_ranks()
             names = ", ".join(f"rank {r}" for r in late) or "no rank (every rank signed in)"
             cause = f"Timed out after {self.timeout:g}s" if timed_out else "a connection closed"
             raise CollectiveTimeoutError(f"{what}: {cause} waiting for {names} (gloo): {text}", late) from e
@@ -85,12 +109,14 @@ class GlooTransport(OwnCollectives):
         others = [q for q in range(self.size) if q != self.rank]
         if len(others) == 1:
             return others  # nothing to ask: it is the one peer
-        try:
-            from torch.distributed.distributed_c10d import _get_default_store
+        store = self.store
+        if store is None:
+            try:
+                from torch.distributed.distributed_c10d import _get_default_store
 
-            store = _get_default_store()
-        except Exception:  # noqa: BLE001 - no default group: every other rank is a suspect
-            return others
+                store = _get_default_store()
+            except Exception:  # noqa: BLE001 - no default group: every other rank is a suspect
+                return others
         # The store's own timeout may be many minutes, and its host may be the one cut off:
         # every question to it waits at most this look's own bound.
         bound = min(self.timeout, _SIGN_IN_SECONDS)
@@ -115,43 +141,34 @@ class GlooTransport(OwnCollectives):
         # broadcast and scatter copy bit for bit (they are only reduced by our kernels).
         return self._torch.from_numpy(arr.view(np.float16) if arr.dtype == np.uint16 else arr)
 
+    def _options(self, kind: str, **fields):
+        opts = getattr(self._c10d, kind)()
+        for k, v in fields.items():
+            setattr(opts, k, v)
+        return opts
+
+    def _allgather_rows(self, what: str, rows: np.ndarray, mine: np.ndarray) -> None:
+        """Every rank's ``mine`` into ``rows`` ((size, n), rank order)."""
+        self._call(what, "allgather", [list(self._t(rows).unbind(0))], [self._t(mine)],
+                   self._options("AllgatherOptions"))
+
     def _reduce_host(self, flat: np.ndarray, op: int, kind: int, what: str) -> None:
         if kind:
             gathered = np.empty((self.size, flat.shape[0]), flat.dtype)
-            self._call(what, self._dist.all_gather, list(self._t(gathered).unbind(0)), self._t(flat))
+            self._allgather_rows(what, gathered, flat)
             kreduce.reduce_many_16(flat, gathered, op, 0, flat.shape[0], kind, self._acc)
         else:
             rop = getattr(self._dist.ReduceOp, ops.by_code(op).gloo)
-            self._call(what, self._dist.all_reduce, self._t(flat), op=rop)
+            self._call(what, "allreduce", [self._t(flat)], self._options("AllreduceOptions", reduceOp=rop))
         if op == kreduce.AVG:
             divide(flat, self.size, kind)
-
-    @contextlib.contextmanager
-    def afar(self):
-        """Around a call that waits on other machines: its own sign-in keys should it fail
-        (NOTE [naming a late rank over Gloo]), and this rank marked waiting, not late, for its
-        machine's ranks meanwhile (NOTE [a peer lost across nodes] 1 in transports/board.py)."""
-        self._seq += 1
-        self.on_waiting(True)
-        try:
-            yield
-        finally:
-            self.on_waiting(False)  # a peer marked lost stays marked
-
-    def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
-        """Gloo's allreduce in place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``);
-        ``avg`` sums (the caller divides, by the size of the whole group when this is its part
-        between machines, NOTE [machines over Gloo] in comm/group.py)."""
-        with self.afar():
-            self._reduce_host(buf, kreduce.SUM if op == kreduce.AVG else op, kind, what)
 
     # -- collectives ---------------------------------------------------------------------------
     def agree(self, coll, sig, check) -> None:
         self._seq += 1
-        mine = self._t(np.array(sig))
-        sigs = self._torch.empty((self.size, mine.shape[0]), dtype=mine.dtype)
-        self._call(coll, self._dist.all_gather, list(sigs.unbind(0)), mine)
-        all_sigs = sigs.numpy()
+        mine = np.array(sig)
+        all_sigs = np.empty((self.size, mine.shape[0]), mine.dtype)
+        self._allgather_rows(coll, all_sigs, mine)
         if not (all_sigs == all_sigs[0]).all():
             check(all_sigs, list(range(self.size)))
 
@@ -165,20 +182,22 @@ class GlooTransport(OwnCollectives):
         gate.wrote(srcs.n)
 
     def broadcast(self, flat, root) -> None:
-        self._call("broadcast", self._dist.broadcast, self._t(flat), src=self._global(root))
+        self._call("broadcast", "broadcast", [self._t(flat)],
+                   self._options("BroadcastOptions", rootRank=root, rootTensor=0))
 
     def allgather(self, flat, out, root=-1) -> None:
-        rows = list(self._t(out).unbind(0))
         if root >= 0:
-            self._call("gather", self._dist.gather, self._t(flat),
-                       gather_list=rows if self.rank == root else None, dst=self._global(root))
+            rows = [list(self._t(out).unbind(0))] if self.rank == root else []
+            self._call("gather", "gather", rows, [self._t(flat)],
+                       self._options("GatherOptions", rootRank=root))
         else:
-            self._call("allgather", self._dist.all_gather, rows, self._t(flat))
+            self._allgather_rows("allgather", out, flat)
 
     def scatter(self, full, out, root) -> None:
         n = out.shape[0]
-        parts = list(self._t(full.reshape(self.size, n)).unbind(0)) if self.rank == root else None
-        self._call("scatter", self._dist.scatter, self._t(out), scatter_list=parts, src=self._global(root))
+        parts = [list(self._t(full.reshape(self.size, n)).unbind(0))] if self.rank == root else []
+        self._call("scatter", "scatter", [self._t(out)], parts,
+                   self._options("ScatterOptions", rootRank=root))
 
     def reduce_scatter(self, flat, out, op, kind) -> None:
         tmp = flat.copy()
@@ -190,27 +209,45 @@ class GlooTransport(OwnCollectives):
         pass  # the agreement (an allgather of signatures) was the barrier
 
     def send(self, flat, dest, tag) -> None:
-        self._call(f"send to rank {dest}", self._dist.send, self._t(flat), dst=self._global(dest), tag=tag)
+        self._call(f"send to rank {dest}", "send", [self._t(flat)], dest, tag)
 
     def recv(self, flat, source, tag) -> None:
-        self._call(f"recv from rank {source}", self._dist.recv, self._t(flat), src=self._global(source),
-                   tag=tag)
+        self._call(f"recv from rank {source}", "recv", [self._t(flat)], source, tag)
 
-    def _global(self, rank: int) -> int:
-        """torch.distributed's functions take global ranks, even with a subgroup."""
-        return rank if self.pg is None else self._dist.get_global_rank(self.pg, rank)
+    def allgather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (JSON: numbers, strings, lists, dicts; tuples come back as lists),
+        in rank order. Not a collective of the group's order: for set-up between them."""
+        mine = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+        sizes = np.empty((self.size, 1), np.int64)
+        self._allgather_rows("exchange", sizes, np.array([mine.size], np.int64))
+        rows = np.zeros((self.size, int(sizes.max())), np.uint8)
+        padded = np.zeros(rows.shape[1], np.uint8)
+        padded[:mine.size] = mine
+        self._allgather_rows("exchange", rows, padded)
+        return [json.loads(rows[q, :sizes[q, 0]].tobytes()) for q in range(self.size)]
 
     def split(self, color: int, key: int, timeout: float) -> tuple[GlooTransport, dict[int, list[int]]]:
-        """Ranks of one ``color`` in a new process group, ordered by ``key``, waiting ``timeout``
+        """Ranks of one ``color`` in a new Gloo group, ordered by ``key``, waiting ``timeout``
         seconds on its peers (collective); with every color's members (this group's ranks, in
-        their new order)."""
-        pairs = [None] * self.size
-        self._call("split", self._dist.all_gather_object, pairs, (int(color), int(key), self.rank))
+        their new order). A registered group's splits are ``new_group``s (every rank makes every
+        color's, as torch requires); a group of our own's are its own too, made by their members
+        over its store (NOTE [Gloo groups of our own] 2)."""
+        pairs = np.empty((self.size, 3), np.int64)
+        self._allgather_rows("split", pairs, np.array([color, key, self.rank], np.int64))
         mine, colors = None, {}
-        for c in sorted({p[0] for p in pairs}):
-            colors[c] = [p[2] for p in sorted((q for q in pairs if q[0] == c), key=lambda q: (q[1], q[2]))]
+        self._splits += 1
+        for c in sorted({int(p[0]) for p in pairs}):
+            ordered = sorted((q for q in pairs if q[0] == c), key=lambda q: (q[1], q[2]))
+            colors[c] = [int(p[2]) for p in ordered]
+            if self.store is not None:
+                if c == color:
+                    mine = GlooTransport.of_its_own(
+                        self._dist.PrefixStore(f"split{self._splits}/{c}/", self.store),
+                        colors[c].index(self.rank), len(colors[c]), timeout)
+                continue
+            world = self._dist.get_process_group_ranks(self._pg)
             # Every rank makes every group, each with the timeout asked for (torch's default: 30 min).
-            pg = self._dist.new_group([self._global(q) for q in colors[c]],
+            pg = self._dist.new_group([world[q] for q in colors[c]],
                                       timeout=datetime.timedelta(seconds=timeout))
             if c == color:
                 mine = GlooTransport(timeout, pg)
@@ -227,14 +264,14 @@ class GlooTransport(OwnCollectives):
 class MachinesAgreement:
     """The signature agreement of a Gloo group with shared memory on each machine (NOTE
     [machines over Gloo] 6 in comm/group.py): the machine's signatures meet on its board (``shm``),
-    then each local rank swaps its machine's with its peers of the other machines over its Gloo
-    group (``cross``), so every rank holds every rank's signature. ``ranks``: the group rank of
-    each row of that whole table (machines in ``cross``'s order, each machine's ranks in local
-    order)."""
+    then each local rank swaps its machine's with its peers of the other machines over its
+    transport between them (``cross``: transports/tcp.py's ring), so every rank holds every
+    rank's signature. ``ranks``: the group rank of each row of that whole table (machines in
+    ``cross``'s order, each machine's ranks in local order)."""
 
     name = "gloo"
 
-    def __init__(self, shm, cross: GlooTransport, ranks: list[int]) -> None:
+    def __init__(self, shm, cross, ranks: list[int]) -> None:
         self.shm, self.cross, self.ranks = shm, cross, ranks
 
     def agree(self, coll, sig, check) -> None:

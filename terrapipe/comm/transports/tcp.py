@@ -1,0 +1,313 @@
+"""The TCP transport: a ring of byte streams among a few ranks on different machines, for the
+exchange between machines of a group with shared memory on each that has no MPI (a torchrun job
+or an elastic generation across machines: NOTE [machines over Gloo] in comm/group.py).
+
+NOTE [a ring over TCP]
+    1. Each rank connects to the next rank (its right) and accepts the previous one (its left),
+       verified as NOTE [connecting ranks] in comm/sockets.py says: a stream to the right that
+       this rank only writes, one from the left that it only reads, so each stream has one
+       writer and one reader.
+    2. Transfers are requests as MPI's are (:meth:`TcpRing.Isend`, :meth:`TcpRing.Irecv`),
+       matched in the order they were posted: a stream keeps its bytes in order, so no tag is
+       needed. Every wait drives every pending request of both streams (non-blocking sockets,
+       a selector), so a rank waiting for its left neighbour keeps writing to its right one and
+       no two ranks wait on each other's sends.
+    3. So the ring of comm/algorithms/ring.py runs over it unchanged. Its done messages carry no
+       bytes and complete at once, which is right here: a send is complete once the kernel holds
+       its bytes, and the kernel delivers them without this process (NOTE [MPI progress] is
+       MPI's alone).
+    4. Below ``ring_bytes`` an allreduce is an allgather of the whole buffer around the ring and
+       one reduction of the rows in rank order, 16-bit floats in float32 rounded once: one
+       transfer per step where the ring takes two, and every rank adds in the same order, so
+       every rank holds the same bits (DDP's replicas must stay identical).
+    5. A wait sleeps in the selector (``select`` with the time left), not on the core. One that
+       passes the timeout raises CollectiveTimeoutError naming the peer it waits for (its left
+       neighbour for a receive, its right one for a send), after telling ``on_lost`` (NOTE [a
+       peer lost across nodes] in transports/board.py); a stream the peer closed (its process
+       died, its machine went away) raises at once, naming that peer. The transport is then
+       unusable, as the group is.
+    6. Why not Gloo, which such a group also has: between two machines of the emulated cluster
+       over 1gbit (Intel Xeon, 2026-11-27) a 4 KiB ping-pong over these streams took 33 us, and
+       Gloo's allreduce of 4 KiB between the same two ranks 2.0 ms (NOTE [machines over Gloo] 7
+       in comm/group.py has what that made of a whole allreduce).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from ... import settings
+from ...kernels import reduce as kreduce
+from ..errors import CollectiveTimeoutError, CommError
+from ..sockets import connect_ranks
+from ..wait import wait_until
+
+__all__ = ["TcpTransport", "TcpRing"]
+
+_NAP_S = 0.05  # the longest one select() sleeps before the wait's failure check runs again
+
+
+class _Closed(Exception):
+    def __init__(self, peer: int, why: str) -> None:
+        super().__init__(why)
+        self.peer, self.why = peer, why
+
+
+class _Request:
+    """One transfer on a stream: ``view`` (bytes), how far it has got. MPI's ``Test`` name."""
+
+    __slots__ = ("view", "done_bytes")
+
+    def __init__(self, arr: np.ndarray) -> None:
+        if not arr.flags.c_contiguous:
+            raise CommError(f"tcp ring: a transfer needs a C-contiguous array, got strides {arr.strides}")
+        self.view = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else None
+        self.done_bytes = 0
+
+    @property
+    def done(self) -> bool:
+        return self.view is None or self.done_bytes == self.view.nbytes
+
+    def Test(self) -> bool:  # noqa: N802 (mpi4py's name: comm/algorithms/ring.py polls it)
+        return self.done
+
+
+class TcpRing:
+    """The two streams of NOTE [a ring over TCP] 1 and their pending requests, with mpi4py's
+    names for what comm/algorithms/ring.py calls (``Get_rank``, ``Get_size``, ``Isend`` to the
+    right neighbour, ``Irecv`` from the left one). ``right``, ``left``: connected sockets."""
+
+    def __init__(self, rank: int, size: int, right: socket.socket, left: socket.socket) -> None:
+        self.rank, self.size = rank, size
+        self.right, self.left = right, left
+        self._sends: deque[_Request] = deque()
+        self._recvs: deque[_Request] = deque()
+        self._sel = selectors.DefaultSelector()
+        self.closed: _Closed | None = None
+        self._events: dict[socket.socket, int] = {}
+        right.setblocking(False)
+        left.setblocking(False)
+
+    def Get_rank(self) -> int:  # noqa: N802
+        return self.rank
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self.size
+
+    def Isend(self, arr: np.ndarray, dest: int, tag: int = 0) -> _Request:  # noqa: N802
+        """Queue ``arr`` (the caller keeps it unchanged until done) for the right neighbour."""
+        if dest != (self.rank + 1) % self.size:
+            raise CommError(f"tcp ring: rank {self.rank} sends only to its right neighbour, not {dest}")
+        req = _Request(arr)
+        if not req.done:
+            self._sends.append(req)
+            self.progress(0.0)
+        return req
+
+    def Irecv(self, arr: np.ndarray, source: int, tag: int = 0) -> _Request:  # noqa: N802
+        """Queue ``arr`` (written by the waits until done) for the left neighbour's next bytes."""
+        if source != (self.rank - 1) % self.size:
+            raise CommError(f"tcp ring: rank {self.rank} receives only from its left neighbour, not {source}")
+        req = _Request(arr)
+        if not req.done:
+            self._recvs.append(req)
+            self.progress(0.0)
+        return req
+
+    def _want(self, s: socket.socket, events: int) -> None:
+        had = self._events.get(s, 0)
+        if events == had:
+            return
+        if not had:
+            self._sel.register(s, events)
+        elif not events:
+            self._sel.unregister(s)
+        else:
+            self._sel.modify(s, events)
+        self._events[s] = events
+
+    def _send_some(self) -> None:
+        while self._sends:
+            req = self._sends[0]
+            try:
+                n = self.right.send(req.view[req.done_bytes:])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                raise _Closed((self.rank + 1) % self.size, f"sending: {e}") from e
+            req.done_bytes += n
+            if not req.done:
+                return
+            self._sends.popleft()
+
+    def _recv_some(self) -> None:
+        while self._recvs:
+            req = self._recvs[0]
+            try:
+                n = self.left.recv_into(req.view[req.done_bytes:])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                raise _Closed((self.rank - 1) % self.size, f"receiving: {e}") from e
+            if n == 0:
+                raise _Closed((self.rank - 1) % self.size, "receiving: the connection closed")
+            req.done_bytes += n
+            if not req.done:
+                return
+            self._recvs.popleft()
+
+    def progress(self, wait_s: float) -> None:
+        """Move what the streams take now; with ``wait_s`` > 0 first sleep up to that long in
+        ``select`` for one of them to be ready (NOTE [a ring over TCP] 2, 5). A stream that
+        failed is kept in ``closed`` (the peer, why) and nothing moves any more."""
+        if self.closed is not None:
+            return
+        try:
+            self._send_some()
+            self._recv_some()
+            if wait_s <= 0 or not (self._sends or self._recvs):
+                return
+            self._want(self.right, selectors.EVENT_WRITE if self._sends else 0)
+            self._want(self.left, selectors.EVENT_READ if self._recvs else 0)
+            if self._sel.select(wait_s):
+                self._send_some()
+                self._recv_some()
+        except _Closed as e:
+            self.closed = e
+
+    def close(self) -> None:
+        self._sel.close()
+        for s in (self.right, self.left):
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+class TcpTransport:
+    """Allreduce and allgather among ``comm``'s ranks (a :class:`~terrapipe.comm.store.StoreComm`
+    or mpi4py communicator over which the streams are set up; collective) over a ring of TCP
+    streams (NOTE [a ring over TCP]). ``members[i]``: the group rank of rank i, for errors;
+    ``hosts``: each rank's machine, for errors. What the machines' tier of a Gloo group needs
+    of its ``cross`` transport (NOTE [machines over Gloo] in comm/group.py): ``allreduce_array``,
+    ``allgather``, ``afar``, ``on_lost``, ``on_waiting``."""
+
+    name = "tcp"
+
+    def __init__(self, comm, timeout: float, members: list[int] | None = None,
+                 hosts: list[str] | None = None) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.timeout = float(timeout)
+        self.members = list(members) if members is not None else list(range(self.size))
+        self.hosts = hosts
+        self.on_lost: Callable[[int], None] = lambda rank: None
+        self.on_waiting: Callable[[bool], None] = lambda waiting: None
+        self.ring_bytes = settings.get("TERRAPIPE_TCP_RING_BYTES")
+        self.chunk_bytes = 1 << 20
+        self.ring_scratch = np.empty(2 * self.chunk_bytes, np.uint8)
+        self.done_sends: list = []
+        self._rows = np.empty(0, np.uint8)  # the small allreduce's gathered rows, grown on demand
+        self._acc = np.empty(kreduce.TILE, np.float32)
+        self.failed: str | None = None
+        right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        if self.size > 1:
+            reached, accepted = connect_ranks(comm, self.rank, [right], [left], self.timeout,
+                                              "the TCP ring between machines")
+            self.ring_comm = TcpRing(self.rank, self.size, reached[right], accepted[left])
+        else:
+            self.ring_comm = None
+
+    def describe(self, peer: int) -> str:
+        """Rank ``peer`` of this ring as the group numbers it, with its machine where known."""
+        where = f" on {self.hosts[peer]}" if self.hosts is not None else ""
+        return f"rank {self.members[peer]}{where}"
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def wait(self, req: _Request, what: str, peer: int) -> None:
+        """Drive the streams until ``req`` is done (NOTE [a ring over TCP] 2, 5), or raise
+        CollectiveTimeoutError naming ``peer`` (this ring's rank the request depends on)."""
+        if self.failed is not None:
+            raise CommError(f"{what}: the TCP ring is unusable after an earlier failure ({self.failed})")
+        ring = self.ring_comm
+        deadline = time.monotonic() + self.timeout
+
+        def nap() -> bool:
+            ring.progress(min(_NAP_S, max(0.0, deadline - time.monotonic())))
+            return req.done or ring.closed is not None
+
+        def failure(timed_out: bool) -> Exception | None:
+            if not timed_out:
+                return None
+            return self._fail(what, peer, f"Timed out after {self.timeout:g}s")
+
+        ring.progress(0.0)
+        if not (req.done or ring.closed is not None):
+            wait_until(lambda: req.done or ring.closed is not None, self.timeout, failure, nap=nap,
+                       sleep_after=0.0, check_every=1)
+        if ring.closed is not None and not req.done:
+            raise self._fail(what, ring.closed.peer, f"a connection closed ({ring.closed.why})")
+
+    def _fail(self, what: str, peer: int, cause: str) -> CollectiveTimeoutError:
+        late = self.members[peer]
+        self.failed = f"{what}: {cause}"
+        self.on_lost(late)
+        return CollectiveTimeoutError(f"{what}: {cause} waiting for {self.describe(peer)} (tcp; its peer in "
+                                      f"this transfer)", [late])
+
+    @contextlib.contextmanager
+    def afar(self):
+        """Around a call that waits on other machines: this rank marked waiting, not late, for
+        its machine's ranks meanwhile (NOTE [a peer lost across nodes] 1 in transports/board.py)."""
+        self.on_waiting(True)
+        try:
+            yield
+        finally:
+            self.on_waiting(False)  # a peer marked lost stays marked
+
+    # -- collectives ------------------------------------------------------------------------------
+    def allgather(self, flat: np.ndarray, out: np.ndarray) -> None:
+        """``out[q]`` = rank q's ``flat`` (``out``: (size, n) C-contiguous, the same dtype),
+        around the ring: at step s this rank forwards row (rank - s) and receives row
+        (rank - s - 1)."""
+        p, r = self.size, self.rank
+        out[r] = flat
+        if p == 1:
+            return
+        ring = self.ring_comm
+        right, left = (r + 1) % p, (r - 1) % p
+        for s in range(p - 1):
+            send = ring.Isend(out[(r - s) % p], right)
+            recv = ring.Irecv(out[(r - s - 1) % p], left)
+            self.wait(recv, "allgather between machines (receiving)", left)
+            self.wait(send, "allgather between machines (sending)", right)
+
+    def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
+        """In place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``): op over every rank's
+        ``buf`` (``avg`` sums; the caller divides). From ``ring_bytes`` the ring of
+        comm/algorithms/ring.py, below it NOTE [a ring over TCP] 4."""
+        if self.size == 1 or buf.size == 0:
+            return
+        if buf.nbytes >= self.ring_bytes:
+            from ..algorithms import ring
+
+            ring.allreduce_array(self, buf, op, kind, what)
+            return
+        if self._rows.nbytes < self.size * buf.nbytes:
+            self._rows = np.empty(self.size * buf.nbytes, np.uint8)
+        rows = self._rows[:self.size * buf.nbytes].view(buf.dtype).reshape(self.size, -1)
+        self.allgather(buf, rows)
+        rop = kreduce.SUM if op == kreduce.AVG else op
+        if kind:
+            kreduce.reduce_many_16(buf, rows, rop, 0, buf.shape[0], kind, self._acc)
+        else:
+            kreduce.reduce_rows_into(buf, rows, rop, 0, buf.shape[0])
+
+    def close(self) -> None:
+        if self.ring_comm is not None:
+            self.ring_comm.close()
+            self.ring_comm = None

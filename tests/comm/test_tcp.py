@@ -1,0 +1,157 @@
+"""The TCP transport (NOTE [a ring over TCP] in comm/transports/tcp.py) between real processes,
+one body over the world, a split in reverse order and a duplicate (each its own ring): allreduces
+on both sides of its ring threshold and the ring's chunks, every dtype and op the exchange
+between machines carries, against NumPy, bit-identical on every rank; hundreds of calls in a
+loop; a peer that closes named at once, one that never comes named after the timeout."""
+
+import time
+
+import numpy as np
+import pytest
+
+from terrapipe.comm import CollectiveTimeoutError, CommError
+from terrapipe.comm.transports.tcp import TcpTransport
+from terrapipe.kernels import reduce as kreduce
+
+RING_BYTES = 64 << 10  # set low, so both paths and the ring's 1 MiB chunks are crossed cheaply
+
+
+def _rings(mpi_comm):
+    r = mpi_comm.Get_rank()
+    comms = {"world": mpi_comm, "reversed split": mpi_comm.Split(0, -r), "duplicate": mpi_comm.Dup()}
+    rings = {}
+    for name, c in comms.items():
+        t = TcpTransport(c, timeout=30, members=list(range(c.Get_size())))
+        t.ring_bytes = RING_BYTES
+        rings[name] = (c, t)
+    return rings
+
+
+def _data(seed: int, rank: int, n: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng([seed, rank])
+    if dtype in ("int32", "int64"):
+        return rng.integers(-1000, 1000, n).astype(dtype)
+    if dtype == "exact32":  # integers in float32: every order of addition gives the same sum
+        return rng.integers(-1000, 1000, n).astype(np.float32)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _expected(rows: list[np.ndarray], op: int) -> np.ndarray:
+    """op over the rows in rank order, as the small path adds them."""
+    out = rows[0].copy()
+    for row in rows[1:]:
+        if op in (kreduce.SUM, kreduce.AVG):
+            out += row
+        elif op == kreduce.MAX:
+            np.maximum(out, row, out=out)
+        else:
+            np.minimum(out, row, out=out)
+    return out
+
+
+def _same_everywhere(comm, arr: np.ndarray) -> bool:
+    every = comm.allgather(arr.tobytes())
+    return all(b == every[0] for b in every)
+
+
+SIZES = [1, 7, (RING_BYTES >> 2) - 1, RING_BYTES >> 2, (RING_BYTES >> 2) + 1, 262_143, 262_144 * 2 + 5,
+         (3 << 20) // 4 + 3]
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_allreduce_on_both_sides_of_the_ring_threshold_matches_numpy(mpi_comm):
+    p = mpi_comm.Get_size()
+    for name, (c, t) in _rings(mpi_comm).items():
+        rank = c.Get_rank()
+        for n in SIZES:
+            for dtype, op in (("exact32", kreduce.SUM), ("float64", kreduce.SUM), ("int32", kreduce.MAX),
+                              ("int64", kreduce.MIN), ("float32", kreduce.AVG)):
+                rows = [_data(n, q, n, dtype) for q in range(p)]
+                buf = rows[rank].copy()
+                with t.afar():
+                    t.allreduce_array(buf, op, 0, "test")
+                want = _expected(rows, op)
+                small = buf.nbytes < RING_BYTES
+                if small or dtype in ("exact32", "int32", "int64"):
+                    assert np.array_equal(buf, want), (name, n, dtype)
+                else:  # the ring adds each segment starting at another rank: rounding apart
+                    tol = 1e-5 if buf.dtype == np.float32 else 1e-12
+                    np.testing.assert_allclose(buf, want, rtol=tol, atol=tol, err_msg=f"{name} {n} {dtype}")
+                assert _same_everywhere(c, buf), (name, n, dtype)
+        t.close()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_16_bit_floats_are_summed_in_float32(mpi_comm):
+    import torch
+
+    p = mpi_comm.Get_size()
+    for name, (c, t) in _rings(mpi_comm).items():
+        rank = c.Get_rank()
+        for n in (5, 40_000, 300_001):
+            for kind, tdtype in ((kreduce.F16, torch.float16), (kreduce.BF16, torch.bfloat16)):
+                values = [torch.from_numpy(_data(7, q, n, "float32")).to(tdtype) for q in range(p)]
+                buf = values[rank].view(torch.int16).numpy().view(np.uint16).copy()
+                t.allreduce_array(buf, kreduce.SUM, kind, "test")
+                got = torch.from_numpy(buf.view(np.int16)).view(tdtype).float()
+                exact = torch.stack([v.float() for v in values]).double().sum(0)
+                scale = torch.stack([v.float() for v in values]).double().abs().sum(0)  # any partial's bound
+                # Below the ring: one rounding of the float32 sum; the ring rounds once per step.
+                steps = 1 if buf.nbytes < RING_BYTES else p - 1
+                ulp = {torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[tdtype]
+                assert torch.all((got.double() - exact).abs() <= steps * ulp * scale), (name, n)
+                assert _same_everywhere(c, buf), (name, n, kind)
+        t.close()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_hundreds_of_calls_of_every_size_in_a_loop(mpi_comm):
+    p = mpi_comm.Get_size()
+    c, t = _rings(mpi_comm)["world"]
+    rank = c.Get_rank()
+    rng = np.random.default_rng(11)  # the same sizes on every rank
+    for i in range(300):
+        n = int(rng.choice([1, 100, 5000, (RING_BYTES >> 2) + int(rng.integers(-2, 3)), 300_000]))
+        if i % 3 == 0:
+            out = np.empty((p, n), np.int64)
+            t.allgather(np.full(n, rank * 1000 + i, np.int64), out)
+            assert np.array_equal(out[:, -1], np.arange(p) * 1000 + i), i
+        else:
+            buf = np.full(n, rank + i, np.float32)
+            t.allreduce_array(buf, kreduce.SUM, 0, "test")
+            assert buf[0] == buf[-1] == p * i + p * (p - 1) / 2, (i, n)
+    for _, (_, other) in _rings(mpi_comm).items():
+        other.close()
+    t.close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_peer_that_closes_is_named_at_once_and_the_ring_is_then_unusable(mpi_comm):
+    t = TcpTransport(mpi_comm, timeout=60, members=[5, 9], hosts=["node0", "node1"])
+    lost = []
+    t.on_lost = lost.append
+    if mpi_comm.Get_rank() == 1:
+        t.close()  # what the kernel does to a process that dies
+        mpi_comm.Barrier()
+        return
+    mpi_comm.Barrier()
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="rank 9 on node1") as e:
+        t.allreduce_array(np.ones(1 << 20, np.float32), kreduce.SUM, 0, "allreduce")
+    assert time.monotonic() - start < 10, "a closed stream is not waited out"
+    assert "connection" in str(e.value) and e.value.ranks == [9] and lost == [9]
+    with pytest.raises(CommError, match="unusable"):
+        t.allreduce_array(np.ones(4, np.float32), kreduce.SUM, 0, "allreduce")
+    t.close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_peer_that_never_comes_is_named_after_the_timeout(mpi_comm):
+    t = TcpTransport(mpi_comm, timeout=2, members=[3, 4])
+    if mpi_comm.Get_rank() == 0:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="Timed out after 2s waiting for rank 4"):
+            t.allreduce_array(np.ones(100, np.float32), kreduce.SUM, 0, "allreduce")
+        assert 2 <= time.monotonic() - start < 10
+    mpi_comm.Barrier()
+    t.close()
