@@ -245,10 +245,12 @@ class TcpTransport:
                 return None
             return self._fail(what, peer, f"Timed out after {self.timeout:g}s")
 
-        ring.progress(0.0)
-        if not (req.done or ring.closed is not None):
-            wait_until(lambda: req.done or ring.closed is not None, self.timeout, failure, nap=nap,
-                       sleep_after=0.0, check_every=1)
+        def done() -> bool:
+            ring.progress(0.0)
+            return req.done or ring.closed is not None
+
+        if not done():
+            wait_until(done, self.timeout, failure, nap=nap, sleep_after=0.0)
         if ring.closed is not None and not req.done:
             raise self._fail(what, ring.closed.peer, f"a connection closed ({ring.closed.why})")
 
