@@ -39,7 +39,7 @@ from .errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, 
 from .ops import OPS, Op
 from .rendezvous import Generations, WorkerRemoved, is_elastic, pending_update
 from .sockets import connect_ranks, interface_addresses
-from .store import StoreComm, hosted_tcp_store
+from .store import StoreComm, hosted_tcp_store, node_of
 from .transports.shm import Segment, alive
 from .wait import wait_until
 
@@ -50,5 +50,6 @@ __all__ = [
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "SetupAbandoned",
     "Generations", "WorkerRemoved", "is_elastic", "pending_update", "StoreComm", "Segment", "alive",
-    "wait_until", "hosted_tcp_store", "connect_ranks", "interface_addresses", "OPS", "Op", "DTYPES", "DType",
+    "wait_until", "hosted_tcp_store", "node_of", "connect_ranks", "interface_addresses", "OPS", "Op",
+    "DTYPES", "DType",
 ]

@@ -34,13 +34,18 @@ NOTE [machines over Gloo]
     6. The signature agreement (``control``: transports/gloo.py's ``MachinesAgreement``) takes
        two steps where a Gloo group's takes an allgather over every rank: the machine's
        signatures meet on its board, then each local rank allgathers its machine's (local_size
-       rows) with its peers over its ring. Every rank then holds every rank's signature, so a
+       rows) with its peers over its TCP ring: every rank then holds every rank's signature, so a
        mismatch anywhere raises on every rank, each call described.
     7. Why TCP streams of our own between machines, where the group has Gloo: Gloo's small
        transfers take milliseconds there. At 2 nodes x 2 over emulated 1gbit links (Intel Xeon,
        2026-11-27, benchmarks.gloo_machines), a 4 KiB allreduce took 4.4 ms with Gloo groups
        between the machines and 0.80 ms over the rings (torch's own all_reduce over Gloo: 6.7),
        and 16 MiB reached 91% of the links' bound (Gloo's own: 58-63%).
+    8. Machines of one rank each (4 nodes x 1 under torchrun) have no segment to share: the
+       group's ranks form one ring of TCP streams (``cross``, also the agreement's ``control``:
+       an allgather of the signatures around it), and allreduces and reduces run over it
+       whole (the ``tcp`` algorithm, NOTE [algorithm selection] 2); the other collectives are
+       Gloo's own.
 """
 
 from __future__ import annotations
@@ -275,10 +280,12 @@ class Group:
     def _machines_over_gloo(self, store, prefix: str, nodes: list[str], abandon=None) -> None:
         """NOTE [machines over Gloo]: this Gloo group's topology from ``nodes`` (each rank's
         machine, :func:`~terrapipe.comm.store.node_of`), and where every machine holds the same
-        number of ranks, two or more, shared memory on each (set up over ``store`` under
-        ``prefix``) and a Gloo group among the ranks of each local rank. Collective."""
+        number of ranks: two or more, shared memory on each (set up over ``store`` under
+        ``prefix``) and a ring among the ranks of each local rank (2); one, a ring among them all
+        (8). Collective."""
         from .store import StoreComm
         from .transports.gloo import MachinesAgreement
+        from .transports.tcp import TcpTransport
 
         self._machines = (store, prefix, nodes)
         names = sorted(set(nodes), key=nodes.index)
@@ -286,7 +293,11 @@ class Group:
         self.local_rank, self.local_size = same.index(self.rank), len(same)
         self.nnodes = len(names)
         self.uniform = len(set(collections.Counter(nodes).values())) == 1
-        if not Group.tiered(nodes):
+        if not Group.spans_machines_evenly(nodes):
+            return
+        if self.local_size == 1:  # 8
+            ring = StoreComm(store, f"{prefix}/ring", self.rank, self.size, self.timeout, abandon)
+            self.cross = self.control = TcpTransport(ring, self.timeout, list(range(self.size)), nodes)
             return
         local = StoreComm(store, f"{prefix}/{names.index(nodes[self.rank])}", self.local_rank,
                           self.local_size, self.timeout, abandon)
@@ -300,12 +311,11 @@ class Group:
         self.control = MachinesAgreement(self.shm, self.cross, rows)
 
     @staticmethod
-    def tiered(nodes: list[str]) -> bool:
-        """Whether ranks on ``nodes`` get NOTE [machines over Gloo] 2: several machines, the same
-        number of ranks on each, two or more (one machine is over_store's; machines of one rank
-        gain nothing from a segment)."""
-        counts = set(collections.Counter(nodes).values())
-        return len(counts) == 1 and len(set(nodes)) > 1 and counts.pop() > 1
+    def spans_machines_evenly(nodes: list[str]) -> bool:
+        """Whether ranks on ``nodes`` (each rank's machine) span several machines of as many
+        ranks each: the groups over Gloo that NOTE [machines over Gloo] 2 and 8 join with TCP
+        rings (one machine is over_store's; machines of unequal counts stay on Gloo)."""
+        return len(set(collections.Counter(nodes).values())) == 1 and len(set(nodes)) > 1
 
     @staticmethod
     def _cross_group(nodes: list[str], rank: int, store, prefix: str, timeout: float, abandon=None):

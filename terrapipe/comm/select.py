@@ -19,12 +19,14 @@ NOTE [algorithm selection]
        rows below like any host message (device-staged: with a gate, NOTE [staging gate] in
        comm/message.py).
     2. Over Gloo (torchrun, or an elastic generation across machines) every collective is
-       Gloo's own, except reductions where the group spans machines of two or more ranks each
-       (NOTE [machines over Gloo] in comm/group.py): those run hierarchical, the segment on each
-       machine and each local rank's part allreduced between machines over Gloo, a ring of
-       nnodes ranks where Gloo's own is a ring of every rank. At 2 nodes x 2 under torchrun,
-       pinned and interleaved (``python -m benchmarks.gloo_machines``): 1.10-1.83x Gloo's own
-       through the same group from 4 KiB to 16 MiB over 1gbit links, 1.29-1.93x over 2.5gbit.
+       Gloo's own, except reductions where the group spans machines of as many ranks each (NOTE
+       [machines over Gloo] in comm/group.py). With two or more per machine those run
+       hierarchical, the segment on each machine and each local rank's part allreduced between
+       machines over a ring of TCP streams among nnodes ranks (NOTE [a ring over TCP] in
+       comm/transports/tcp.py), where Gloo's own is a ring of every rank; with one per machine,
+       the whole message around one such ring (``tcp``). At 2 nodes x 2 under torchrun, pinned
+       and interleaved (``python -m benchmarks.gloo_machines``): 1.5-10x Gloo's own through the
+       same group from 16 MiB down to 4 KiB over 1gbit links, 1.4-10x over 2.5gbit.
     3. Under MPI, every collective is MPI's own, or our ring for allreduces from ``ring_bytes``,
        when MPI is forced (``TERRAPIPE_COMM_BACKEND=mpi``) or nodes differ in rank count.
     4. Across nodes: an allreduce of at most ``oneshot_nodes.limit`` bytes is the one-shot
@@ -135,6 +137,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
         r.coll == "allreduce" and _one_node_shm(g, r) and r.nbytes <= oneshot.limit(g.shm))),
     Algorithm("segment", 8, lambda g, r: (
         g.shm is not None and (g.nnodes == 1 or (r.coll in _REDUCING and g.uniform)) and r.coll in _ALL)),
+    Algorithm("tcp", 10, lambda g, r: (  # NOTE [machines over Gloo] 8 in comm/group.py
+        r.coll in _REDUCING and g.cross is not None and g.cross.name == "tcp" and g.shm is None)),
     Algorithm("oneshot_nodes", 9, lambda g, r: (  # its exchange between nodes is the shm's, over MPI
         r.coll == "allreduce" and g.shm is not None and g.shm.cross is not None and g.uniform
         and r.nbytes <= oneshot_nodes.limit(g.shm))),
@@ -164,7 +168,7 @@ class Candidate:
 
 def _machines_over_gloo(g, r: Request) -> str | None:  # 2
     fits = g.gloo is not None and g.cross is not None and r.coll in _REDUCING and not g.force_mpi
-    return "segment" if fits else None
+    return ("segment" if g.shm is not None else "tcp") if fits else None
 
 
 def _under_torchrun(g, r: Request) -> str | None:  # 2
@@ -386,6 +390,8 @@ def _run_allreduce(g, name: str, fs: Fused, fd: Fused, op: int, dtype, kind: int
         segment.allreduce(g.shm, fs, fd, op, dtype, kind, ckind, root, gate, _across(g))
     elif name == "ring":
         ring.allreduce(g.mpi, fs, fd, op, dtype, kind, ckind, root, gate)
+    elif name == "tcp":
+        native.allreduce(g.cross, fs, fd, op, dtype, kind, ckind, root, gate)
     else:
         native.allreduce(g.mpi if name == "mpi" else g.gloo, fs, fd, op, dtype, kind, ckind, root, gate)
 

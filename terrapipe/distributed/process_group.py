@@ -13,9 +13,9 @@ NOTE [the terrapipe process group]
        set up through the store torch hands the backend (no MPI needed; under MPI too with
        ``TERRAPIPE_COMM_BACKEND=shm``): shared memory between the ranks of one machine, and
        where they span machines of as many ranks each (torchrun across nodes), shared memory on
-       each machine and Gloo groups of the group's own between them (NOTE [machines over Gloo]
-       in comm/group.py), allreduces hierarchical. The ranks decide which together, through the
-       store.
+       each machine of two or more and TCP rings between the machines (NOTE [machines over
+       Gloo] in comm/group.py), allreduces hierarchical. The ranks decide which together,
+       through the store.
     2. An asynchronous call (``opts.asyncOp``, which DDP's reducer and ``async_op=True`` set)
        returns at once. The transfer runs on the group's ordered executor thread, which releases
        the GIL inside the kernels, so backward keeps running on the caller's thread while a
@@ -29,7 +29,7 @@ NOTE [the terrapipe process group]
        and takes terrapipe's latency path: no thread hand-off for the 4 KiB allreduce.
     3. What the shared-memory transport does not do (point-to-point, all-to-all, gather and
        scatter of lists, bitwise reductions, dtypes the reduction kernels do not cover; ranks on
-       machines of unequal rank counts, or of one rank each) goes to a Gloo process group built
+       machines of unequal rank counts) goes to a Gloo process group built
        on the same store beside it (never the one the terrapipe group's own Gloo calls use, whose
        order is the group's executor's), so every
        call of the ProcessGroup API behaves as on Gloo. Each channel keeps its own issue order,
@@ -60,14 +60,13 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from .. import launch_env
-from ..comm import DTYPES, OPS, Group, Handle, StoreComm, forced_backend
+from ..comm import DTYPES, OPS, Group, Handle, StoreComm, forced_backend, node_of
 from ..comm import allgather as _allgather
 from ..comm import allreduce as _allreduce
 from ..comm import broadcast as _broadcast
 from ..comm import jit_allreduce as _jit_allreduce
 from ..comm import reduce as _reduce
 from ..comm import reduce_scatter as _reduce_scatter
-from ..comm.store import node_of
 
 __all__ = ["ProcessGroupTerrapipe", "create"]
 
@@ -506,13 +505,14 @@ def _mpi_group(store, rank: int, size: int, global_ranks: list[int], timeout: fl
 
 def _group_over_store(store, rank: int, size: int, timeout: float) -> Group | None:
     """Without MPI (NOTE [the terrapipe process group] 1): shared memory where every rank is on
-    this machine; across machines of as many ranks each, two or more, shared memory on each and
-    Gloo groups of its own between them (NOTE [machines over Gloo] in comm/group.py); else None,
-    everything on Gloo (3). Decided alike on every rank, from every rank's machine."""
+    this machine; across machines of as many ranks each, shared memory on each where they hold
+    two or more, TCP rings between them and a Gloo group of its own (NOTE [machines over Gloo]
+    in comm/group.py); else None, everything on Gloo (3). Decided alike on every rank, from
+    every rank's machine."""
     nodes = StoreComm(dist.PrefixStore("nodes/", store), "n", rank, size, timeout).allgather(node_of())
     if len(set(nodes)) == 1:
         return Group.over_store(dist.PrefixStore("shm/", store), "g", rank, size, timeout)
-    if Group.tiered(nodes):
+    if Group.spans_machines_evenly(nodes):
         return Group.over_store_across_machines(dist.PrefixStore("machines/", store), "g", rank, size,
                                                 nodes, timeout)
     return None

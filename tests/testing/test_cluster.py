@@ -176,7 +176,8 @@ TORCHRUN = textwrap.dedent("""
     # NOTE [machines over Gloo]: a segment on each machine and a Gloo group per local rank;
     # reductions hierarchical and exact, small to several chunks, in a loop with async calls
     # outstanding; the other collectives Gloo's own.
-    tiered = g.shm is not None and g.cross is not None and g.cross.size == g.nnodes
+    tiers = [g.shm is not None, g.cross.name if g.cross is not None else None,
+             g.cross.size if g.cross is not None else 0]
     for odd in (3, 1):  # one rank's call differs, on the other machine, then on this one
         try:
             comm.allreduce(np.zeros(10 + (r == odd)))
@@ -202,8 +203,8 @@ TORCHRUN = textwrap.dedent("""
     comm.broadcast(c, 1)
     ok &= bool(np.all(c == np.arange(5.0)))
     paths = sorted({(c, a) for c, a, _ in log})
-    # Splits (NOTE [machines over Gloo] 5): the whole world again (hvd.init's), tiered; one
-    # rank per machine and one machine each, not.
+    # Splits (NOTE [machines over Gloo] 5): the whole world again (hvd.init's), q % 2 and
+    # q // 2: each tiered, ringed (8) or on one machine by where its ranks run.
     splits = []
     for color_of in (lambda q: 0, lambda q: q % 2, lambda q: q // 2):
         sub = g.split(color_of(r))
@@ -212,28 +213,40 @@ TORCHRUN = textwrap.dedent("""
         ok &= bool(np.all(y == sum(q + 1.0 for q in range(n) if color_of(q) == color_of(r))))
         splits.append([sub.size, sub.nnodes, sub.local_size, sub.cross is not None])
     report = {"rank": r, "host": socket.gethostname(), "local": [comm.local_rank(), comm.local_size()],
-              "nnodes": g.nnodes, "ok": ok, "tiered": tiered, "paths": paths, "splits": splits}
+              "nnodes": g.nnodes, "ok": ok, "tiers": tiers, "paths": paths, "splits": splits}
     comm.finalize()
     open(f"{sys.argv[1]}/rank{r}.json", "w").write(json.dumps(report))
 """)
 
 
-def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp_path):
+# 4x1: make test-cluster (CI time)
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), pytest.param(4, 1, marks=pytest.mark.full)],
+                         ids=["2x2", "4x1"])
+def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp_path, nodes, per_node):
+    """NOTE [machines over Gloo]: at 2x2 a segment on each node and a TCP ring per local rank
+    between them, reductions hierarchical; at 4x1 one ring among the four, reductions around
+    it; the other collectives Gloo's own; splits tiered or ringed by where their ranks are."""
     if tc.available():
         pytest.skip(tc.available())
     script = tmp_path / "torchrun_whoami.py"
     script.write_text(TORCHRUN)
-    p = subprocess.run([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes", "2",
-                        "--ranks-per-node", "2", "--launcher", "torchrun", "--", sys.executable,
+    p = subprocess.run([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes", str(nodes),
+                        "--ranks-per-node", str(per_node), "--launcher", "torchrun", "--", sys.executable,
                         str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     reports = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
                      key=lambda d: d["rank"])
-    assert [(d["rank"], d["host"], d["local"], d["nnodes"], d["ok"], d["tiered"]) for d in reports] == [
-        (r, f"node{r // 2}", [r % 2, 2], 2, True, True) for r in range(4)], p.stderr[-3000:]
-    assert all(d["paths"] == [["allreduce", "segment"], ["broadcast", "gloo"], ["reduce", "segment"]]
+    tiers = [True, "tcp", nodes] if per_node > 1 else [False, "tcp", 4]
+    assert [(d["rank"], d["host"], d["local"], d["nnodes"], d["ok"], d["tiers"]) for d in reports] == [
+        (r, f"node{r // per_node}", [r % per_node, per_node], nodes, True, tiers) for r in range(4)], \
+        p.stderr[-3000:]
+    path = "segment" if per_node > 1 else "tcp"
+    assert all(d["paths"] == [["allreduce", path], ["broadcast", "gloo"], ["reduce", path]]
                for d in reports), reports
-    assert all(d["splits"] == [[4, 2, 2, True], [2, 2, 1, False], [2, 1, 2, False]] for d in reports), reports
+    # [size, nnodes, local_size, joined by rings] of the whole world, q % 2 and q // 2
+    splits = ([[4, 2, 2, True], [2, 2, 1, True], [2, 1, 2, False]] if per_node > 1
+              else [[4, 4, 1, True], [2, 2, 1, True], [2, 2, 1, True]])
+    assert all(d["splits"] == splits for d in reports), reports
     assert _leftovers() == []
 
 
@@ -266,11 +279,11 @@ DDP_ACROSS = textwrap.dedent("""
         ok = False
     except CollectiveMismatchError as e:
         ok &= "rank 3" in str(e)
-    pair = dist.new_group([0, 2], backend="terrapipe")  # one rank per machine: all on Gloo
+    pair = dist.new_group([0, 2], backend="terrapipe")  # one rank per machine: one TCP ring
     if r in (0, 2):
         t = torch.full((10,), float(r))
         dist.all_reduce(t, group=pair)
-        ok &= t[0].item() == 2.0 and pair.group is None
+        ok &= t[0].item() == 2.0 and pair.group.shm is None and pair.group.cross.name == "tcp"
     # DDP on this backend and on Gloo, the same batches: the same training, every rank's
     # weights bit-identical to the others' (the hierarchical sum is copied out alike).
     torch.manual_seed(0)
@@ -306,8 +319,8 @@ def test_ddp_on_terrapipe_under_torchrun_across_machines_has_shared_memory_on_ea
     """torch.distributed with backend="terrapipe" under torchrun at 2x2, no MPI: the backend's
     group gets a segment on each machine and Gloo groups of its own between them (it was all
     Gloo across machines), allreduces run hierarchical and exact with many outstanding, a
-    mismatch raises on every rank, a group of one rank per machine is Gloo's, and DDP trains as
-    it does on Gloo, every rank's weights bit-identical."""
+    mismatch raises on every rank, a group of one rank per machine is one TCP ring, and DDP
+    trains as it does on Gloo, every rank's weights bit-identical."""
     if tc.available():
         pytest.skip(tc.available())
     script = tmp_path / "ddp_across.py"

@@ -46,6 +46,7 @@ import numpy as np
 from ... import settings
 from ...kernels import reduce as kreduce
 from ..errors import CollectiveTimeoutError, CommError
+from ..message import NO_GATE, Fused, divide
 from ..sockets import connect_ranks
 from ..wait import wait_until
 
@@ -308,6 +309,33 @@ class TcpTransport:
             kreduce.reduce_many_16(buf, rows, rop, 0, buf.shape[0], kind, self._acc)
         else:
             kreduce.reduce_rows_into(buf, rows, rop, 0, buf.shape[0])
+
+    def agree(self, coll: str, sig: np.ndarray, check) -> None:
+        """The signature agreement of a group whose only ring this is (NOTE [machines over
+        Gloo] 8 in comm/group.py): every rank's signature around the ring; a barrier too."""
+        sigs = np.empty((self.size, sig.shape[0]), np.int64)
+        with self.afar():
+            self.allgather(np.ascontiguousarray(sig, np.int64), sigs)
+        if not (sigs == sigs[0]).all():
+            check(sigs, self.members)
+
+    def barrier(self) -> None:
+        pass  # the agreement (an allgather of signatures) was the barrier
+
+    def allreduce(self, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: int = 0, root: int = -1,
+                  gate=NO_GATE) -> None:
+        """``dsts`` = op over every rank's ``srcs`` (``root`` >= 0: written on that rank only),
+        the whole message around the ring (the ``tcp`` algorithm; the agreement has run)."""
+        flat = np.empty(srcs.n, dtype)
+        gate.ready(srcs.n)
+        srcs.read(0, srcs.n, flat, ckind)
+        with self.afar():
+            self.allreduce_array(flat, op, kind, "allreduce" if root < 0 else "reduce")
+        if op == kreduce.AVG:
+            divide(flat, self.size, kind)
+        if root < 0 or root == self.rank:
+            dsts.write(0, flat, ckind)
+        gate.wrote(srcs.n)
 
     def close(self) -> None:
         if self.ring_comm is not None:
