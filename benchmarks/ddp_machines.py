@@ -5,10 +5,10 @@
 
 Starts an emulated cluster (``terrapipe.testing.cluster``) and one torchrun per node; no MPI.
 Every rank initialises torch.distributed with ``backend="terrapipe"`` (whose group keeps a
-segment on each machine and Gloo groups of its own between them, NOTE [machines over Gloo] in
-terrapipe/comm/group.py) and makes a ``backend="gloo"`` group beside it, the baseline: what the
-same script runs on with ``init_process_group("gloo")``. Interleaved, each round starting with
-the next backend:
+segment on each machine of two or more ranks and joins the machines with TCP rings, NOTE
+[machines over Gloo] in terrapipe/comm/group.py) and makes a ``backend="gloo"`` group beside it,
+the baseline: what the same script runs on with ``init_process_group("gloo")``. Interleaved,
+each round starting with the next backend:
 
 - ``dist.all_reduce`` of float32 tensors, 4 KiB .. 16 MiB, through each process group (what a
   user's script and DDP's reducer call); a sample is the slowest rank's time per call.
@@ -57,7 +57,7 @@ def _worker(out: str, rounds: int, max_mib: int, model_mib: int, steps: int) -> 
     r = dist.get_rank()
     g = dist.group.WORLD.group
     if g is None or g.cross is None:
-        sys.exit(f"rank {r}: the terrapipe group has no shared memory tier")
+        sys.exit(f"rank {r}: the terrapipe group is not joined by TCP rings (unequal machines?)")
     groups = {"terrapipe": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
 
     def slowest(seconds: float) -> float:
@@ -119,7 +119,7 @@ def _worker(out: str, rounds: int, max_mib: int, model_mib: int, steps: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cluster", default="2x2", help="NxK: N emulated nodes of K ranks (K >= 2)")
+    p.add_argument("--cluster", default="2x2", help="NxK: N emulated nodes of K ranks")
     p.add_argument("--link", default="1gbit", help="each node's link rate (tc's units)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--max-mib", type=int, default=16, help="the largest allreduce")

@@ -43,9 +43,9 @@ NOTE [machines over Gloo]
        and 16 MiB reached 91% of the links' bound (Gloo's own: 58-63%).
     8. Machines of one rank each (4 nodes x 1 under torchrun) have no segment to share: the
        group's ranks form one ring of TCP streams (``cross``, also the agreement's ``control``:
-       an allgather of the signatures around it), and allreduces and reduces run over it
-       whole (the ``tcp`` algorithm, NOTE [algorithm selection] 2); the other collectives are
-       Gloo's own.
+       an allgather of the signatures around it); allreduces and reduces below 1 MiB run over it
+       whole (the ``tcp`` algorithm, NOTE [algorithm selection] 2), larger ones and the other
+       collectives are Gloo's own.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ NOTE [algorithm selection]
        hierarchical, the segment on each machine and each local rank's part allreduced between
        machines over a ring of TCP streams among nnodes ranks (NOTE [a ring over TCP] in
        comm/transports/tcp.py), where Gloo's own is a ring of every rank; with one per machine,
-       the whole message around one such ring (``tcp``). At 2 nodes x 2 under torchrun, pinned
+       the whole message around one such ring (``tcp``) below ``TCP_WHOLE_BYTES`` (1 MiB),
+       Gloo's own from there (its pipeline beats our ring's by 5-7% at 4 nodes x 1 from 4 MiB;
+       every rank is a node, so no hierarchy to gain). At 2 nodes x 2 under torchrun, pinned
        and interleaved (``python -m benchmarks.gloo_machines``): 1.5-10x Gloo's own through the
        same group from 16 MiB down to 4 KiB over 1gbit links, 1.4-10x over 2.5gbit.
     3. Under MPI, every collective is MPI's own, or our ring for allreduces from ``ring_bytes``,
@@ -166,9 +168,20 @@ class Candidate:
     pick: Callable
 
 
+# Machines of one rank each: allreduces below this go around our TCP ring, larger ones are
+# Gloo's own (NOTE [algorithm selection] 2). At 4 nodes x 1 over 1gbit (Xeon, 2026-11-27,
+# ddp_machines_4x1_1gbit_2026-11-27.json): ours 4.8x Gloo at 4 KiB, 1.26x at 256 KiB, level at
+# 1 MiB, 0.93-0.95x from 4 MiB, where Gloo's C++ ring keeps its pipeline fuller than ours.
+TCP_WHOLE_BYTES = 1 << 20
+
+
 def _machines_over_gloo(g, r: Request) -> str | None:  # 2
     fits = g.gloo is not None and g.cross is not None and r.coll in _REDUCING and not g.force_mpi
-    return ("segment" if g.shm is not None else "tcp") if fits else None
+    if not fits:
+        return None
+    if g.shm is not None:
+        return "segment"
+    return "tcp" if r.nbytes < TCP_WHOLE_BYTES else "gloo"
 
 
 def _under_torchrun(g, r: Request) -> str | None:  # 2

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -240,9 +241,10 @@ def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp
     assert [(d["rank"], d["host"], d["local"], d["nnodes"], d["ok"], d["tiers"]) for d in reports] == [
         (r, f"node{r // per_node}", [r % per_node, per_node], nodes, True, tiers) for r in range(4)], \
         p.stderr[-3000:]
-    path = "segment" if per_node > 1 else "tcp"
-    assert all(d["paths"] == [["allreduce", path], ["broadcast", "gloo"], ["reduce", path]]
-               for d in reports), reports
+    # 4x1: the ring below 1 MiB, Gloo's own from there (NOTE [algorithm selection] 2)
+    paths = ([["allreduce", "segment"], ["broadcast", "gloo"], ["reduce", "segment"]] if per_node > 1
+             else [["allreduce", "gloo"], ["allreduce", "tcp"], ["broadcast", "gloo"], ["reduce", "tcp"]])
+    assert all(d["paths"] == paths for d in reports), reports
     # [size, nnodes, local_size, joined by rings] of the whole world, q % 2 and q // 2
     splits = ([[4, 2, 2, True], [2, 2, 1, True], [2, 1, 2, False]] if per_node > 1
               else [[4, 4, 1, True], [2, 2, 1, True], [2, 2, 1, True]])
@@ -337,4 +339,40 @@ def test_ddp_on_terrapipe_under_torchrun_across_machines_has_shared_memory_on_ea
     assert all(d["served"]["terrapipe"] > 60 for d in reports), reports
     # Gloo's ring adds the four ranks' floats in another order: a rounding apart, no more.
     assert all(d["gap"] <= 1e-5 * max(1.0, d["scale"]) for d in reports), reports
+    assert _leftovers() == []
+
+
+STORM = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[2])  # the repository, for tests.comm.stress
+    import terrapipe.comm as comm
+    from tests.comm import stress
+    g = comm.init(timeout=120)  # under torchrun: over Gloo, TCP rings between the machines
+    ran = 0
+    for name, group in stress.groups_under_test(g).items():
+        ran += stress.run(group, seed=23, n_ops=160 if name == "world" else 60, max_bytes=16 << 20)
+    tiers = [g.shm is not None, g.cross.name if g.cross is not None else None]
+    open(f"{sys.argv[1]}/rank{g.rank}", "w").write(f"{ran} {tiers}")
+    comm.finalize()
+""")
+
+
+@pytest.mark.full  # make test-cluster (CI time)
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_the_storm_under_torchrun_across_machines(tmp_path, nodes, per_node):
+    """tests/comm/stress.py's schedule (every collective, sync and async with 8 outstanding,
+    sizes across every threshold up to 16 MiB, exact results) on a torchrun job's groups over
+    Gloo with TCP rings between the machines: the world, a split and a duplicate."""
+    if tc.available():
+        pytest.skip(tc.available())
+    script = tmp_path / "storm.py"
+    script.write_text(STORM)
+    root = str(Path(__file__).resolve().parents[2])
+    p = subprocess.run([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes", str(nodes),
+                        "--ranks-per-node", str(per_node), "--link", "10gbit", "--launcher", "torchrun", "--",
+                        sys.executable, str(script), str(tmp_path), root],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    tiers = "[True, 'tcp']" if per_node > 1 else "[False, 'tcp']"
+    assert sorted(f.read_text() for f in tmp_path.glob("rank*")) == [f"280 {tiers}"] * 4, p.stderr[-3000:]
     assert _leftovers() == []
