@@ -439,7 +439,8 @@ class Group:
         self.executor.close()
         healthy = not self.executor.failed
         for t in (self.cross, self.mpi, self.gloo):
-            if t is not None and (healthy or t is self.gloo):
+            # After a failure MPI's frees may wait on the lost peer; sockets and Gloo close alone.
+            if t is not None and (healthy or t.name in ("gloo", "tcp")):
                 t.close()
         if self.shm is not None:
             self.shm.close(healthy)  # frees its node communicator

@@ -7,13 +7,17 @@ batch's sample indices and the loss. ``--kill-rank R --kill-step S``: rank R SIG
 right after printing step S, in the first generation only. ``--sleep T``: seconds per step
 (time for the test to change the hosts mid-run). ``--hang-step S``: every rank sleeps for
 ten minutes after printing step S, touching neither its peers nor the launcher. Ends with a
-line ``{"final": loss}``: the model's loss on every sample.
+line ``{"final": loss}``: the model's loss on every sample. Each step's line also names the
+addresses this process holds TCP connections to (``peers``), so a test sees connections of a
+lost generation that were never closed.
 """
 
 import argparse
 import json
 import os
 import signal
+import socket
+import struct
 import time
 
 import horovod.torch as hvd
@@ -35,6 +39,28 @@ def emit(record: dict) -> None:
     """One line in one write: the workers share the launcher's stdout (a pipe, where a write of
     less than PIPE_BUF bytes is never interleaved with another)."""
     os.write(1, (json.dumps(record) + "\n").encode())
+
+
+def tcp_peers() -> list[str]:
+    """The remote addresses of this process's TCP sockets (from /proc: its fds' socket inodes
+    in its network namespace's table)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    peers = set()
+    with open("/proc/self/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ip = socket.inet_ntoa(struct.pack("<I", int(fields[2].split(":")[0], 16)))
+                if ip != "0.0.0.0":
+                    peers.add(ip)
+    return sorted(peers)
 
 
 BATCH = 8
@@ -73,7 +99,8 @@ def train(state):
             emit({"generation": rendezvous.last_generation(), "epoch": state.epoch, "step": state.step,
                   "rank": hvd.rank(), "size": hvd.size(), "indices": idx.tolist(), "loss": loss.item(),
                   "t": time.time(), "local_size": hvd.local_size(),
-                  "tiered": comm.world().cross is not None})  # NOTE [machines over Gloo]
+                  "tiered": comm.world().cross is not None,  # NOTE [machines over Gloo]
+                  "peers": tcp_peers()})
             if (state.step == args.kill_step and hvd.rank() == args.kill_rank
                     and rendezvous.last_generation() == 1):
                 os.kill(os.getpid(), signal.SIGKILL)

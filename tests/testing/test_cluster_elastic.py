@@ -47,6 +47,9 @@ def test_a_node_lost_at_2x2_the_job_carries_on_at_1x2(emulated_cluster):
     assert {(r["local_size"], r["tiered"]) for r in steps if r["generation"] == 1} == {(2, True)}
     assert {(r["local_size"], r["tiered"]) for r in steps if r["generation"] == int(last[0])} == {(2, False)}
     assert {r["size"] for r in steps} == {4, 2}
+    # Nothing of the lost generation stays open: no connection to node 1 (its TCP rings, Gloo's)
+    later = [r for r in steps if r["generation"] == int(last[0])]
+    assert all(c.addresses[1] not in r["peers"] for r in later), [r["peers"] for r in later]
     epochs_covered_once(records, 2, 256)
     assert c.processes(0) == [] and c.processes(1) == []
 

@@ -26,7 +26,7 @@ import numpy as np
 from ...kernels import reduce as kreduce
 from .. import ops
 from ..errors import CollectiveTimeoutError, CommError
-from ..message import NO_GATE, Fused, divide, segments
+from ..message import NO_GATE, Fused, divide, in_place, segments
 from .base import OwnCollectives
 
 __all__ = ["GlooTransport", "MachinesAgreement"]
@@ -173,11 +173,13 @@ class GlooTransport(OwnCollectives):
             check(all_sigs, list(range(self.size)))
 
     def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:
-        flat = np.empty(srcs.n, dtype)
         gate.ready(srcs.n)
-        srcs.read(0, srcs.n, flat, ckind)
+        flat = in_place(srcs, dsts, dtype, ckind) if root < 0 else None  # no copies where it can
+        if flat is None:
+            flat = np.empty(srcs.n, dtype)
+            srcs.read(0, srcs.n, flat, ckind)
         self._reduce_host(flat, op, kind, "allreduce" if root < 0 else "reduce")
-        if root < 0 or root == self.rank:
+        if (root < 0 or root == self.rank) and flat is not dsts.only():
             dsts.write(0, flat, ckind)
         gate.wrote(srcs.n)
 

@@ -46,7 +46,7 @@ import numpy as np
 from ... import settings
 from ...kernels import reduce as kreduce
 from ..errors import CollectiveTimeoutError, CommError
-from ..message import NO_GATE, Fused, divide
+from ..message import NO_GATE, Fused, divide, in_place
 from ..sockets import connect_ranks
 from ..wait import wait_until
 
@@ -326,14 +326,16 @@ class TcpTransport:
                   gate=NO_GATE) -> None:
         """``dsts`` = op over every rank's ``srcs`` (``root`` >= 0: written on that rank only),
         the whole message around the ring (the ``tcp`` algorithm; the agreement has run)."""
-        flat = np.empty(srcs.n, dtype)
         gate.ready(srcs.n)
-        srcs.read(0, srcs.n, flat, ckind)
+        flat = in_place(srcs, dsts, dtype, ckind) if root < 0 else None  # no copies where it can
+        if flat is None:
+            flat = np.empty(srcs.n, dtype)
+            srcs.read(0, srcs.n, flat, ckind)
         with self.afar():
             self.allreduce_array(flat, op, kind, "allreduce" if root < 0 else "reduce")
         if op == kreduce.AVG:
             divide(flat, self.size, kind)
-        if root < 0 or root == self.rank:
+        if (root < 0 or root == self.rank) and flat is not dsts.only():
             dsts.write(0, flat, ckind)
         gate.wrote(srcs.n)
 
