@@ -29,11 +29,12 @@ NOTE [the terrapipe process group]
        and takes terrapipe's latency path: no thread hand-off for the 4 KiB allreduce.
     3. What the shared-memory transport does not do (point-to-point, all-to-all, gather and
        scatter of lists, bitwise reductions, dtypes the reduction kernels do not cover; ranks on
-       machines of unequal rank counts) goes to a Gloo process group built
-       on the same store beside it (never the one the terrapipe group's own Gloo calls use, whose
-       order is the group's executor's), so every
-       call of the ProcessGroup API behaves as on Gloo. Each channel keeps its own issue order,
-       identical on every rank; as with any async collective, a result is read after ``wait()``.
+       machines of unequal rank counts) goes to a Gloo process group built on the same store
+       beside it, so every call of the ProcessGroup API behaves as on Gloo. It is never the Gloo
+       group the terrapipe group itself calls across machines: two threads enqueueing on one
+       Gloo group could order their calls differently on different ranks. Each channel keeps
+       its own issue order, identical on every rank; as with any async collective, a result is
+       read after ``wait()``.
     4. Timeouts: the group's timeout (``init_process_group(timeout=)``) bounds every wait on
        another rank; a late rank is named in the CollectiveTimeoutError, and the group is then
        unusable, as a Gloo group is after a timeout.
