@@ -47,9 +47,42 @@ JOB = textwrap.dedent("""
 """)
 
 
-def _job(tmp_path, count):
+# The same loop through torch.distributed on backend="terrapipe" (DDP's process group), sync and
+# async calls alternating (DDP's buckets are async: their errors come from the Work's wait()).
+JOB_TORCH = textwrap.dedent("""
+    import datetime, json, os, socket, sys, time
+    import torch
+    import torch.distributed as dist
+    from terrapipe.comm import CommError
+    out, count, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    dist.init_process_group("terrapipe", timeout=datetime.timedelta(seconds=timeout))
+    r, n = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(count)
+    i = 0
+    try:
+        while True:
+            if i % 2:
+                dist.all_reduce(x, async_op=True).wait()
+            else:
+                dist.all_reduce(x)
+            assert x[0].item() == n, x[0]
+            x.fill_(1)
+            i += 1
+            if i == 20:
+                open(f"{out}/started{r}", "w").close()
+    except CommError as e:
+        with open(f"{out}/part{r}", "w") as f:
+            f.write(json.dumps({
+                "host": socket.gethostname(), "type": type(e).__name__, "message": str(e),
+                "ranks": getattr(e, "ranks", None), "at": time.time()}))
+        os.replace(f"{out}/part{r}", f"{out}/rank{r}.json")
+        sys.exit(3)
+""")
+
+
+def _job(tmp_path, count, body=JOB):
     script = tmp_path / "job.py"
-    script.write_text(JOB)
+    script.write_text(body)
     return [sys.executable, str(script), str(tmp_path), str(count), str(TIMEOUT)]
 
 
@@ -151,15 +184,17 @@ def test_a_node_lost_mid_allreduce_ends_the_job_and_leaves_nothing(emulated_clus
         assert _left_on(cluster, i) == ([], []), (i, _left_on(cluster, i))
 
 
-def test_a_link_down_under_torchrun_every_rank_names_the_far_rank(emulated_cluster, tmp_path):
-    """The same cut under torchrun, where the group is Gloo's with a segment on each node (NOTE
-    [machines over Gloo] in comm/group.py): a rank that raises names a rank of the other node
-    within the timeout (the one that moved data between nodes by its Gloo group, its node's
-    peers by the board), never its neighbour, and every worker is gone soon after with its
-    shared memory. (The cut-off node's torchrun itself waits on its rendezvous, torch's own
+@pytest.mark.parametrize("body", [JOB, JOB_TORCH], ids=["comm", "torch-backend"])
+def test_a_link_down_under_torchrun_every_rank_names_the_far_rank(emulated_cluster, tmp_path, body):
+    """The same cut under torchrun, where the group is Gloo's with a segment on each node and
+    TCP rings between them (NOTE [machines over Gloo] in comm/group.py), through comm and
+    through DDP's process group on backend="terrapipe": a rank that raises names a rank of the
+    other node within the timeout (the one that moved data between nodes by its ring, its
+    node's peers by the board), never its neighbour, and every worker is gone soon after with
+    its shared memory. (The cut-off node's torchrun itself waits on its rendezvous, torch's own
     timeouts; the test stops it.)"""
     cluster = emulated_cluster(2, "1gbit")
-    procs = [subprocess.Popen([*cluster.torchrun_args(i, 2), *_job(tmp_path, 1 << 18)],
+    procs = [subprocess.Popen([*cluster.torchrun_args(i, 2), *_job(tmp_path, 1 << 18, body)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
              for i in range(2)]
     try:
