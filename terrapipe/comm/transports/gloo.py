@@ -64,7 +64,7 @@ class GlooTransport(OwnCollectives):
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
         self.pg = pg
         self.store = store
-        self._pg = pg if pg is not None else dist.distributed_c10d._get_default_group()
+        self._pg = pg if pg is not None else dist.group.WORLD
         self.timeout = timeout
         self.rank, self.size = self._pg.rank(), self._pg.size()
         if store is not None:
