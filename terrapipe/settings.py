@@ -87,7 +87,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_RING_BYTES", "bytes", 1 << 20,
             "Allreduces of at least this many bytes take the ring over MPI (the autotuner moves it)",
             "comm"),
-    Setting("TERRAPIPE_TCP_RING_BYTES", "bytes", 256 << 10,
+    Setting("TERRAPIPE_TCP_RING_BYTES", "bytes", 32 << 10,
             "Between machines of a group without MPI (torchrun across nodes), allreduce parts of at least "
             "this many bytes take the ring over TCP; smaller ones an allgather of the whole part",
             "comm"),

@@ -19,7 +19,11 @@ NOTE [a ring over TCP]
     4. Below ``ring_bytes`` an allreduce is an allgather of the whole buffer around the ring and
        one reduction of the rows in rank order, 16-bit floats in float32 rounded once: one
        transfer per step where the ring takes two, and every rank adds in the same order, so
-       every rank holds the same bits (DDP's replicas must stay identical).
+       every rank holds the same bits (DDP's replicas must stay identical). Between two
+       machines both ways carry the same bytes; among four the allgather carries twice the
+       ring's. Over 1gbit at 4 nodes x 1 (Intel Xeon, 2026-11-27,
+       ``link_latency_4x1_1gbit_2026-11-27.json``) the allgather took 404 us at 4 KiB where the
+       ring took 1026, and 1641 us at 64 KiB where the ring took 1043: hence 32 KiB.
     5. A wait sleeps in the selector (``select`` with the time left), not on the core. One that
        passes the timeout raises CollectiveTimeoutError naming the peer it waits for (its left
        neighbour for a receive, its right one for a send), after telling ``on_lost`` (NOTE [a
@@ -27,7 +31,7 @@ NOTE [a ring over TCP]
        died, its machine went away) raises at once, naming that peer. The transport is then
        unusable, as the group is.
     6. Why not Gloo, which such a group also has: between two machines of the emulated cluster
-       over 1gbit (Intel Xeon, 2026-11-27, ``python -m benchmarks.link_latency``) a 4 KiB
+       over 1gbit (Intel Xeon, 2026-11-27, ``link_latency_2x1_1gbit_2026-11-27.json``) a 4 KiB
        ping-pong over these streams took 28 us, this ring's allreduce of 4 KiB 25 us, and Gloo's
        between the same two ranks 1.9 ms; at 256 KiB 2.19 ms both ways, Gloo's 3.26 (NOTE
        [machines over Gloo] 7 in comm/group.py has what that made of a whole allreduce).
