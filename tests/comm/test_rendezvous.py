@@ -5,6 +5,7 @@ processes started here with only those variables, and checks the collectives aga
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -34,9 +35,22 @@ BODY = textwrap.dedent("""
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a store the ranks start themselves, below the kernel's ephemeral range.
+    A port found free by binding to port 0 is in that range, where any connection made meanwhile
+    (the suite's other jobs are still running) may take it before the store binds it: this
+    test failed once in CI with EADDRINUSE that way."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 8000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:
