@@ -220,6 +220,25 @@ def run_ranks(module: str, n: int, worker_args: list[str], env: dict[str, str] |
     return json.loads(line[line.index(_RESULTS_TAG) + len(_RESULTS_TAG):])
 
 
+def run_under_torchrun(module: str, nodes: int, per_node: int, link: str, worker_args: list[str],
+                       timeout: float) -> dict:
+    """Run ``python -m <module> --worker OUT <worker_args>`` as one torchrun per node of an
+    emulated cluster (``nodes`` x ``per_node``, each link shaped to ``link``; as root) and return
+    the JSON its rank 0 wrote to OUT. Exits naming the exit code if the run fails."""
+    import tempfile
+
+    from terrapipe.testing.cluster import Cluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        with Cluster(nodes, link) as c:
+            code = c.run([sys.executable, "-m", module, "--worker", str(out), *worker_args],
+                         ranks_per_node=per_node, launcher="torchrun", timeout=timeout)
+        if code != 0 or not out.exists():
+            sys.exit(f"benchmark failed (exit code {code})")
+        return json.loads(out.read_text())
+
+
 def interleave_ranks(step: Callable[[str], None], cases: tuple[str, ...], rounds: int, steps: int,
                      mpi, around: Callable[[str], object] | None = None) -> dict[str, list[float]]:
     """Seconds per ``step(case)`` across the ranks of ``mpi``: each round runs ``steps`` of every

@@ -28,11 +28,10 @@ import datetime
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .common import format_table, link_bits_per_second, save
+from .common import format_table, link_bits_per_second, run_under_torchrun, save
 
 BACKENDS = ("terrapipe", "gloo")
 
@@ -130,19 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args.worker, args.rounds, args.max_mib, args.model_mib, args.steps)
         return
-    from terrapipe.testing.cluster import Cluster
-
     nodes, per_node = (int(v) for v in args.cluster.split("x"))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/result.json"
-        with Cluster(nodes, args.link) as c:
-            code = c.run([sys.executable, "-m", "benchmarks.ddp_machines", "--worker", out, "--rounds",
-                          str(args.rounds), "--max-mib", str(args.max_mib), "--model-mib",
-                          str(args.model_mib), "--steps", str(args.steps)], ranks_per_node=per_node,
-                         launcher="torchrun", timeout=3600)
-        if code != 0 or not Path(out).exists():
-            sys.exit(f"benchmark failed (exit code {code})")
-        data = json.loads(Path(out).read_text())
+    data = run_under_torchrun("benchmarks.ddp_machines", nodes, per_node, args.link,
+                              ["--rounds", str(args.rounds), "--max-mib", str(args.max_mib), "--model-mib",
+                               str(args.model_mib), "--steps", str(args.steps)], 3600)
     rate = link_bits_per_second(args.link)
     s = data["samples"]
 

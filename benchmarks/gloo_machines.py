@@ -21,13 +21,12 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .common import format_table, link_bits_per_second, save
+from .common import format_table, link_bits_per_second, run_under_torchrun, save
 
 CASES = ("segment", "gloo (same group)", "dist.all_reduce")
 
@@ -88,18 +87,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args.worker, args.rounds, args.max_mib)
         return
-    from terrapipe.testing.cluster import Cluster
-
     nodes, per_node = (int(v) for v in args.cluster.split("x"))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/result.json"
-        with Cluster(nodes, args.link) as c:
-            code = c.run([sys.executable, "-m", "benchmarks.gloo_machines", "--worker", out, "--rounds",
-                          str(args.rounds), "--max-mib", str(args.max_mib)], ranks_per_node=per_node,
-                         launcher="torchrun", timeout=1800)
-        if code != 0 or not Path(out).exists():
-            sys.exit(f"benchmark failed (exit code {code})")
-        data = json.loads(Path(out).read_text())
+    data = run_under_torchrun("benchmarks.gloo_machines", nodes, per_node, args.link,
+                              ["--rounds", str(args.rounds), "--max-mib", str(args.max_mib)], 1800)
     rate = link_bits_per_second(args.link)
     med = {c: {int(b): statistics.median(v) for b, v in s.items()} for c, s in data["samples"].items()}
     rows, records = [], []

@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .common import format_table, save
+from .common import format_table, run_under_torchrun, save
 
 CASES = ("ping-pong", "tcp as selected", "tcp allgather", "tcp ring", "gloo allreduce")
 
@@ -97,16 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         _worker(args.worker, args.rounds)
         return
-    from terrapipe.testing.cluster import Cluster
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/result.json"
-        with Cluster(args.nodes, args.link) as c:
-            code = c.run([sys.executable, "-m", "benchmarks.link_latency", "--worker", out, "--rounds",
-                          str(args.rounds)], ranks_per_node=1, launcher="torchrun", timeout=1800)
-        if code != 0 or not Path(out).exists():
-            sys.exit(f"benchmark failed (exit code {code})")
-        data = json.loads(Path(out).read_text())
+    data = run_under_torchrun("benchmarks.link_latency", args.nodes, 1, args.link,
+                              ["--rounds", str(args.rounds)], 1800)
     samples = data["samples"]
     cases = [c for c in CASES if c in samples]
     rows, records = [], []

@@ -99,18 +99,6 @@ class Fused:
         return self.views[0] if len(self.views) == 1 else None
 
 
-def in_place(srcs: Fused, dsts: Fused, dtype, ckind: int) -> np.ndarray | None:
-    """The one array of a message reduced in place (one C-contiguous array of ``dtype``, its
-    own output, nothing compressed): a library's collective can run on it directly, without a
-    copy in and out. None otherwise."""
-    src, dst = srcs.only(), dsts.only()
-    if src is None or dst is None or ckind or src.dtype != dtype or not src.flags.c_contiguous:
-        return None
-    same = dst is src or (dst.ctypes.data == src.ctypes.data and dst.strides == src.strides
-                          and dst.shape == src.shape)
-    return src if same else None
-
-
 def divide(arr: np.ndarray, n: int, kind: int) -> None:
     """``arr /= n`` in place: ``avg`` is a sum divided once, at the end (floor for integers)."""
     if kind:

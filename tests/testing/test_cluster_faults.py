@@ -19,10 +19,22 @@ TIMEOUT = 5.0  # the job's collective timeout (comm.init)
 
 # Allreduces in a loop until a collective fails; each rank then records its error and leaves
 # with sys.exit(3), as a script catching CommError would (the uncaught case aborts at once).
+# Written whole, then renamed: the test polls for reports while ranks still write them.
+_REPORT = textwrap.dedent("""
+    except CommError as e:
+        with open(f"{out}/part{r}", "w") as f:
+            f.write(json.dumps({
+                "host": socket.gethostname(), "type": type(e).__name__, "message": str(e),
+                "ranks": getattr(e, "ranks", None), "at": time.time()}))
+        os.replace(f"{out}/part{r}", f"{out}/rank{r}.json")
+        sys.exit(3)
+""")
+
 JOB = textwrap.dedent("""
     import json, os, socket, sys, time
     import numpy as np
     import terrapipe.comm as comm
+    from terrapipe.comm import CommError
     out, count, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     comm.init(timeout=timeout)
     r, n = comm.rank(), comm.size()
@@ -36,15 +48,7 @@ JOB = textwrap.dedent("""
             i += 1
             if i == 20:
                 open(f"{out}/started{r}", "w").close()
-    except comm.CommError as e:
-        # Written whole, then renamed: the test polls for reports while ranks still write them.
-        with open(f"{out}/part{r}", "w") as f:
-            f.write(json.dumps({
-                "host": socket.gethostname(), "type": type(e).__name__, "message": str(e),
-                "ranks": getattr(e, "ranks", None), "at": time.time()}))
-        os.replace(f"{out}/part{r}", f"{out}/rank{r}.json")
-        sys.exit(3)
-""")
+""") + _REPORT
 
 
 # The same loop through torch.distributed on backend="terrapipe" (DDP's process group), sync and
@@ -70,14 +74,7 @@ JOB_TORCH = textwrap.dedent("""
             i += 1
             if i == 20:
                 open(f"{out}/started{r}", "w").close()
-    except CommError as e:
-        with open(f"{out}/part{r}", "w") as f:
-            f.write(json.dumps({
-                "host": socket.gethostname(), "type": type(e).__name__, "message": str(e),
-                "ranks": getattr(e, "ranks", None), "at": time.time()}))
-        os.replace(f"{out}/part{r}", f"{out}/rank{r}.json")
-        sys.exit(3)
-""")
+""") + _REPORT
 
 
 def _job(tmp_path, count, body=JOB):

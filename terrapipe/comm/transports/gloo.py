@@ -26,7 +26,7 @@ import numpy as np
 from ...kernels import reduce as kreduce
 from .. import ops
 from ..errors import CollectiveTimeoutError, CommError
-from ..message import NO_GATE, Fused, divide, in_place, segments
+from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from .base import OwnCollectives
 
 __all__ = ["GlooTransport", "MachinesAgreement"]
@@ -174,13 +174,9 @@ class GlooTransport(OwnCollectives):
 
     def allreduce(self, srcs: Fused, dsts: Fused, op, dtype, kind, ckind=0, root=-1, gate=NO_GATE) -> None:
         gate.ready(srcs.n)
-        flat = in_place(srcs, dsts, dtype, ckind) if root < 0 else None  # no copies where it can
-        if flat is None:
-            flat = np.empty(srcs.n, dtype)
-            srcs.read(0, srcs.n, flat, ckind)
-        self._reduce_host(flat, op, kind, "allreduce" if root < 0 else "reduce")
-        if (root < 0 or root == self.rank) and flat is not dsts.only():
-            dsts.write(0, flat, ckind)
+        what = "allreduce" if root < 0 else "reduce"
+        reduce_flat(srcs, dsts, dtype, ckind, root < 0 or root == self.rank,
+                    lambda buf: self._reduce_host(buf, op, kind, what))
         gate.wrote(srcs.n)
 
     def broadcast(self, flat, root) -> None:

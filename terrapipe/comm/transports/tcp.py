@@ -51,7 +51,7 @@ import numpy as np
 from ... import settings
 from ...kernels import reduce as kreduce
 from ..errors import CollectiveTimeoutError, CommError
-from ..message import NO_GATE, Fused, divide, in_place
+from ..message import NO_GATE, Fused, divide, reduce_flat
 from ..sockets import connect_ranks
 from ..wait import wait_until
 
@@ -332,16 +332,14 @@ class TcpTransport:
         """``dsts`` = op over every rank's ``srcs`` (``root`` >= 0: written on that rank only),
         the whole message around the ring (the ``tcp`` algorithm; the agreement has run)."""
         gate.ready(srcs.n)
-        flat = in_place(srcs, dsts, dtype, ckind) if root < 0 else None  # no copies where it can
-        if flat is None:
-            flat = np.empty(srcs.n, dtype)
-            srcs.read(0, srcs.n, flat, ckind)
-        with self.afar():
-            self.allreduce_array(flat, op, kind, "allreduce" if root < 0 else "reduce")
-        if op == kreduce.AVG:
-            divide(flat, self.size, kind)
-        if (root < 0 or root == self.rank) and flat is not dsts.only():
-            dsts.write(0, flat, ckind)
+
+        def reduce(buf: np.ndarray) -> None:
+            with self.afar():
+                self.allreduce_array(buf, op, kind, "allreduce" if root < 0 else "reduce")
+            if op == kreduce.AVG:
+                divide(buf, self.size, kind)
+
+        reduce_flat(srcs, dsts, dtype, ckind, root < 0 or root == self.rank, reduce)
         gate.wrote(srcs.n)
 
     def close(self) -> None:
