@@ -14,10 +14,14 @@ chunked ring over MPI point-to-point (the path ``comm.allreduce`` takes between 
 ``backend="mpi"`` from 1 MiB), ``MPI.COMM_WORLD.Allreduce`` in place, and
 ``torch.distributed.all_reduce`` over Gloo, and ``comm.allreduce`` on a group over that Gloo
 group (what a torchrun job's ``comm.init`` makes: across machines, shared memory on each, NOTE
-[machines over Gloo] in comm/group.py), all summing in place. A sample is the slowest rank's
-time for a batch of calls. Reported: median algbw (bytes / time) and busbw (algbw x 2(p-1)/p),
-next to this machine's single-thread memory-copy bandwidth (bytes copied per second, np.copyto of
-64 MiB) measured in the same run.
+[machines over Gloo] in comm/group.py), all summing in place; across emulated nodes also
+``comm.allreduce`` on a group whose large parts cross the nodes over MPI with the node waiting
+(``TERRAPIPE_BULK_TRANSPORT=mpi``; NOTE [overlap across nodes] in comm/algorithms/segment.py). A
+sample is the slowest rank's time for a batch of calls, and the ranks' mean CPU time per call
+(every thread of the process, user and system: what the call takes from the computation beside
+it). Reported: median algbw (bytes / time) and busbw (algbw x 2(p-1)/p), next to this machine's
+single-thread memory-copy bandwidth (bytes copied per second, np.copyto of 64 MiB) measured in
+the same run.
 
 ``--algorithms`` times instead each algorithm ``comm.allreduce`` can run on one node, pinned with
 ``Group.use_algorithm`` (so each pays what a selected call pays: the signature agreement, the
@@ -34,6 +38,7 @@ over its link, so a size's time cannot be below ``2(N-1)/N * bytes / rate``.
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -53,7 +58,7 @@ from .common import (
 )
 
 CASES = ("jit_allreduce", "jit (private bucket)", "jit (torch.ones)", "comm.allreduce", "ring over MPI",
-         "mpi Allreduce", "gloo all_reduce", "comm over gloo")
+         "mpi Allreduce", "gloo all_reduce", "comm over gloo", "comm, MPI between nodes")
 ALGORITHMS = ("shm one-shot", "shm single copy", "shm chunked", "shm shared array",
               "mpi transport: MPI's own", "comm.allreduce", "mpi transport: ring", "mpi Allreduce")
 
@@ -114,6 +119,14 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
     # A torchrun job's group: Gloo, with shared memory on each machine across machines (NOTE
     # [machines over Gloo] in comm/group.py).
     over_gloo = comm.Group.over_torch(300.0)
+    # Across nodes, the same group with its large parts crossing over MPI, the node waiting for
+    # each (TERRAPIPE_BULK_TRANSPORT=mpi), beside the default (NOTE [overlap across nodes] in
+    # comm/algorithms/segment.py).
+    inline = None
+    if cluster:
+        os.environ["TERRAPIPE_BULK_TRANSPORT"] = "mpi"
+        inline = comm.Group(mpi.Dup(), 300.0)
+        del os.environ["TERRAPIPE_BULK_TRANSPORT"]
 
     sizes = []
     b = 4 << 10
@@ -124,7 +137,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
     copy_src = np.ones(64 << 18, np.float32)  # 64 MiB
     copy_dst = np.empty_like(copy_src)
     copies = []
-    results = {}
+    results, cpus = {}, {}
     for nbytes in sizes:
         n = nbytes // 4
         t = torch.ones(n)
@@ -143,6 +156,8 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
             "gloo all_reduce": lambda t=t: dist.all_reduce(t),
             "comm over gloo": lambda a=a: comm.allreduce(a, "sum", group=over_gloo),
         }
+        if inline is not None:
+            fns["comm, MPI between nodes"] = lambda a=a: comm.allreduce(a, "sum", group=inline)
         # The buffer each case reduces: refilled right before its sample, so that no case starts
         # with its data hotter in cache than another's.
         operand = {"jit_allreduce": bucket, "jit (private bucket)": private, "jit (torch.ones)": t,
@@ -164,23 +179,28 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
                 x = operand.get(name, a)
                 (x.numpy() if isinstance(x, torch.Tensor) else x).fill(1.0)
                 mpi.Barrier()
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 for _ in range(reps):
                     fn()
                 dt = (time.perf_counter() - start) / reps
+                cpu = (time.process_time() - cpu) / reps  # every thread of the process
                 dt = mpi.allreduce(dt, op=MPI.MAX)
                 results.setdefault((name, nbytes), []).append(dt)
+                cpus.setdefault((name, nbytes), []).append(mpi.allreduce(cpu, op=MPI.SUM) / p)
             if rank == 0:
                 start = time.perf_counter()
                 np.copyto(copy_dst, copy_src)
                 copies.append(copy_src.nbytes / (time.perf_counter() - start) / 1e9)
             mpi.Barrier()
     over_gloo.close()
+    if inline is not None:
+        inline.close()
     dist.destroy_process_group()
     mpi.Barrier()
     if rank == 0:
         report_from_rank0({"p": p, "copy_gbs": copies,
-                           "samples": [[k[0], k[1], v] for k, v in results.items()]})
+                           "samples": [[k[0], k[1], v] for k, v in results.items()],
+                           "cpu": [[k[0], k[1], v] for k, v in cpus.items()]})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     nranks = data["p"]
     copy = statistics.median(data["copy_gbs"])
     med = {(c, b): statistics.median(v) for c, b, v in data["samples"]}
+    cpu = {(c, b): statistics.median(v) for c, b, v in data["cpu"]}
     sizes = sorted({b for _, b, _ in data["samples"]})
     factor = 2 * (nranks - 1) / nranks
     bound = None
@@ -212,35 +233,42 @@ def main(argv: list[str] | None = None) -> None:
         def bound(b: int) -> float:  # seconds: a ring between nodes over each node's link
             return 2 * (nodes - 1) / nodes * b * 8 / rate
     rows, records = [], []
+    cases = [c for c in CASES if (c, sizes[0]) in med]
     for b in sizes:
         row = [_size(b)]
-        for c in CASES:
+        for c in cases:
             algbw = b / med[(c, b)] / 1e9
             row.append(f"{algbw:.2f}/{algbw * factor:.2f}")
             records.append({"case": c, "bytes": b, "seconds": med[(c, b)], "algbw": algbw,
-                            "busbw": algbw * factor,
+                            "busbw": algbw * factor, "cpu_seconds_per_rank": cpu[(c, b)],
                             "samples_s": next(v for cc, bb, v in data["samples"] if cc == c and bb == b)})
         row.append(f"{1e6 * med[('comm.allreduce', b)]:.0f}/{1e6 * med[('mpi Allreduce', b)]:.0f}")
         row.append(f"{med[('gloo all_reduce', b)] / med[('jit_allreduce', b)]:.1f}x/"
                    f"{med[('mpi Allreduce', b)] / med[('jit_allreduce', b)]:.1f}x")
         row.append(f"{med[('gloo all_reduce', b)] / med[('comm over gloo', b)]:.2f}x")
+        cpu_cases = [c for c in ("comm.allreduce", "mpi Allreduce", "gloo all_reduce",
+                                 "comm, MPI between nodes") if c in cases]
+        row.append("/".join(f"{1e3 * cpu[(c, b)]:.3g}" for c in cpu_cases))
         if bound is not None:
             row.append("/".join(f"{bound(b) / med[(c, b)]:.0%}" for c in
-                                ("comm.allreduce", "mpi Allreduce", "gloo all_reduce", "comm over gloo")))
+                                ("comm.allreduce", "mpi Allreduce", "gloo all_reduce", "comm over gloo",
+                                 "comm, MPI between nodes")))
         rows.append(row)
     where = f"{nranks} ranks" if args.cluster is None else \
         f"{args.cluster[0]} emulated nodes x {args.cluster[1]} ranks, {args.link} links"
     print(f"\n{where}, float32 sum in place, median of {args.rounds} interleaved rounds;"
           f" algbw/busbw in GB/s; single-thread memcpy {copy:.1f} GB/s (bytes copied per second)")
-    extra = ["of link bound comm/mpi/gloo/comm-gloo"] if bound is not None else []
-    print(format_table(["size", *CASES, "us comm/mpi", "jit vs gloo/mpi", "comm-gloo vs gloo", *extra], rows))
+    extra = ["of link bound comm/mpi/gloo/comm-gloo/comm-mpi"] if bound is not None else []
+    cpu_head = "cpu ms/rank comm/mpi/gloo" + ("/comm-mpi" if "comm, MPI between nodes" in cases else "")
+    heads = ["size", *cases, "us comm/mpi", "jit vs gloo/mpi", "comm-gloo vs gloo", cpu_head, *extra]
+    print(format_table(heads, rows))
     result = {"ranks": nranks, "copy_gbs": copy, "records": records}
     if args.cluster is not None:
         result.update(nodes=args.cluster[0], ranks_per_node=args.cluster[1], link=args.link)
 
     def plot():
         busbw = {c: [next(r["busbw"] for r in records if r["case"] == c and r["bytes"] == b) for b in sizes]
-                 for c in CASES}
+                 for c in cases}
         return sweep_plot(sizes, busbw, "busbw GB/s", f"allreduce, {nranks} ranks",
                           ceiling=(copy, "memcpy (1 thread)"))
 

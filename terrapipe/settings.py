@@ -91,6 +91,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "Between machines of a group without MPI (torchrun across nodes), allreduce parts of at least "
             "this many bytes take the ring over TCP; smaller ones an allgather of the whole part",
             "comm"),
+    Setting("TERRAPIPE_BULK_TRANSPORT", "choice", "auto",
+            "Between nodes of an MPI job, what carries the parts of large hierarchical allreduces: `tcp` "
+            "(streams of terrapipe's own, each part crossing while the node works on the next), `mpi` "
+            "(MPI's point-to-point, the node waiting), `auto` (`tcp` unless the node has RDMA devices)",
+            "comm", ("auto", "tcp", "mpi")),
     Setting("TERRAPIPE_CMA", "flag", True,
             "`0`: never read peers' memory directly (single-copy collectives off)", "comm"),
     Setting("TERRAPIPE_MPI_NATIVE", "flag", True,

@@ -24,8 +24,10 @@ NOTE [machines over Gloo]
        for the rest: NOTE [Gloo groups of our own] in transports/gloo.py).
     3. Reductions (allreduce, reduce) run hierarchical (NOTE [algorithm selection] 2): each
        machine reduces its parts in its segment, each local rank allreduces its part with its
-       peers on the other machines over its ring, and every rank copies the result out. The
-       other collectives are Gloo's own, after the agreement (6).
+       peers on the other machines over its ring (``bulk`` too: a message of several chunks
+       has each part cross in the background while the machine works on the next, NOTE
+       [overlap across nodes] in comm/algorithms/segment.py), and every rank copies the result
+       out. The other collectives are Gloo's own, after the agreement (6).
     4. A local rank that fails on a far peer marks it lost on its machine's board, and marks
        itself waiting while it waits on other machines (NOTE [a peer lost across nodes] in
        transports/board.py): its machine's ranks raise naming that peer, not their neighbour.
@@ -70,6 +72,19 @@ _backend_choice: str | None = None  # comm.init(backend=...) when it named one
 _machines_made = 0  # worlds over torch.distributed made by this process (NOTE [machines over Gloo])
 
 
+def _bulk_over_tcp() -> bool:
+    """Whether an MPI group's large parts cross nodes over TCP streams of ours
+    (``TERRAPIPE_BULK_TRANSPORT``; ``auto``: unless this node has RDMA devices, where MPI's
+    own transfers outrun sockets)."""
+    choice = settings.get("TERRAPIPE_BULK_TRANSPORT")
+    if choice == "auto":
+        try:
+            return not os.listdir("/sys/class/infiniband")
+        except OSError:
+            return True
+    return choice == "tcp"
+
+
 def force_backend(backend: str | None) -> None:
     """Make ``backend`` ("mpi", "shm", "torch"; None: back to the setting) what every group made
     from now on in this process routes by, over ``TERRAPIPE_COMM_BACKEND`` (comm.init's
@@ -104,7 +119,9 @@ class Group:
 
     Transports (None where the group has none): ``shm`` (this node's segment), ``mpi`` (the
     whole group over MPI), ``cross`` (MPI among the ranks of this local rank on every node),
-    ``gloo``; ``control`` is the one signatures are agreed over. ``comm``: the mpi4py
+    ``bulk`` (what carries the large parts between nodes in the background: NOTE [overlap across
+    nodes] in comm/algorithms/segment.py), ``gloo``; ``control`` is the one signatures are
+    agreed over. ``comm``: the mpi4py
     communicator the group was made over (None over torch.distributed, a store, or alone), for
     layers that run their own MPI traffic beside the collectives (the parameter server).
     """
@@ -176,6 +193,15 @@ class Group:
                 mpi.on_lost, mpi.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
             cross_mpi.choose_halving()  # NOTE [MPI from compiled code] 9 in transports/mpi_native.py
         self.shm.board.progress = self.mpi.progress  # NOTE [MPI progress] 4 in comm/algorithms/ring.py
+        # Every rank the same way: the overlapped allreduce and the inline one lay out the rows
+        # differently (NOTE [overlap across nodes] 2).
+        over_tcp = mpi_comm.allreduce(int(self.nnodes > 1 and _bulk_over_tcp()), op=MPI.MIN)
+        if cross_mpi is not None and self.uniform and self.local_size > 1 and over_tcp:
+            from .transports.tcp import TcpTransport
+
+            self.bulk = TcpTransport(cross, self.timeout, cross_mpi.members,
+                                     [hosts[m] for m in cross_mpi.members])
+            self.bulk.on_lost, self.bulk.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
         if cross_mpi is None:
             cross.Free()
         self.control = self.shm
@@ -309,6 +335,7 @@ class Group:
         self.cross.on_lost, self.cross.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
         rows = [q for m in members for q in range(self.size) if nodes[q] == nodes[m]]  # 6
         self.control = MachinesAgreement(self.shm, self.cross, rows)
+        self.bulk = self.cross  # 3: NOTE [overlap across nodes] in comm/algorithms/segment.py
 
     @staticmethod
     def spans_machines_evenly(nodes: list[str]) -> bool:
@@ -362,7 +389,7 @@ class Group:
         self.timeout = float(timeout)
         self.executor = Executor()
         self.shm: ShmTransport | None = None
-        self.mpi = self.gloo = self.cross = self.control = None
+        self.mpi = self.gloo = self.cross = self.control = self.bulk = None
         self.store_comm = None  # over_store's StoreComm (what split agrees over)
         self._machines = None  # a Gloo group's (store, prefix, each rank's machine): NOTE [machines
         # over Gloo]
@@ -438,13 +465,14 @@ class Group:
     def close(self) -> None:
         self.executor.close()
         healthy = not self.executor.failed
-        for t in (self.cross, self.mpi, self.gloo):
+        bulk = self.bulk if self.bulk is not self.cross else None
+        for t in (bulk, self.cross, self.mpi, self.gloo):
             # After a failure MPI's frees may wait on the lost peer; sockets and Gloo close alone.
             if t is not None and (healthy or t.name in ("gloo", "tcp")):
                 t.close()
         if self.shm is not None:
             self.shm.close(healthy)  # frees its node communicator
-        self.shm = self.mpi = self.cross = self.gloo = self.control = None
+        self.shm = self.mpi = self.cross = self.gloo = self.control = self.bulk = None
         self.staging_pool = None
         if self.nccl:
             self.nccl.close()

@@ -35,7 +35,9 @@ NOTE [algorithm selection]
        across nodes (NOTE [one-shot across nodes] in comm/algorithms/oneshot_nodes.py: its
        agreement and data in one board step and one exchange between nodes); larger ones are
        hierarchical (the segment on each node, each part allreduced between nodes by the ring or
-       MPI's own, by size), except on nodes of one rank each, where the segment only adds two
+       MPI's own, by size; a message of several chunks with each part crossing over the group's
+       ``bulk`` TCP rings while the node works on the next, NOTE [overlap across nodes] in
+       comm/algorithms/segment.py), except on nodes of one rank each, where the segment only adds two
        copies: there they take the ring over the whole group from ``ring_bytes``, MPI's own
        below (at 4 nodes x 1 over 1gbit, 16 MiB: the segment's way 56% of the links' bound, the
        ring alone about 95%); the other collectives are MPI's own.
@@ -363,7 +365,8 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         sig = sig.copy()
         sig[g.SHARED_WORD:g.SHARED_WORD + 2] = where
         g.agree_signature(coll, sig)
-        shared.allreduce(g.shm, where[0], where[1], fs.n, op, rows_dtype, rkind, _across(g))
+        bulk = g.bulk if g.bulk is not None and shared.overlaps(fs.n, rows_dtype.itemsize) else None
+        shared.allreduce(g.shm, where[0], where[1], fs.n, op, rows_dtype, rkind, _across(g), bulk)
         return
     if gate is NO_GATE and _overlapping(fs, fd):
         # The algorithms write results while later input is still unread.
@@ -400,7 +403,10 @@ def _overlapping(fs: Fused, fd: Fused) -> bool:
 def _run_allreduce(g, name: str, fs: Fused, fd: Fused, op: int, dtype, kind: int, ckind: int, root: int,
                    gate) -> None:
     if name == "segment":
-        segment.allreduce(g.shm, fs, fd, op, dtype, kind, ckind, root, gate, _across(g))
+        if g.bulk is not None and segment.overlaps(g.shm, fs.n, np.dtype(dtype).itemsize):
+            segment.allreduce_overlapped(g.shm, fs, fd, op, dtype, kind, ckind, root, gate, g.bulk)
+        else:
+            segment.allreduce(g.shm, fs, fd, op, dtype, kind, ckind, root, gate, _across(g))
     elif name == "ring":
         ring.allreduce(g.mpi, fs, fd, op, dtype, kind, ckind, root, gate)
     elif name == "tcp":

@@ -9,6 +9,7 @@ import torch
 
 import terrapipe.comm as comm
 from terrapipe.comm.algorithms import oneshot, oneshot_nodes
+from tests.comm.calls import allreduce_by_way
 
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
 OPS = ["sum", "avg", "min", "max", "prod"]
@@ -445,16 +446,7 @@ def _one_shot_across_nodes_loop(per_node: int, nodes: int) -> None:
         want = np.stack([((np.arange(n) * (i + 1) + 5 * q) % 7) for q in range(p)]).astype(np.float64)
         want = {"sum": want.sum(0), "avg": want.sum(0) / p, "max": want.max(0), "min": want.min(0)}[op]
         del log[:]
-        how = (i + r) % 3  # each rank its own way into the same call
-        if how == 0:
-            comm.allreduce(x, op)
-            got = x
-        elif how == 1:
-            got = np.empty_like(x)
-            comm.allreduce(x, op, out=got)
-        else:
-            comm.allreduce(x, op, async_op=True).wait()
-            got = x
+        got = allreduce_by_way(x, op, i + r)  # each rank its own way into the same call
         assert [a for _, a, _ in log] == ["oneshot_nodes"], (i, n, dtype, log)
         np.testing.assert_array_equal(got.astype(np.float64), want.astype(dtype).astype(np.float64),
                                       err_msg=f"call {i}: {n} {dtype} {op}")

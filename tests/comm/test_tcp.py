@@ -155,3 +155,53 @@ def test_a_peer_that_never_comes_is_named_after_the_timeout(mpi_comm):
         assert 2 <= time.monotonic() - start < 10
     mpi_comm.Barrier()
     t.close()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_allreduces_started_in_the_background_complete_in_order(mpi_comm):
+    """start_allreduce (NOTE [overlap across nodes] in comm/algorithms/segment.py): many queued
+    at once, of sizes on both sides of the ring threshold, while this thread copies memory;
+    each future done with its exact result; closing ends the transport's thread."""
+    import threading
+
+    p, r = mpi_comm.Get_size(), mpi_comm.Get_rank()
+    rings = _rings(mpi_comm)
+    t = rings["world"][1]
+    sizes = [1, 1000, RING_BYTES >> 2, 300_001, 1 << 20]
+    for round_ in range(10):
+        bufs = [np.full(n, float(r + k + round_), np.float32) for k, n in enumerate(sizes * 3)]
+        futures = [t.start_allreduce(b, kreduce.SUM, 0, "test") for b in bufs]
+        scratch = np.ones(4 << 20, np.uint8)
+        np.copyto(np.empty_like(scratch), scratch)  # the caller's own work meanwhile
+        for k, (b, f) in enumerate(zip(bufs, futures, strict=True)):
+            assert f.result(timeout=60) is None
+            want = p * (k + round_) + p * (p - 1) / 2
+            assert b[0] == b[-1] == want and np.all(b == want), (round_, k)
+    assert [x.name for x in threading.enumerate()].count("terrapipe-tcp") == 1
+    for _, ring in rings.values():
+        ring.close()
+    assert "terrapipe-tcp" not in [x.name for x in threading.enumerate()]
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_an_abort_ends_the_transfers_under_way_blaming_no_peer(mpi_comm):
+    t = TcpTransport(mpi_comm, timeout=60, members=[5, 9])
+    lost = []
+    t.on_lost = lost.append
+    if mpi_comm.Get_rank() == 0:
+        # rank 1 takes no part: the first waits on it, the second is queued behind
+        futures = [t.start_allreduce(np.ones(n, np.float32), kreduce.SUM, 0, "allreduce")
+                   for n in (1 << 20, 10)]
+        time.sleep(0.3)
+        assert not futures[0].done()
+        start = time.monotonic()
+        t.abort("the node's part failed")
+        for f in futures:
+            with pytest.raises(CommError, match="the node's part failed"):
+                f.result(timeout=10)
+        assert time.monotonic() - start < 2, "an abort is not waited out"
+        assert lost == [], "an abort blames no peer"
+        with pytest.raises(CommError, match="unusable"):
+            t.allreduce_array(np.ones(4, np.float32), kreduce.SUM, 0, "allreduce")
+    mpi_comm.Barrier()
+    t.close()

@@ -12,13 +12,16 @@ reduction (NOTE [staging gate] in comm/message.py) and runs across nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ... import timeline
 from ...kernels import reduce as kreduce
 from ..message import NO_GATE, Fused, divide, segments
 
-__all__ = ["allreduce", "broadcast", "allgather", "scatter", "reduce_scatter", "reduce_rows", "reduce_part"]
+__all__ = ["Crossing", "allreduce", "allreduce_overlapped", "overlaps", "broadcast", "allgather", "scatter",
+           "reduce_scatter", "reduce_rows", "reduce_part"]
 
 
 def reduce_rows(shm, rows: np.ndarray, op: int, offset: int, length: int, kind: int) -> None:
@@ -94,6 +97,133 @@ def allreduce(shm, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: i
         gate.wrote(c0 + length)
         if rec:
             timeline.phase("comm", "copy out", t)
+
+
+def _third(shm, itemsize: int) -> int:
+    """Elements of a third of a row (whole 64-byte lines for 4-byte items)."""
+    return (shm.row_bytes // itemsize) // 3 // 16 * 16
+
+
+def overlaps(shm, n: int, itemsize: int) -> bool:
+    """Whether an allreduce of ``n`` elements spans several chunks of
+    :func:`allreduce_overlapped` (on one chunk there is nothing to overlap)."""
+    return n > _third(shm, itemsize)
+
+
+def _thirds(shm, n: int, itemsize: int):
+    """(first element, length, first column of its third of the row) of each chunk of ``n``
+    elements: chunk k in third k mod 3 (NOTE [overlap across nodes] 2)."""
+    third = _third(shm, itemsize)
+    for k, c0 in enumerate(range(0, n, third)):
+        yield c0, min(third, n - c0), (k % 3) * third
+
+
+class Crossing:
+    """The parts of one allreduce crossing the nodes in the background over ``bulk`` (NOTE
+    [overlap across nodes]): each handed over as soon as it is reduced on the node, the one
+    before it then finished (waited for, divided for avg, its ``then`` run). As a context
+    manager, a failure while a part is still crossing ends it (clause 4).
+
+    ``bulk``: a transport whose ``start_allreduce(buf, op, kind, what)`` returns a future of
+    the in-place allreduce of ``buf`` (summing for avg), run in order on its own thread, and
+    whose ``abort(why)`` ends the ones under way; ``size``: the group's, for avg."""
+
+    def __init__(self, bulk, op: int, kind: int, size: int) -> None:
+        self.bulk, self.op, self.kind, self.size = bulk, op, kind, size
+        self._last = None  # (future, part, then) of the part handed over last, not yet finished
+
+    def hand_over(self, part: np.ndarray, then: Callable[[], None]) -> None:
+        """Start ``part``'s allreduce across nodes (the caller leaves it alone until its
+        ``then`` runs), then finish the part handed over before it."""
+        future = self.bulk.start_allreduce(part, self.op, self.kind, "allreduce across nodes")
+        last, self._last = self._last, (future, part, then)
+        if last is not None:
+            self._finish(*last)
+
+    def drain(self) -> None:
+        """Finish the part handed over last."""
+        last, self._last = self._last, None
+        if last is not None:
+            self._finish(*last)
+
+    def _finish(self, future, part: np.ndarray, then: Callable[[], None]) -> None:
+        with self.bulk.afar(), timeline.span("comm", "wait for the part across nodes"):
+            future.result()
+        if self.op == kreduce.AVG:
+            divide(part, self.size, self.kind)
+        then()
+
+    def __enter__(self) -> Crossing:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if error is not None and self._last is not None:
+            self.bulk.abort(f"the node's part of the allreduce failed: {error}")
+
+
+def allreduce_overlapped(shm, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: int = 0,
+                         root: int = -1, gate=NO_GATE, bulk=None) -> None:
+    """:func:`allreduce` across nodes with each chunk's part crossing the nodes over ``bulk``
+    while the node works on the next chunk (NOTE [overlap across nodes]; ``bulk`` as
+    :class:`Crossing` takes it).
+
+    NOTE [overlap across nodes]
+        1. In :func:`allreduce` a chunk's part crosses the nodes while the rank waits, so the link
+           idles while the node copies and reduces, and the node idles while the link carries.
+           Here the part of chunk k is handed to ``bulk`` (its own thread, waits asleep in the
+           kernel: transports/tcp.py) as soon as it is reduced on the node; the rank goes on
+           with chunk k + 1, then waits for part k, publishes it and copies chunk k out. The
+           link carries part k + 1 right after part k, while the node copies.
+        2. So three chunks are in use at once (k - 1 copied out, k crossing, k + 1 copied in):
+           each row is cut in thirds, chunk k in third k mod 3. A rank copies chunk k + 1 into the
+           third of chunk k - 2 only after the barrier that every rank publishes after copying
+           chunk k - 2 out (the one after chunk k's copy-in), as NOTE [row halves] 1 in
+           comm/transports/shm.py does with two.
+        3. The barriers, on every rank in the same order: A_k after chunk k's copy-in, B_k before
+           chunk k's copy-out, which comes after A_(k+1); one more at the end, after which no
+           rank reads any row, so the next call may use any third or half (the row-half counter
+           is not touched): a one-shot writes its half before it agrees, and without that
+           barrier it overwrote a part a slower peer was still copying out (a regression test).
+           The agreement before the call was the barrier at its start: no rank agrees before it
+           finished reading the rows of its last call.
+        4. A failure on the node (a barrier timing out, a peer lost) while a part is crossing
+           ends it (``bulk.abort``): the thread is not left waiting on other machines, and the
+           transport is unusable after, as the group is.
+        5. An allreduce in place on a shared array (comm/algorithms/shared.py, NOTE [shared
+           arrays] 3) hands its parts over the same way; it copies nothing in, so its chunks
+           need no thirds.
+    """
+    p, me = shm.local_size, shm.local_rank
+    rows = shm.rows(dtype)
+    item = np.dtype(dtype).itemsize
+    rec = timeline.enabled()
+
+    def copy_out(c0: int, length: int, h: int) -> Callable[[], None]:
+        def then() -> None:
+            shm.board.barrier(shm.timeout, "allreduce")
+            if root < 0 or root == shm.rank:
+                for q, (a, b) in enumerate(segments(length, p)):
+                    if b > a:
+                        dsts.write(c0 + a, rows[q, h + a:h + b], ckind)
+            gate.wrote(c0 + length)
+        return then
+
+    with Crossing(bulk, op, kind, shm.size) as crossing:
+        for c0, length, h in _thirds(shm, srcs.n, item):
+            t = timeline.now() if rec else 0
+            gate.ready(c0 + length)
+            srcs.read(c0, length, rows[me, h:h + length], ckind)
+            if rec:
+                t = timeline.phase("comm", "copy in", t, {"bytes": length * item})
+            shm.board.barrier(shm.timeout, "allreduce")
+            lo, hi = segments(length, p)[me]
+            if hi > lo:
+                reduce_rows(shm, rows, op, h + lo, hi - lo, kind)
+            if rec:
+                timeline.phase("comm", "reduce", t, {"bytes": (hi - lo) * item})
+            crossing.hand_over(rows[me, h + lo:h + hi], copy_out(c0, length, h))
+        crossing.drain()
+    shm.board.barrier(shm.timeout, "allreduce")
 
 
 # -- one node only (comm/select.py sends these over MPI across nodes) ---------------------------

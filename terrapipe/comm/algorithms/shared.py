@@ -47,9 +47,9 @@ import numpy as np
 from ... import timeline
 from ...kernels import reduce as kreduce
 from ..message import segments
-from .segment import reduce_part
+from .segment import Crossing, reduce_part, reduce_rows
 
-__all__ = ["allreduce", "SHARED_MIN_BYTES"]
+__all__ = ["allreduce", "overlaps", "SHARED_MIN_BYTES"]
 
 # NOTE [shared arrays] 3: across nodes a message goes in chunks of this size (each rank reduces
 # its part of a chunk, then copies the others' parts of it, still in the shared cache). 1 and 4
@@ -65,10 +65,13 @@ _SHARED_CHUNK_BYTES = 4 << 20
 SHARED_MIN_BYTES = 512 << 10
 
 
-def allreduce(shm, ident: int, offset: int, n: int, op: int, dtype, kind: int, across=None) -> None:
+def allreduce(shm, ident: int, offset: int, n: int, op: int, dtype, kind: int, across=None,
+              bulk=None) -> None:
     """Allreduce, in place, the ``n`` elements of ``dtype`` at byte ``offset`` of every local
     rank's row of shared segment ``ident`` (NOTE [shared arrays]); the agreement's barrier
-    has run. Across nodes each part is allreduced by ``across`` (segment.reduce_part)."""
+    has run. Across nodes each part is allreduced by ``across`` (segment.reduce_part), or,
+    with ``bulk``, handed over to it while the node goes on (NOTE [overlap across nodes] 5 in
+    comm/algorithms/segment.py)."""
     rows = shm.shared_rows(ident).view(dtype)
     p, me = shm.local_size, shm.local_rank
     item = np.dtype(dtype).itemsize
@@ -81,6 +84,8 @@ def allreduce(shm, ident: int, offset: int, n: int, op: int, dtype, kind: int, a
         kreduce.allreduce_rows(rows, me, op, base + lo, hi - lo, divisor)
         if rec:
             t = timeline.phase("comm", "reduce (shared)", t, {"bytes": (hi - lo) * item})
+    elif bulk is not None:
+        _overlapped(shm, rows, base, n, op, kind, bulk)
     else:  # across nodes, or 16-bit floats: three passes per chunk
         step = max(_SHARED_CHUNK_BYTES // item, p)
         for c0 in range(0, n, step):
@@ -103,3 +108,35 @@ def allreduce(shm, ident: int, offset: int, n: int, op: int, dtype, kind: int, a
     shm.board.barrier(shm.timeout, "allreduce")  # NOTE [shared arrays] 3
     if rec:
         timeline.phase("comm", "wait for peers", t)
+
+
+def overlaps(n: int, itemsize: int) -> bool:
+    """Whether an allreduce of ``n`` elements over a shared array spans several chunks (on one
+    there is nothing to overlap)."""
+    return n * itemsize > _SHARED_CHUNK_BYTES
+
+
+def _overlapped(shm, rows: np.ndarray, base: int, n: int, op: int, kind: int, bulk) -> None:
+    """The chunks of NOTE [shared arrays] 3 with each part crossing the nodes while this rank
+    reduces the next (NOTE [overlap across nodes] 5 in comm/algorithms/segment.py); a barrier
+    and the copy of the peers' parts once a part is back."""
+    p, me = shm.local_size, shm.local_rank
+    step = max(_SHARED_CHUNK_BYTES // rows.itemsize, p)
+
+    def copy_parts(at: int, parts: list[tuple[int, int]]):
+        def then() -> None:
+            shm.board.barrier(shm.timeout, "allreduce")
+            for q, (a, b) in enumerate(parts):
+                if q != me and b > a:
+                    rows[me, at + a:at + b] = rows[q, at + a:at + b]
+        return then
+
+    with Crossing(bulk, op, kind, shm.size) as crossing:
+        for c0 in range(0, n, step):
+            parts = segments(min(step, n - c0), p)
+            lo, hi = parts[me]
+            at = base + c0
+            if hi > lo:
+                reduce_rows(shm, rows, op, at + lo, hi - lo, kind)
+            crossing.hand_over(rows[me, at + lo:at + hi], copy_parts(at, parts))
+        crossing.drain()

@@ -40,11 +40,14 @@ NOTE [a ring over TCP]
 from __future__ import annotations
 
 import contextlib
+import queue
 import selectors
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -188,6 +191,12 @@ class TcpRing:
         except _Closed as e:
             self.closed = e
 
+    def shutdown(self) -> None:
+        """End both streams now (a wait on them wakes and fails); another thread may be waiting."""
+        for s in (self.right, self.left):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         self._sel.close()
         for s in (self.right, self.left):
@@ -220,6 +229,9 @@ class TcpTransport:
         self._rows = np.empty(0, np.uint8)  # the small allreduce's gathered rows, grown on demand
         self._acc = np.empty(kreduce.TILE, np.float32)
         self.failed: str | None = None
+        self._aborted: str | None = None
+        self._jobs: queue.SimpleQueue | None = None  # the background thread's, once it runs
+        self._thread: threading.Thread | None = None
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         if self.size > 1:
             reached, accepted = connect_ranks(comm, self.rank, [right], [left], self.timeout,
@@ -258,6 +270,8 @@ class TcpTransport:
         if not done():
             wait_until(done, self.timeout, failure, nap=nap, sleep_after=0.0)
         if ring.closed is not None and not req.done:
+            if self._aborted is not None:  # this rank ended the streams: no peer is to blame
+                raise CommError(f"{what}: ended on this rank ({self._aborted})")
             raise self._fail(what, ring.closed.peer, f"a connection closed ({ring.closed.why})")
 
     def _fail(self, what: str, peer: int, cause: str) -> CollectiveTimeoutError:
@@ -342,7 +356,46 @@ class TcpTransport:
         reduce_flat(srcs, dsts, dtype, ckind, root < 0 or root == self.rank, reduce)
         gate.wrote(srcs.n)
 
+    # -- in the background (NOTE [overlap across nodes] in comm/algorithms/segment.py) ----------
+    def start_allreduce(self, buf: np.ndarray, op: int, kind: int, what: str) -> Future:
+        """:meth:`allreduce_array` of ``buf`` on this transport's own thread, after the ones
+        started before; a future of None (or of the error). The caller leaves ``buf`` alone and
+        calls nothing else of the transport until the future is done."""
+        if self._thread is None:
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, name="terrapipe-tcp", daemon=True)
+            self._thread.start()
+        future: Future = Future()
+        self._jobs.put((future, buf, op, kind, what))
+        return future
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, buf, op, kind, what = job
+            try:
+                self.allreduce_array(buf, op, kind, what)
+            except BaseException as e:  # noqa: BLE001 (the waiting caller raises it)
+                future.set_exception(e)
+            else:
+                future.set_result(None)
+
+    def abort(self, why: str) -> None:
+        """End the transfers under way and queued (their futures raise CommError naming ``why``,
+        no peer blamed); the transport is unusable after."""
+        self._aborted = why
+        self.failed = self.failed or f"ended on this rank ({why})"
+        if self.ring_comm is not None:
+            self.ring_comm.shutdown()
+
     def close(self) -> None:
+        """Close the streams and end the background thread (waiting for it: an allreduce under
+        way ends at once, its streams shut)."""
+        if self._thread is not None:
+            self.abort("the transport closed")
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+            self._thread = None
         if self.ring_comm is not None:
             self.ring_comm.close()
             self.ring_comm = None
