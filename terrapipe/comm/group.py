@@ -61,7 +61,7 @@ import numpy as np
 
 from .. import settings, timeline
 from . import dtypes, ops, select
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, CommError
 from .execution import Executor, Handle
 from .transports.base import Transport
 from .transports.shm import SIG_WORDS, ShmTransport
@@ -199,8 +199,12 @@ class Group:
         if cross_mpi is not None and self.uniform and self.local_size > 1 and over_tcp:
             from .transports.tcp import TcpTransport
 
-            self.bulk = TcpTransport(cross, self.timeout, cross_mpi.members,
-                                     [hosts[m] for m in cross_mpi.members])
+            try:
+                self.bulk = TcpTransport(cross, self.timeout, cross_mpi.members,
+                                         [hosts[m] for m in cross_mpi.members])
+            except CommError as e:
+                raise CommError(f"{e} (TERRAPIPE_BULK_TRANSPORT=mpi keeps the large parts between "
+                                f"nodes on MPI, with no connections of terrapipe's own)") from e
             self.bulk.on_lost, self.bulk.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
         if cross_mpi is None:
             cross.Free()

@@ -205,3 +205,31 @@ def test_an_abort_ends_the_transfers_under_way_blaming_no_peer(mpi_comm):
             t.allreduce_array(np.ones(4, np.float32), kreduce.SUM, 0, "allreduce")
     mpi_comm.Barrier()
     t.close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_forked_child_closing_its_copy_leaves_the_parents_streams(mpi_comm):
+    """A process that forks (a data loader's workers, a user's os.fork) hands the child copies
+    of the ring's sockets; the child closing its transport (its exit hooks) must not end the
+    parent's streams, as shutting them down would."""
+    import os
+
+    t = TcpTransport(mpi_comm, timeout=30, members=[0, 1])
+    p = mpi_comm.Get_size()
+    buf = np.ones(300_000, np.float32)
+    t.start_allreduce(buf, kreduce.SUM, 0, "test").result(timeout=30)  # its thread runs
+    assert np.all(buf == p)
+    if mpi_comm.Get_rank() == 0:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                t.close()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+    mpi_comm.Barrier()
+    for k in range(5):
+        buf = np.full(300_000 + k, float(k), np.float32)
+        t.start_allreduce(buf, kreduce.SUM, 0, "test").result(timeout=30)
+        assert np.all(buf == p * k), k
+    t.close()

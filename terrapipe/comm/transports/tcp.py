@@ -40,6 +40,7 @@ NOTE [a ring over TCP]
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import selectors
 import socket
@@ -232,6 +233,7 @@ class TcpTransport:
         self._aborted: str | None = None
         self._jobs: queue.SimpleQueue | None = None  # the background thread's, once it runs
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()  # a forked child shares the streams: only their owner ends them
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         if self.size > 1:
             reached, accepted = connect_ranks(comm, self.rank, [right], [left], self.timeout,
@@ -384,18 +386,18 @@ class TcpTransport:
         no peer blamed); the transport is unusable after."""
         self._aborted = why
         self.failed = self.failed or f"ended on this rank ({why})"
-        if self.ring_comm is not None:
+        if self.ring_comm is not None and os.getpid() == self._pid:
             self.ring_comm.shutdown()
 
     def close(self) -> None:
         """Close the streams and end the background thread (waiting for it: an allreduce under
-        way ends at once, its streams shut)."""
-        if self._thread is not None:
+        way ends at once, its streams shut). In a forked child, only the child's copies of the
+        sockets close: the streams stay the parent's."""
+        if self._thread is not None and os.getpid() == self._pid:
             self.abort("the transport closed")
-        if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()
-            self._thread = None
+        self._thread = None
         if self.ring_comm is not None:
             self.ring_comm.close()
             self.ring_comm = None
