@@ -4,6 +4,7 @@ across machines is), every collective of GlooTransport through the process group
 methods, its splits groups of their own too, and a late rank named through its own store."""
 
 import datetime
+import socket
 import time
 
 import numpy as np
@@ -19,10 +20,12 @@ def _store(mpi_comm):
     import torch.distributed as dist
 
     r, n = mpi_comm.Get_rank(), mpi_comm.Get_size()
-    master = dist.TCPStore("127.0.0.1", 0, n, True, datetime.timedelta(seconds=30), wait_for_workers=False) \
+    # rank 0's address as the other ranks reach it: across emulated nodes (--mpi-cluster) too
+    host = socket.gethostbyname(socket.gethostname()) if r == 0 else None
+    master = dist.TCPStore(host, 0, n, True, datetime.timedelta(seconds=30), wait_for_workers=False) \
         if r == 0 else None
-    port = mpi_comm.bcast(master.port if r == 0 else None, root=0)
-    store = master or dist.TCPStore("127.0.0.1", port, n, False, datetime.timedelta(seconds=30))
+    host, port = mpi_comm.bcast((host, master.port) if r == 0 else None, root=0)
+    store = master or dist.TCPStore(host, port, n, False, datetime.timedelta(seconds=30))
     return store
 
 
