@@ -18,7 +18,7 @@ import torch
 
 from terrapipe import comm
 from terrapipe.comm.algorithms import segment
-from tests.comm.calls import WAYS, allreduce_by_way
+from tests.comm.calls import allreduce_by_way
 
 
 def _two_nodes_of_two(mpi_comm, timeout=60.0, **env):
@@ -63,21 +63,21 @@ def _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm) -> None:
     calls = 0
     for dtype, op in cases:
         for n in _sizes(g, dtype):
-            for how in range(WAYS):
-                calls += 1
-                x = _operand(n, dtype, r, calls)
-                want = _expected(n, dtype, p, calls, op)
-                got = allreduce_by_way(x, op, how + r)  # each rank its own way into the same call
-                if got is not x:
-                    assert np.array_equal(x, _operand(n, dtype, r, calls)), "the input was written"
-                assert np.array_equal(got, want), (n, dtype, op, how)
-                every = mpi_comm.allgather(got.tobytes())
-                assert all(b == every[0] for b in every), (n, dtype, op, how)
-                # a small call in between: the one-shot writes its half before agreeing
-                # (NOTE [row halves] 3), right after a call that used thirds
-                y = np.full(3, float(r))
-                comm.allreduce(y)
-                assert np.all(y == p * (p - 1) / 2)
+            calls += 1
+            x = _operand(n, dtype, r, calls)
+            want = _expected(n, dtype, p, calls, op)
+            # every way on every size over the cases; each rank its own way into the same call
+            got = allreduce_by_way(x, op, calls + r)
+            if got is not x:
+                assert np.array_equal(x, _operand(n, dtype, r, calls)), "the input was written"
+            assert np.array_equal(got, want), (n, dtype, op, calls)
+            every = mpi_comm.allgather(got.tobytes())
+            assert all(b == every[0] for b in every), (n, dtype, op, calls)
+            # a small call in between: the one-shot writes its half before agreeing
+            # (NOTE [row halves] 3), right after a call that used thirds
+            y = np.full(3, float(r))
+            comm.allreduce(y)
+            assert np.all(y == p * (p - 1) / 2)
 
 
 def _sixteen_bit_fused_and_reduce(g) -> None:
@@ -143,7 +143,7 @@ def _many_outstanding_in_a_loop(g) -> None:
             assert x[0] == x[-1] == want and np.all(x == want), (round_, k, x.shape)
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=300)
+@pytest.mark.mpi(ranks=(4,), timeout=300, ci_ranks=(4,))
 def test_parts_cross_the_nodes_while_the_node_works_on_the_next_chunk(mpi_comm):
     before = _threads()
     g = _two_nodes_of_two(mpi_comm)
@@ -173,7 +173,7 @@ def test_the_same_with_the_parts_over_mpi_the_node_waiting(mpi_comm):
     assert _threads() == before
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=300)
+@pytest.mark.mpi(ranks=(4,), timeout=300, ci_ranks=(4,))
 def test_a_small_call_right_after_waits_until_every_rank_has_read(mpi_comm):
     """The closing barrier (NOTE [overlap across nodes] 3): a one-shot writes its row before it
     agrees, so right after a call whose last chunk sits in the middle third, rank 1's next
@@ -208,7 +208,7 @@ def test_a_small_call_right_after_waits_until_every_rank_has_read(mpi_comm):
 TIMEOUT = 3.0
 
 
-@pytest.mark.mpi(ranks=(4,), timeout=120)
+@pytest.mark.mpi(ranks=(4,), timeout=120, ci_ranks=())  # make test-full (CI time)
 def test_a_rank_stuck_while_parts_cross_is_named_and_the_parts_end(mpi_comm):
     """Rank 1 stops in the middle of a large allreduce (before reducing its third chunk) for
     longer than the timeout. Every other rank raises within the timeout naming it: its node
