@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             return 2 * (nodes - 1) / nodes * b * 8 / rate
     rows, records = [], []
     cases = [c for c in CASES if (c, sizes[0]) in med]
+    cpu_cases = [c for c in ("comm.allreduce", "mpi Allreduce", "gloo all_reduce", "comm, MPI between nodes")
+                 if c in cases]
     for b in sizes:
         row = [_size(b)]
         for c in cases:
@@ -246,8 +248,6 @@ def main(argv: list[str] | None = None) -> None:
         row.append(f"{med[('gloo all_reduce', b)] / med[('jit_allreduce', b)]:.1f}x/"
                    f"{med[('mpi Allreduce', b)] / med[('jit_allreduce', b)]:.1f}x")
         row.append(f"{med[('gloo all_reduce', b)] / med[('comm over gloo', b)]:.2f}x")
-        cpu_cases = [c for c in ("comm.allreduce", "mpi Allreduce", "gloo all_reduce",
-                                 "comm, MPI between nodes") if c in cases]
         row.append("/".join(f"{1e3 * cpu[(c, b)]:.3g}" for c in cpu_cases))
         if bound is not None:
             row.append("/".join(f"{bound(b) / med[(c, b)]:.0%}" for c in

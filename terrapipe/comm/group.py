@@ -194,9 +194,10 @@ class Group:
             cross_mpi.choose_halving()  # NOTE [MPI from compiled code] 9 in transports/mpi_native.py
         self.shm.board.progress = self.mpi.progress  # NOTE [MPI progress] 4 in comm/algorithms/ring.py
         # Every rank the same way: the overlapped allreduce and the inline one lay out the rows
-        # differently (NOTE [overlap across nodes] 2).
-        over_tcp = mpi_comm.allreduce(int(self.nnodes > 1 and _bulk_over_tcp()), op=MPI.MIN)
-        if cross_mpi is not None and self.uniform and self.local_size > 1 and over_tcp:
+        # differently (NOTE [overlap across nodes] 2). The condition before the vote is the same
+        # on every rank (nodes, their rank counts), so one-node groups pay no start-up collective.
+        tiered = cross_mpi is not None and self.uniform and self.local_size > 1
+        if tiered and mpi_comm.allreduce(int(_bulk_over_tcp()), op=MPI.MIN):
             from .transports.tcp import TcpTransport
 
             try:

@@ -198,11 +198,11 @@ def allreduce_overlapped(shm, srcs: Fused, dsts: Fused, op: int, dtype, kind: in
     item = np.dtype(dtype).itemsize
     rec = timeline.enabled()
 
-    def copy_out(c0: int, length: int, h: int) -> Callable[[], None]:
+    def copy_out(c0: int, length: int, h: int, parts: list[tuple[int, int]]) -> Callable[[], None]:
         def then() -> None:
             shm.board.barrier(shm.timeout, "allreduce")
             if root < 0 or root == shm.rank:
-                for q, (a, b) in enumerate(segments(length, p)):
+                for q, (a, b) in enumerate(parts):
                     if b > a:
                         dsts.write(c0 + a, rows[q, h + a:h + b], ckind)
             gate.wrote(c0 + length)
@@ -216,12 +216,13 @@ def allreduce_overlapped(shm, srcs: Fused, dsts: Fused, op: int, dtype, kind: in
             if rec:
                 t = timeline.phase("comm", "copy in", t, {"bytes": length * item})
             shm.board.barrier(shm.timeout, "allreduce")
-            lo, hi = segments(length, p)[me]
+            parts = segments(length, p)
+            lo, hi = parts[me]
             if hi > lo:
                 reduce_rows(shm, rows, op, h + lo, hi - lo, kind)
             if rec:
                 timeline.phase("comm", "reduce", t, {"bytes": (hi - lo) * item})
-            crossing.hand_over(rows[me, h + lo:h + hi], copy_out(c0, length, h))
+            crossing.hand_over(rows[me, h + lo:h + hi], copy_out(c0, length, h, parts))
         crossing.drain()
     shm.board.barrier(shm.timeout, "allreduce")
 
