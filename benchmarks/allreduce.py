@@ -16,7 +16,12 @@ chunked ring over MPI point-to-point (the path ``comm.allreduce`` takes between 
 group (what a torchrun job's ``comm.init`` makes: across machines, shared memory on each, NOTE
 [machines over Gloo] in comm/group.py), all summing in place; across emulated nodes also
 ``comm.allreduce`` on a group whose large parts cross the nodes over MPI with the node waiting
-(``TERRAPIPE_BULK_TRANSPORT=mpi``; NOTE [overlap across nodes] in comm/algorithms/segment.py). A
+(``TERRAPIPE_BULK_TRANSPORT=mpi``; NOTE [overlap across nodes] in comm/algorithms/segment.py), and
+on a group pinned to the segment, whose way private arrays took before they went single-copy
+on each node (NOTE [single-copy allreduce] 7 in comm/algorithms/single_copy.py); and, to
+show what the link costs alone, each rank's part of the message (1 / ranks per node of it)
+allreduced with its peers of the same local rank on the other nodes, every pair at once as a
+call's parts cross, over our TCP rings and over Gloo groups of those ranks. A
 sample is the slowest rank's time for a batch of calls, and the ranks' mean CPU time per call
 (every thread of the process, user and system: what the call takes from the computation beside
 it). Reported: median algbw (bytes / time) and busbw (algbw x 2(p-1)/p), next to this machine's
@@ -58,7 +63,8 @@ from .common import (
 )
 
 CASES = ("jit_allreduce", "jit (private bucket)", "jit (torch.ones)", "comm.allreduce", "ring over MPI",
-         "mpi Allreduce", "gloo all_reduce", "comm over gloo", "comm, MPI between nodes")
+         "mpi Allreduce", "gloo all_reduce", "comm over gloo", "comm, MPI between nodes",
+         "comm, segment's way", "parts alone: TCP rings", "parts alone: Gloo pairs")
 ALGORITHMS = ("shm one-shot", "shm single copy", "shm chunked", "shm shared array",
               "mpi transport: MPI's own", "comm.allreduce", "mpi transport: ring", "mpi Allreduce")
 
@@ -122,11 +128,21 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
     # Across nodes, the same group with its large parts crossing over MPI, the node waiting for
     # each (TERRAPIPE_BULK_TRANSPORT=mpi), beside the default (NOTE [overlap across nodes] in
     # comm/algorithms/segment.py).
-    inline = None
+    inline = segment_way = None
     if cluster:
         os.environ["TERRAPIPE_BULK_TRANSPORT"] = "mpi"
         inline = comm.Group(mpi.Dup(), 300.0)
         del os.environ["TERRAPIPE_BULK_TRANSPORT"]
+        segment_way = comm.Group(mpi.Dup(), 300.0)
+        segment_way.use_algorithm("allreduce", "segment")
+    world = comm.world()
+    pair_gloo = None  # the Gloo group of this rank's local rank across the nodes
+    if cluster and world.bulk is not None:
+        local = mpi.allgather(world.local_rank)
+        for j in sorted(set(local)):  # every rank makes every group, in the same order
+            made = dist.new_group([q for q in range(p) if local[q] == j])
+            if j == world.local_rank:
+                pair_gloo = made
 
     sizes = []
     b = 4 << 10
@@ -158,10 +174,17 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
         }
         if inline is not None:
             fns["comm, MPI between nodes"] = lambda a=a: comm.allreduce(a, "sum", group=inline)
+            fns["comm, segment's way"] = lambda a=a: comm.allreduce(a, "sum", group=segment_way)
+        if pair_gloo is not None:
+            part, tpart = np.ones(n // world.local_size, np.float32), torch.ones(n // world.local_size)
+            fns["parts alone: TCP rings"] = lambda x=part: world.bulk.allreduce_array(x, SUM, 0, "benchmark")
+            fns["parts alone: Gloo pairs"] = lambda t=tpart: dist.all_reduce(t, group=pair_gloo)
         # The buffer each case reduces: refilled right before its sample, so that no case starts
         # with its data hotter in cache than another's.
         operand = {"jit_allreduce": bucket, "jit (private bucket)": private, "jit (torch.ones)": t,
                    "gloo all_reduce": t}
+        if pair_gloo is not None:
+            operand.update({"parts alone: TCP rings": part, "parts alone: Gloo pairs": tpart})
         if algorithms:
             shared = None if region is None else region[:nbytes].view(np.float32)
             fns = _algorithm_cases(a, shared, mpi, MPI)
@@ -195,6 +218,7 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
     over_gloo.close()
     if inline is not None:
         inline.close()
+        segment_way.close()
     dist.destroy_process_group()
     mpi.Barrier()
     if rank == 0:
@@ -234,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
             return 2 * (nodes - 1) / nodes * b * 8 / rate
     rows, records = [], []
     cases = [c for c in CASES if (c, sizes[0]) in med]
-    cpu_cases = [c for c in ("comm.allreduce", "mpi Allreduce", "gloo all_reduce", "comm, MPI between nodes")
-                 if c in cases]
+    short = {"comm.allreduce": "comm", "mpi Allreduce": "mpi", "gloo all_reduce": "gloo",
+             "comm, MPI between nodes": "comm-mpi", "comm, segment's way": "comm-seg",
+             "parts alone: TCP rings": "parts-tcp", "parts alone: Gloo pairs": "parts-gloo"}
+    cpu_cases = [c for c in short if c in cases]
     for b in sizes:
         row = [_size(b)]
         for c in cases:
@@ -252,14 +278,14 @@ def main(argv: list[str] | None = None) -> None:
         if bound is not None:
             row.append("/".join(f"{bound(b) / med[(c, b)]:.0%}" for c in
                                 ("comm.allreduce", "mpi Allreduce", "gloo all_reduce", "comm over gloo",
-                                 "comm, MPI between nodes")))
+                                 "comm, MPI between nodes", "comm, segment's way")))
         rows.append(row)
     where = f"{nranks} ranks" if args.cluster is None else \
         f"{args.cluster[0]} emulated nodes x {args.cluster[1]} ranks, {args.link} links"
     print(f"\n{where}, float32 sum in place, median of {args.rounds} interleaved rounds;"
           f" algbw/busbw in GB/s; single-thread memcpy {copy:.1f} GB/s (bytes copied per second)")
-    extra = ["of link bound comm/mpi/gloo/comm-gloo/comm-mpi"] if bound is not None else []
-    cpu_head = "cpu ms/rank comm/mpi/gloo" + ("/comm-mpi" if "comm, MPI between nodes" in cases else "")
+    extra = ["of link bound comm/mpi/gloo/comm-gloo/comm-mpi/comm-seg"] if bound is not None else []
+    cpu_head = "cpu ms/rank " + "/".join(short[c] for c in cpu_cases)
     heads = ["size", *cases, "us comm/mpi", "jit vs gloo/mpi", "comm-gloo vs gloo", cpu_head, *extra]
     print(format_table(heads, rows))
     result = {"ranks": nranks, "copy_gbs": copy, "records": records}

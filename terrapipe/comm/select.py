@@ -37,7 +37,12 @@ NOTE [algorithm selection]
        hierarchical (the segment on each node, each part allreduced between nodes by the ring or
        MPI's own, by size; a message of several chunks with each part crossing over the group's
        ``bulk`` TCP rings while the node works on the next, NOTE [overlap across nodes] in
-       comm/algorithms/segment.py), except on nodes of one rank each, where the segment only adds two
+       comm/algorithms/segment.py); from ``single_copy.MIN_BYTES`` private memory goes single-copy
+       on each node, each chunk's part crossing the same way (NOTE [single-copy allreduce] 7 in
+       comm/algorithms/single_copy.py; at 2 nodes x 2 over 10gbit, where the cores set the pace,
+       1.3-1.6x the segment's way from 4 to 64 MiB; level over 1 and 2.5gbit, where the link
+       does, with a quarter to a third less CPU: allreduce_cluster_2x2_*_2026-11-27_{4,5,6}.json),
+       except on nodes of one rank each, where the segment only adds two
        copies: there they take the ring over the whole group from ``ring_bytes``, MPI's own
        below (at 4 nodes x 1 over 1gbit, 16 MiB: the segment's way 56% of the links' bound, the
        ring alone about 95%); the other collectives are MPI's own.
@@ -49,10 +54,11 @@ NOTE [algorithm selection]
        [shared arrays] in comm/algorithms/shared.py) takes the shared algorithm from
        ``shared.SHARED_MIN_BYTES`` (512 KiB), before the one-shot, sync (the latency path
        declines it) or async alike.
-    7. On one node, an allreduce of private host memory from ``single_copy.MIN_BYTES`` (2 MiB)
-       goes single-copy where the kernel lets the node's ranks read each other's memory (NOTE
-       [single-copy allreduce] in comm/algorithms/single_copy.py): each rank reads its part of
-       the peers' sources and then their reduced parts, nothing through the segment.
+    7. On one node (across nodes: 4), an allreduce of private host memory from
+       ``single_copy.MIN_BYTES`` (2 MiB) goes single-copy where the kernel lets the node's
+       ranks read each other's memory (NOTE [single-copy allreduce] in
+       comm/algorithms/single_copy.py): each rank reads its part of the peers' sources and
+       then their reduced parts, nothing through the segment.
        Interleaved, float32 sum in place (``benchmarks.allreduce --algorithms``), at 2 ranks:
        2 MiB 287 us vs the one-shot's 335, 4 MiB 467 vs the ring's 564, 64 MiB 10.8 ms vs 12.0
        (the chunked segment: 17.9); at 4 ranks on 2 cores it loses to the one-shot at 1 MiB
@@ -128,15 +134,28 @@ def _one_node_shm(g, r: Request) -> bool:
     return g.shm is not None and g.nnodes == 1
 
 
+def _reads_peers(g, r: Request) -> bool:
+    """Whether the single-copy algorithm can run ``r``: the node's ranks read each other's
+    memory, the agreement publishes the addresses on the board (its barrier comes first), and
+    across nodes only allreduces, on nodes of as many ranks each (NOTE [single-copy
+    allreduce] 7 in comm/algorithms/single_copy.py)."""
+    shm = g.shm
+    if r.kind or r.staged or shm is None or shm.peers is None:
+        return False
+    if g.control is not shm and getattr(g.control, "shm", None) is not shm:
+        return False
+    if g.nnodes == 1:
+        return r.coll in ("allreduce", "allgather", "gather", "reduce_scatter")
+    return r.coll == "allreduce" and g.uniform and g.cross is not None
+
+
 ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("nccl", 1, lambda g, r: r.cuda and g.size > 1 and _nccl().wanted(g)),
     Algorithm("gloo", 2, lambda g, r: g.gloo is not None and r.coll in _ALL),
     Algorithm("mpi", 3, lambda g, r: g.mpi is not None and r.coll in _ALL),
     Algorithm("ring", 4, lambda g, r: g.mpi is not None and r.coll in _REDUCING),
     Algorithm("shared", 5, lambda g, r: r.shared is not None and r.coll == "allreduce" and g.shm is not None),
-    Algorithm("single_copy", 6, lambda g, r: (
-        r.coll in ("allreduce", "allgather", "gather", "reduce_scatter") and not r.kind and not r.staged
-        and _one_node_shm(g, r) and g.control is g.shm and g.shm.peers is not None)),
+    Algorithm("single_copy", 6, lambda g, r: _reads_peers(g, r)),
     Algorithm("oneshot", 7, lambda g, r: (
         r.coll == "allreduce" and _one_node_shm(g, r) and r.nbytes <= oneshot.limit(g.shm))),
     Algorithm("segment", 8, lambda g, r: (
@@ -182,7 +201,7 @@ def _machines_over_gloo(g, r: Request) -> str | None:  # 2
     if not fits:
         return None
     if g.shm is not None:
-        return "segment"
+        return _large_private(g, r) or "segment"
     return "tcp" if r.nbytes < TCP_WHOLE_BYTES else "gloo"
 
 
@@ -440,7 +459,12 @@ def _allreduce_single_copy(g, fs: Fused, fd: Fused, op: int, dtype: np.dtype, co
         fs.read(0, fs.n, src)
     g.shm.post_single_copy(src, dst)
     g.agree_signature(coll, sig)
-    single_copy.allreduce(g.shm, src, dst, op)
+    if g.nnodes == 1:
+        single_copy.allreduce(g.shm, src, dst, op)
+    elif g.bulk is not None:
+        single_copy.allreduce_nodes(g.shm, src, dst, op, bulk=g.bulk)
+    else:
+        single_copy.allreduce_nodes(g.shm, src, dst, op, across=_across(g))
     if dst is not fd.only():
         fd.write(0, dst)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from terrapipe import comm
-from terrapipe.comm.algorithms import segment
+from terrapipe.comm.algorithms import segment, single_copy
 from tests.comm.calls import allreduce_by_way
 
 
@@ -60,24 +60,34 @@ def _digest(x: np.ndarray) -> bytes:
     return hashlib.blake2b(x.tobytes(), digest_size=16).digest()
 
 
-def _sizes(g, dtype) -> list[int]:
-    """Element counts around one chunk (a third of a row) and past each wrap of the thirds."""
-    third = segment._third(g.shm, np.dtype(dtype).itemsize)
-    return [third - 1, third, third + 1, 2 * third + 5, 3 * third, 3 * third + 1, 5 * third + 11]
+def _sizes(g, dtype, algorithm: str) -> list[int]:
+    """Element counts around one chunk and past several: for the segment a chunk is a third of
+    a row, and the sizes pass each wrap of the thirds; for the single copy it is
+    ``NODES_CHUNK_BYTES``, and the smallest sizes leave a rank's part empty."""
+    item = np.dtype(dtype).itemsize
+    if algorithm == "segment":
+        third = segment._third(g.shm, item)
+        return [third - 1, third, third + 1, 2 * third + 5, 3 * third, 3 * third + 1, 5 * third + 11]
+    step = single_copy.NODES_CHUNK_BYTES // item
+    return [1, 3, step - 1, step, step + 1, 2 * step + 5, 3 * step + 3]
 
 
-def _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm) -> None:
+def _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm, algorithm: str) -> None:
+    """Pinned to ``algorithm`` ("segment" or "single_copy"), the small call in between as
+    selected."""
     r, p = g.rank, g.size
     cases = (("float32", "sum"), ("float64", "avg"), ("int32", "max"), ("int64", "min"),
              ("float32", "avg"))
     calls = 0
     for dtype, op in cases:
-        for n in _sizes(g, dtype):
+        for n in _sizes(g, dtype, algorithm):
             calls += 1
             x = _operand(n, dtype, r, calls)
             want = _expected(n, dtype, p, calls, op)
+            g.use_algorithm("allreduce", algorithm)
             # every way on every size over the cases; each rank its own way into the same call
             got = allreduce_by_way(x, op, calls + r)
+            g.use_algorithm("allreduce", None)
             if got is not x:
                 assert np.array_equal(x, _operand(n, dtype, r, calls)), "the input was written"
             assert np.array_equal(got, want), (n, dtype, op, calls)
@@ -160,13 +170,58 @@ def test_parts_cross_the_nodes_while_the_node_works_on_the_next_chunk(mpi_comm):
     assert g.bulk is not None and g.bulk.name == "tcp"
     log = g.record_algorithms()
     third = segment._third(g.shm, 4)
-    x = np.ones(3 * third, np.float32)
+    x = np.ones(3 * third, np.float16)  # 16-bit floats: the segment's (the single copy's are native)
     comm.allreduce(x)
     assert [a for _, a, _ in log] == ["segment"] and np.all(x == g.size)
     assert _threads() == before + 1, "the parts did not cross in the background"
-    _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm)
+    _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm, "segment")
     _sixteen_bit_fused_and_reduce(g)
     _in_place_on_a_shared_array(g)
+    _many_outstanding_in_a_loop(g)
+    comm.finalize()
+    assert _threads() == before, "the transport's thread outlived the group"
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=300, ci_ranks=(4,))
+def test_private_arrays_are_read_from_the_node_peers_and_cross_in_chunks(mpi_comm):
+    """NOTE [single-copy allreduce] 7: a large allreduce of private memory reads the node
+    peers' sources, hands this rank's part of each chunk to the TCP rings, and reads the
+    peers' results; exact on every size and layout, fused messages through one private copy,
+    many outstanding."""
+    from terrapipe.comm.message import segments
+
+    before = _threads()
+    g = _two_nodes_of_two(mpi_comm)
+    assert g.shm.peers is not None, "the node's ranks cannot read each other's memory"
+    r, p = g.rank, g.size
+    log = g.record_algorithms()
+    handed = []
+    start = g.bulk.start_allreduce
+    g.bulk.start_allreduce = lambda buf, *rest: (handed.append(buf.nbytes), start(buf, *rest))[1]
+    step = single_copy.NODES_CHUNK_BYTES // 4
+    n = 3 * step + 5
+    x = _operand(n, np.float32, r, 0)
+    comm.allreduce(x, "avg")
+    assert [a for _, a, _ in log] == ["single_copy"]
+    assert np.array_equal(x, _expected(n, np.float32, p, 0, "avg"))
+    lengths = [step, step, step, 5]
+    assert handed == [4 * (b - a) for m in lengths for a, b in [segments(m, 2)[g.local_rank]]], handed
+    del g.bulk.start_allreduce
+    # below MIN_BYTES the segment's way; 16-bit floats too
+    del log[:]
+    for y in (np.ones(single_copy.MIN_BYTES // 4 - 16, np.float32), np.ones(2 * step, np.float16)):
+        comm.allreduce(y)
+        assert np.all(y == p)
+    assert [a for _, a, _ in log] == ["segment", "segment"], log
+    _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm, "single_copy")
+    # several tensors: one fused message, through one contiguous private copy
+    ts = [torch.from_numpy(_operand(m, np.float32, r, 7 + m)) for m in (step + 3, 17, 2 * step)]
+    del log[:]
+    comm.jit_allreduce(ts, "sum")
+    assert [a for _, a, _ in log] == ["single_copy"], log
+    for t in ts:
+        m = t.shape[0]
+        assert np.array_equal(t.numpy(), _expected(m, np.float32, p, 7 + m, "sum")), m
     _many_outstanding_in_a_loop(g)
     comm.finalize()
     assert _threads() == before, "the transport's thread outlived the group"
@@ -177,7 +232,8 @@ def test_the_same_with_the_parts_over_mpi_the_node_waiting(mpi_comm):
     before = _threads()
     g = _two_nodes_of_two(mpi_comm, TERRAPIPE_BULK_TRANSPORT="mpi")
     assert g.bulk is None
-    _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm)
+    for algorithm in ("segment", "single_copy"):
+        _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm, algorithm)
     _in_place_on_a_shared_array(g)
     _many_outstanding_in_a_loop(g)
     assert _threads() == before
@@ -203,12 +259,14 @@ def test_a_small_call_right_after_waits_until_every_rank_has_read(mpi_comm):
 
     for round_ in range(2):
         x = _operand(2 * third, np.float32, r, round_)
+        g.use_algorithm("allreduce", "segment")
         if r == 0:
             message.Fused.write = slow
         try:
             comm.allreduce(x)
         finally:
             message.Fused.write = real
+        g.use_algorithm("allreduce", None)
         y = np.full(1000, 777.0 + r, np.float32)
         comm.allreduce(y)
         assert np.array_equal(x, _expected(2 * third, np.float32, p, round_, "sum")), round_
@@ -219,7 +277,8 @@ TIMEOUT = 3.0
 
 
 @pytest.mark.mpi(ranks=(4,), timeout=120, ci_ranks=())  # make test-full (CI time)
-def test_a_rank_stuck_while_parts_cross_is_named_and_the_parts_end(mpi_comm):
+@pytest.mark.parametrize("algorithm", ["segment", "single_copy"])
+def test_a_rank_stuck_while_parts_cross_is_named_and_the_parts_end(mpi_comm, algorithm):
     """Rank 1 stops in the middle of a large allreduce (before reducing its third chunk) for
     longer than the timeout. Every other rank raises within the timeout naming it: its node
     peer from the board, which ends the parts it has crossing; the other node's ranks from
@@ -228,26 +287,29 @@ def test_a_rank_stuck_while_parts_cross_is_named_and_the_parts_end(mpi_comm):
     before = _threads()
     g = _two_nodes_of_two(mpi_comm, timeout=TIMEOUT)
     r = g.rank
-    x = np.ones(8 * segment._third(g.shm, 4), np.float32)
+    g.use_algorithm("allreduce", algorithm)
+    chunk = segment._third(g.shm, 4) if algorithm == "segment" else single_copy.NODES_CHUNK_BYTES // 4
+    x = np.ones(5 * chunk, np.float32)
     comm.allreduce(x)
     assert np.all(x == g.size)
-    real, calls = segment.reduce_rows, [0]
+    module, name = (segment, "reduce_rows") if algorithm == "segment" else (single_copy, "_reduce_from_peers")
+    real, calls = getattr(module, name), [0]
 
-    def stuck(*args):
+    def stuck(*args, **kwargs):
         calls[0] += 1
         if calls[0] == 3:
             time.sleep(TIMEOUT + 3)
-        real(*args)
+        real(*args, **kwargs)
 
     if r == 1:
-        segment.reduce_rows = stuck
+        setattr(module, name, stuck)
     mpi_comm.Barrier()
     start = time.monotonic()
     try:
         with pytest.raises(comm.CommError) as e:
             comm.allreduce(x)
     finally:
-        segment.reduce_rows = real
+        setattr(module, name, real)
     took = time.monotonic() - start
     if r != 1:  # rank 0 by its board; rank 3 by its part's ring; rank 2 from rank 3's mark
         assert isinstance(e.value, comm.CollectiveTimeoutError) and e.value.ranks == [1], str(e.value)

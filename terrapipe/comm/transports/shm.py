@@ -184,7 +184,7 @@ class ShmTransport(Transport):
         self._shared: dict[int, tuple[int, int, np.ndarray, Segment]] = {}  # id: (addr, bytes, rows, segment)
         self._shared_made = 0
         # NOTE [single-copy allreduce] 4 (algorithms/single_copy.py): None where the node cannot
-        self.peers = self._probe_single_copy() if cross is None and p > 1 and cma.enabled() else None
+        self.peers = self._probe_single_copy() if p > 1 and cma.enabled() else None
         self._staging = np.empty(0, np.uint8)  # contiguous copies of fused messages (single copy)
         # The exchange across nodes (agree_across): its message rows, made once and as wide as
         # any message of an exchange can be, whichever call each rank made (NOTE [agreement
