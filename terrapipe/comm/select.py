@@ -33,7 +33,8 @@ NOTE [algorithm selection]
        when MPI is forced (``TERRAPIPE_COMM_BACKEND=mpi``) or nodes differ in rank count.
     4. Across nodes: an allreduce of at most ``oneshot_nodes.limit`` bytes is the one-shot
        across nodes (NOTE [one-shot across nodes] in comm/algorithms/oneshot_nodes.py: its
-       agreement and data in one board step and one exchange between nodes); larger ones are
+       agreement and data in one board step and one exchange between nodes; between two nodes
+       of several ranks up to a row half, 2 MiB at two ranks a node, clause 10); larger ones are
        hierarchical (the segment on each node, each part allreduced between nodes by the ring or
        MPI's own, by size; a message of several chunks with each part crossing over the group's
        ``bulk`` TCP rings while the node works on the next, NOTE [overlap across nodes] in
@@ -257,9 +258,9 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate(2, _under_torchrun),
     Candidate(3, _flat_over_mpi),
     Candidate(6, _in_shared_array),
+    Candidate(4, _small_across_nodes),
     Candidate(7, _large_private),
     Candidate(5, _small_allreduce),
-    Candidate(4, _small_across_nodes),
     Candidate(4, _one_rank_per_node),
     Candidate(8, _large_on_free_cores),
     Candidate(9, _through_segment),

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from terrapipe import comm
-from terrapipe.comm.algorithms import segment, single_copy
+from terrapipe.comm.algorithms import oneshot_nodes, segment, single_copy
 from tests.comm.calls import allreduce_by_way
 
 
@@ -170,7 +170,7 @@ def test_parts_cross_the_nodes_while_the_node_works_on_the_next_chunk(mpi_comm):
     assert g.bulk is not None and g.bulk.name == "tcp"
     log = g.record_algorithms()
     third = segment._third(g.shm, 4)
-    x = np.ones(3 * third, np.float16)  # 16-bit floats: the segment's (the single copy's are native)
+    x = np.ones(6 * third, np.float16)  # 16-bit floats past the one-shot: the segment's
     comm.allreduce(x)
     assert [a for _, a, _ in log] == ["segment"] and np.all(x == g.size)
     assert _threads() == before + 1, "the parts did not cross in the background"
@@ -207,12 +207,13 @@ def test_private_arrays_are_read_from_the_node_peers_and_cross_in_chunks(mpi_com
     lengths = [step, step, step, 5]
     assert handed == [4 * (b - a) for m in lengths for a, b in [segments(m, 2)[g.local_rank]]], handed
     del g.bulk.start_allreduce
-    # below MIN_BYTES the segment's way; 16-bit floats too
+    # up to a row half the one-shot across nodes (NOTE [one-shot across nodes] 10), 16-bit
+    # floats past it the segment's way
     del log[:]
-    for y in (np.ones(single_copy.MIN_BYTES // 4 - 16, np.float32), np.ones(2 * step, np.float16)):
+    for y in (np.ones(oneshot_nodes.limit(g.shm) // 4, np.float32), np.ones(2 * step, np.float16)):
         comm.allreduce(y)
         assert np.all(y == p)
-    assert [a for _, a, _ in log] == ["segment", "segment"], log
+    assert [a for _, a, _ in log] == ["oneshot_nodes", "segment"], log
     _allreduces_are_exact_on_every_size_and_layout(g, mpi_comm, "single_copy")
     # several tensors: one fused message, through one contiguous private copy
     ts = [torch.from_numpy(_operand(m, np.float32, r, 7 + m)) for m in (step + 3, 17, 2 * step)]

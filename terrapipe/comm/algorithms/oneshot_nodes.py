@@ -76,6 +76,16 @@ NOTE [one-shot across nodes]
        bytes (local_size x n per link, not n). Safe without it: a rank reads the rows only in
        step 2, before the exchange, and the rows' half is written again only two calls later,
        after the next call's first step (NOTE [row halves]).
+    10. Between two nodes of several ranks each it takes messages up to a row half
+       (``ONESHOT_NODE_PAIR_BYTES``, 2 MiB at two ranks a node), not only small ones: there
+       each part crosses the link once, as in a ring, and the node meets twice where the
+       hierarchical path meets four times (its agreement, the segment in, the part's
+       allreduce between nodes, the segment out) and the single copy from a chunk's barrier
+       on; where four ranks share two cores every meeting is a scheduling round. Over 10gbit
+       it took 0.46-0.76x the hierarchical segment's time from 256 KiB to 2 MiB and 0.45-0.74x
+       MPICH's, over 2.5gbit 0.76-0.95x and 0.64-0.92x, over 1gbit level (the link's pace).
+       The inbox's rows are that much wider there (``PAIR_PAYLOAD_BYTES`` in
+       comm/transports/shm.py: 4 MiB a rank).
 """
 
 from __future__ import annotations
@@ -92,11 +102,10 @@ from ...kernels import sync as ksync
 from ..transports import mpi_native
 from ..transports.board import ROUND_SPINS, SIG_WORDS, TABLE_COLS, YIELDS
 from ..transports.mpi import NATIVE_SPINS
-from ..transports.shm import PAYLOAD_BYTES
 from .oneshot import ONESHOT_SPINS
 
 __all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES",
-           "ONESHOT_WHOLE_BYTES"]
+           "ONESHOT_NODE_PAIR_BYTES", "ONESHOT_WHOLE_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
 # interleaved), us at 4 / 16 / 32 / 64 KiB, before the latency path and the per-rank parts: at
@@ -113,6 +122,15 @@ ONESHOT_NODES_BYTES = 32 << 10
 # 2.5gbit 64 KiB 329 / 326 us where the hierarchical path (the agreement, then MPI's own) took
 # 654 / 325, over 1gbit 48 / 64 KiB 621 / 615 and 824 / 820.
 ONESHOT_TWO_NODES_BYTES = 64 << 10
+# Between two nodes of several ranks each, up to a row half (clause 10). 2 nodes x 2 (Xeon, 2
+# cores; pinned, 7 rounds interleaved, 2026-11-27), us at 256 KiB / 1 MiB / 2 MiB, the one-shot
+# / the hierarchical segment / MPICH's allreduce: over 10gbit 489 / 1053 / 661, 1693-1839 /
+# 2260-2432 / 3510-3544, 3717 / 5625 / 8273 (the single copy 4366); over 2.5gbit 863 / 1131 /
+# 941, 3714-3779 / 4143-4210 / 5268-5307, 8373-8623 / 8947-9043 / 12141-13107 (single copy
+# 9046); over 1gbit level with both (the link's pace) to 1 MiB, 18.3 / 18.6 / 22.1 ms at 2
+# MiB. Between nodes of one rank it lost to MPI's own from 256 KiB over 10gbit (2 MiB 2661 /
+# 1899 us), so there it stays at ONESHOT_TWO_NODES_BYTES.
+ONESHOT_NODE_PAIR_BYTES = 2 << 20
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
 # 0.81 at 4 KiB, 0.85 at 8 KiB, 1.03 at 16 KiB.
@@ -121,13 +139,19 @@ ONESHOT_WHOLE_BYTES = 8 << 10
 
 def limit(shm) -> int:
     """The largest allreduce (bytes as exchanged) the one-shot across nodes takes: half a row
-    of the node's segment, and at most ``ONESHOT_TWO_NODES_BYTES`` between two nodes and among
-    a power of two of four or more whose exchange is compiled (and so may reduce-scatter),
-    ``ONESHOT_NODES_BYTES`` among others."""
+    of the node's segment, and at most ``ONESHOT_NODE_PAIR_BYTES`` between two nodes of
+    several ranks (clause 10), ``ONESHOT_TWO_NODES_BYTES`` between two nodes of one rank and
+    among a power of two of four or more whose exchange is compiled (and so may
+    reduce-scatter), ``ONESHOT_NODES_BYTES`` among others; never past what the exchange's
+    messages carry (``shm.payload_bytes``)."""
     cross = shm.cross
-    wide = cross is not None and (cross.size == 2 or (cross.doubling and cross.native is not None))
-    most = ONESHOT_TWO_NODES_BYTES if wide else ONESHOT_NODES_BYTES
-    return min(shm.row_bytes // 2, most, PAYLOAD_BYTES)
+    if cross is not None and cross.size == 2 and shm.local_size > 1:
+        most = ONESHOT_NODE_PAIR_BYTES
+    elif cross is not None and (cross.size == 2 or (cross.doubling and cross.native is not None)):
+        most = ONESHOT_TWO_NODES_BYTES
+    else:
+        most = ONESHOT_NODES_BYTES
+    return min(shm.row_bytes // 2, most, shm.payload_bytes)
 
 
 def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,

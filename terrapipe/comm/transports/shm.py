@@ -41,10 +41,11 @@ NOTE [agreement across nodes]
        would be erroneous in MPI. Each message is received into its sender's row of the
        transport's inbox (:meth:`ShmTransport.inbox`), whole rows posted before the sends (no
        message of an exchange is longer than a row: a table and at most the one-shot's limit),
-       each one's length read from its status. Rows are PAYLOAD_BYTES past the table on every
-       rank: a 64 KiB one-shot's message met by a rank in another collective's agreement once
-       overran a row sized for tables alone, and MPI failed on the truncation (regression test
-       in tests/comm/test_collectives.py).
+       each one's length read from its status. Rows are ``payload_bytes`` past the table on
+       every rank (PAYLOAD_BYTES; PAIR_PAYLOAD_BYTES between two nodes of several ranks): a 64
+       KiB one-shot's message met by a rank in another collective's agreement once overran a
+       row sized for tables alone, and MPI failed on the truncation (regression test in
+       tests/comm/test_collectives.py).
     3. Among a power of two of at least four nodes (``MpiTransport.doubling``) the exchange goes
        by recursive doubling instead (``MpiTransport.exchange_doubling``): log2(nodes) rounds,
        in round k a rank and the rank 2**k away swap their halves' tables so far and their
@@ -85,7 +86,7 @@ from .base import Transport
 from .board import LOST, SIG_WORDS, TABLE_COLS, Board, wait_mode
 
 __all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "PAYLOAD_BYTES",
-           "row_bytes", "wait_mode", "SIG_WORDS"]
+           "PAIR_PAYLOAD_BYTES", "row_bytes", "wait_mode", "SIG_WORDS"]
 
 PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
@@ -149,6 +150,10 @@ class Segment:
 # across nodes' part, comm/algorithms/oneshot_nodes.py): every inbox row is this wide, so a
 # message never outgrows the receive posted for it, whichever collective its sender called.
 PAYLOAD_BYTES = 64 << 10
+# Between two nodes of several ranks each the one-shot across nodes takes messages up to a row
+# half (NOTE [one-shot across nodes] 10 in comm/algorithms/oneshot_nodes.py): there the inbox's
+# two rows are this much wider.
+PAIR_PAYLOAD_BYTES = 2 << 20
 
 
 class ShmTransport(Transport):
@@ -191,12 +196,15 @@ class ShmTransport(Transport):
         # across nodes] 2); this node's table in its own row: signature digest and group rank
         # per row (clause 4), rank -1 pads.
         self._inbox = self._head = self._node_table = self.pair = None
+        self.payload_bytes = PAYLOAD_BYTES  # the most an exchange's message carries past its table
         if cross is not None:
             from mpi4py import MPI
 
             rows = cross.comm.allreduce(p, op=MPI.MAX)
             self._head = rows * TABLE_COLS * 8
-            width = -(-(self._head + PAYLOAD_BYTES) // 64) * 64
+            # the same on every rank of cross (its size, the largest node), as the rows must be
+            self.payload_bytes = PAIR_PAYLOAD_BYTES if cross.size == 2 and rows > 1 else PAYLOAD_BYTES
+            width = -(-(self._head + self.payload_bytes) // 64) * 64
             self._inbox = np.empty((cross.size, width), np.uint8)
             table = self._inbox[cross.rank, : self._head].view(np.int64)
             self._node_table = table.reshape(rows, TABLE_COLS)
@@ -237,7 +245,7 @@ class ShmTransport(Transport):
 
     def inbox(self) -> tuple[np.ndarray, int]:
         """(inbox, head) of the exchange across nodes (NOTE [agreement across nodes]): inbox is
-        (nodes, head + PAYLOAD_BYTES rounded up to 64) uint8, row j node j's message in the
+        (nodes, head + ``payload_bytes`` rounded up to 64) uint8, row j node j's message in the
         cross communicator's order (this node's at ``cross.rank``): its table, ``head`` bytes,
         then its payload. A payload is written at ``inbox[cross.rank, head:]`` before
         :meth:`agree_across`; the others' arrive in their rows. The transport's; None on one
@@ -247,15 +255,15 @@ class ShmTransport(Transport):
     def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0,
                      reduction: tuple | None = None) -> None:
         """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
-        read off the board, to every other node, with the ``payload_bytes`` (at most
-        PAYLOAD_BYTES) this rank wrote after its table in :meth:`inbox`; returns once every
+        read off the board, to every other node, with the ``payload_bytes`` (at most the
+        transport's) this rank wrote after its table in :meth:`inbox`; returns once every
         signature agrees, every node's payload then in its row of the inbox. Where the
         exchange goes by recursive doubling (``cross.doubling``, clause 3) the payloads are
         reduced on the way instead, as ``reduction`` says: (partial, op, kind, scratch, acc),
         ``partial`` this rank's payload as its dtype, which then ends as the whole group's
         reduction (``MpiTransport.agree_tables``); required there when there is a payload."""
-        if payload_bytes > PAYLOAD_BYTES:
-            raise ValueError(f"payload_bytes: at most {PAYLOAD_BYTES}, got {payload_bytes}")
+        if payload_bytes > self.payload_bytes:
+            raise ValueError(f"payload_bytes: at most {self.payload_bytes}, got {payload_bytes}")
         ksync.sig_digests(sigs, self._node_table, 0)
         if self.pair is not None and payload_bytes and reduction is None:
             raise ValueError("reduction: recursive doubling reduces payloads on the way")
