@@ -33,9 +33,9 @@ NOTE [one-shot across nodes]
        Among three nodes, or more but not a power of two, the exchange is all to all, (nodes -
        1) x n per link; among four, eight, ... it goes by recursive doubling (clause 8),
        log2(nodes) x n, where a ring sends about 2n: either way it wins for small messages
-       only (ONESHOT_NODES_BYTES; up to ONESHOT_TWO_NODES_BYTES between two nodes, where it
-       sends what a ring does, and where the compiled exchange may reduce-scatter, 1.5 x n at
-       four nodes as MPICH's allreduce; NOTE [algorithm selection] 4 in comm/select.py).
+       only (ONESHOT_NODES_BYTES; more between two nodes, where it sends what a ring does,
+       and where the compiled exchange may reduce-scatter, 1.5 x n at four nodes as MPICH's
+       allreduce: clause 10; NOTE [algorithm selection] 4 in comm/select.py).
     7. Python's part is paid per call by the smallest allreduces, on every rank, and where
        emulated nodes share a machine's cores every rank's pays for the others': a call is a
        plan per signature (:func:`plan`, as the one-shot's, taken by the latency path of
@@ -85,7 +85,14 @@ NOTE [one-shot across nodes]
        it took 0.46-0.76x the hierarchical segment's time from 256 KiB to 2 MiB and 0.45-0.74x
        MPICH's, over 2.5gbit 0.76-0.95x and 0.64-0.92x, over 1gbit level (the link's pace).
        The inbox's rows are that much wider there (``PAIR_PAYLOAD_BYTES`` in
-       comm/transports/shm.py: 4 MiB a rank).
+       comm/transports/shm.py: 4 MiB a rank). Among a power of two of four or more nodes,
+       whose compiled exchange reduce-scatters and allgathers the partials (1.5 x n per link
+       at four nodes, as MPICH's allreduce), up to ``ONESHOT_DOUBLING_BYTES`` (512 KiB) where
+       the inbox stays within 4 MiB a rank (``payload_bytes`` in comm/transports/shm.py): at
+       4 nodes x 1 from 128 to 512 KiB it took 0.56-0.97x the time of the agreement followed by
+       MPI's own allreduce or our ring, level with MPICH's over 2.5gbit from 256 KiB (1.2x at
+       128 KiB), 1.3-1.4x MPICH's over 10gbit, where the agreement and MPI's own took
+       1.5-2.5x.
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ from ..transports.mpi import NATIVE_SPINS
 from .oneshot import ONESHOT_SPINS
 
 __all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES",
-           "ONESHOT_NODE_PAIR_BYTES", "ONESHOT_WHOLE_BYTES"]
+           "ONESHOT_NODE_PAIR_BYTES", "ONESHOT_DOUBLING_BYTES", "ONESHOT_WHOLE_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
 # interleaved), us at 4 / 16 / 32 / 64 KiB, before the latency path and the per-rank parts: at
@@ -120,7 +127,9 @@ ONESHOT_NODES_BYTES = 32 << 10
 # So does it among a power of two of four or more nodes where the compiled exchange may
 # reduce-scatter (clause 8): at 4 x 1 against MPICH's allreduce (interleaved, 2026-11-27), over
 # 2.5gbit 64 KiB 329 / 326 us where the hierarchical path (the agreement, then MPI's own) took
-# 654 / 325, over 1gbit 48 / 64 KiB 621 / 615 and 824 / 820.
+# 654 / 325, over 1gbit 48 / 64 KiB 621 / 615 and 824 / 820. Between two nodes of several ranks
+# and among such a power of two it now goes further (ONESHOT_NODE_PAIR_BYTES,
+# ONESHOT_DOUBLING_BYTES); this one is left to two nodes of one rank.
 ONESHOT_TWO_NODES_BYTES = 64 << 10
 # Between two nodes of several ranks each, up to a row half (clause 10). 2 nodes x 2 (Xeon, 2
 # cores; pinned, 7 rounds interleaved, 2026-11-27), us at 256 KiB / 1 MiB / 2 MiB, the one-shot
@@ -131,6 +140,14 @@ ONESHOT_TWO_NODES_BYTES = 64 << 10
 # MiB. Between nodes of one rank it lost to MPI's own from 256 KiB over 10gbit (2 MiB 2661 /
 # 1899 us), so there it stays at ONESHOT_TWO_NODES_BYTES.
 ONESHOT_NODE_PAIR_BYTES = 2 << 20
+# Among a power of two of four or more nodes whose exchange is compiled (clause 10). 4 nodes x 1
+# (Xeon, 2 cores; pinned, 7 rounds interleaved, 2026-11-27), us at 128 / 256 / 512 KiB / 1 MiB,
+# the one-shot / the agreement then MPI's own / our ring after it / MPICH's allreduce: over
+# 2.5gbit 779 / 804 / 1011 / 650, 1308 / 1954 / 1525 / 1315, 2633 / 3411 / 3060 / 2634, 5721 /
+# 6805 / 5853 / 5270; over 10gbit 455 / 810 / 1082 / 322, 833 / 1148 / 1554 / 641, 1550 / 1699 /
+# 2236 / 1165, 3521 / 3316 / 3732 / 2559; over 1gbit all at the link's pace (512 KiB 6591 /
+# 10820 / 6593 / 6589). From 1 MiB the agreement then MPI's own leads over 10gbit.
+ONESHOT_DOUBLING_BYTES = 512 << 10
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
 # 0.81 at 4 KiB, 0.85 at 8 KiB, 1.03 at 16 KiB.
@@ -140,14 +157,16 @@ ONESHOT_WHOLE_BYTES = 8 << 10
 def limit(shm) -> int:
     """The largest allreduce (bytes as exchanged) the one-shot across nodes takes: half a row
     of the node's segment, and at most ``ONESHOT_NODE_PAIR_BYTES`` between two nodes of
-    several ranks (clause 10), ``ONESHOT_TWO_NODES_BYTES`` between two nodes of one rank and
-    among a power of two of four or more whose exchange is compiled (and so may
-    reduce-scatter), ``ONESHOT_NODES_BYTES`` among others; never past what the exchange's
-    messages carry (``shm.payload_bytes``)."""
+    several ranks (clause 10), ``ONESHOT_DOUBLING_BYTES`` among a power of two of four or more
+    whose exchange is compiled (and so may reduce-scatter; clause 10),
+    ``ONESHOT_TWO_NODES_BYTES`` between two nodes of one rank, ``ONESHOT_NODES_BYTES`` among
+    others; never past what the exchange's messages carry (``shm.payload_bytes``)."""
     cross = shm.cross
     if cross is not None and cross.size == 2 and shm.local_size > 1:
         most = ONESHOT_NODE_PAIR_BYTES
-    elif cross is not None and (cross.size == 2 or (cross.doubling and cross.native is not None)):
+    elif cross is not None and cross.doubling and cross.native is not None:
+        most = ONESHOT_DOUBLING_BYTES
+    elif cross is not None and cross.size == 2:
         most = ONESHOT_TWO_NODES_BYTES
     else:
         most = ONESHOT_NODES_BYTES

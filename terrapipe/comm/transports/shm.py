@@ -42,7 +42,8 @@ NOTE [agreement across nodes]
        transport's inbox (:meth:`ShmTransport.inbox`), whole rows posted before the sends (no
        message of an exchange is longer than a row: a table and at most the one-shot's limit),
        each one's length read from its status. Rows are ``payload_bytes`` past the table on
-       every rank (PAYLOAD_BYTES; PAIR_PAYLOAD_BYTES between two nodes of several ranks): a 64
+       every rank (:func:`payload_bytes`: more between two nodes of several ranks and among
+       a power of two of nodes, for the one-shot across nodes' larger messages there): a 64
        KiB one-shot's message met by a rank in another collective's agreement once overran a
        row sized for tables alone, and MPI failed on the truncation (regression test in
        tests/comm/test_collectives.py).
@@ -86,7 +87,8 @@ from .base import Transport
 from .board import LOST, SIG_WORDS, TABLE_COLS, Board, wait_mode
 
 __all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "PAYLOAD_BYTES",
-           "PAIR_PAYLOAD_BYTES", "row_bytes", "wait_mode", "SIG_WORDS"]
+           "PAIR_PAYLOAD_BYTES", "DOUBLING_PAYLOAD_BYTES", "payload_bytes", "row_bytes", "wait_mode",
+           "SIG_WORDS"]
 
 PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
@@ -154,6 +156,21 @@ PAYLOAD_BYTES = 64 << 10
 # half (NOTE [one-shot across nodes] 10 in comm/algorithms/oneshot_nodes.py): there the inbox's
 # two rows are this much wider.
 PAIR_PAYLOAD_BYTES = 2 << 20
+# Among a power of two of four or more nodes (recursive doubling) it takes up to this much
+# (NOTE [one-shot across nodes] 10), with the inbox of a rank kept within INBOX_BUDGET_BYTES:
+# its rows are one per node, so among many nodes the payload shrinks back to PAYLOAD_BYTES.
+DOUBLING_PAYLOAD_BYTES = 512 << 10
+INBOX_BUDGET_BYTES = 4 << 20
+
+
+def payload_bytes(nodes: int, largest_node: int, doubling: bool) -> int:
+    """The most an exchange's message carries past its table among ``nodes`` nodes whose
+    largest holds ``largest_node`` ranks (the same on every rank of the exchange)."""
+    if nodes == 2 and largest_node > 1:
+        return PAIR_PAYLOAD_BYTES
+    if doubling:
+        return max(PAYLOAD_BYTES, min(DOUBLING_PAYLOAD_BYTES, INBOX_BUDGET_BYTES // nodes // 64 * 64))
+    return PAYLOAD_BYTES
 
 
 class ShmTransport(Transport):
@@ -203,7 +220,7 @@ class ShmTransport(Transport):
             rows = cross.comm.allreduce(p, op=MPI.MAX)
             self._head = rows * TABLE_COLS * 8
             # the same on every rank of cross (its size, the largest node), as the rows must be
-            self.payload_bytes = PAIR_PAYLOAD_BYTES if cross.size == 2 and rows > 1 else PAYLOAD_BYTES
+            self.payload_bytes = payload_bytes(cross.size, rows, cross.doubling)
             width = -(-(self._head + self.payload_bytes) // 64) * 64
             self._inbox = np.empty((cross.size, width), np.uint8)
             table = self._inbox[cross.rank, : self._head].view(np.int64)
@@ -211,7 +228,7 @@ class ShmTransport(Transport):
             self._node_table[:] = -1
             # Recursive doubling's two messages of a round (NOTE [agreement across nodes] 3):
             # half the nodes' tables and a payload at most.
-            pair_width = -(-(cross.size // 2 * self._head + PAYLOAD_BYTES) // 64) * 64
+            pair_width = -(-(cross.size // 2 * self._head + self.payload_bytes) // 64) * 64
             self.pair = np.empty((2, pair_width), np.uint8) if cross.doubling else None
             self._node_table[:p, -1] = self.board.ranks
         self.hugepages = hugepages.Advisor()  # NOTE [huge pages for reused buffers] in hugepages.py
