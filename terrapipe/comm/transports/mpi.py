@@ -60,9 +60,10 @@ NATIVE_SPINS = 64
 # doubling and reduce-scatter with allgather (NOTE [MPI from compiled code] 9): loops of
 # _PROBE_CALLS exchanges back to back, each after exchanges that send _PROBE_SPEND_BYTES (a
 # shaped link's burst allowance, or a switch's buffers, spent: what is timed is the steady
-# state of a training loop), the median of _PROBE_ROUNDS kept. Up to the largest payload the
-# one-shot across nodes sends among four nodes or more (ONESHOT_TWO_NODES_BYTES in
-# comm/algorithms/oneshot_nodes.py).
+# state of a training loop), the median of _PROBE_ROUNDS kept. Up to 64 KiB: the one-shot
+# across nodes sends up to 512 KiB among four nodes or more (ONESHOT_DOUBLING_BYTES in
+# comm/algorithms/oneshot_nodes.py), but past the crossover halving's lead grows with the bytes
+# it saves (1.5 x n per link against log2(nodes) x n), so a lead at 64 KiB holds beyond it.
 _PROBE_PAYLOADS = (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10)
 _PROBE_SPEND_BYTES, _PROBE_CALLS, _PROBE_ROUNDS = 384 << 10, 12, 3
 
