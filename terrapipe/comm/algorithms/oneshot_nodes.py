@@ -93,6 +93,10 @@ NOTE [one-shot across nodes]
        MPI's own allreduce or our ring, level with MPICH's over 2.5gbit from 256 KiB (1.2x at
        128 KiB), 1.3-1.4x MPICH's over 10gbit, where the agreement and MPI's own took
        1.5-2.5x.
+
+Why one module: the limits (with the measurements that set them), the plan per signature, the
+compiled call and the Python around it are one algorithm whose clauses cite each other; split,
+the limits would sit away from the steps whose cost they weigh.
 """
 
 from __future__ import annotations
