@@ -20,8 +20,8 @@ from ... import timeline
 from ...kernels import reduce as kreduce
 from ..message import NO_GATE, Fused, divide, segments
 
-__all__ = ["Crossing", "allreduce", "allreduce_overlapped", "overlaps", "broadcast", "allgather", "scatter",
-           "reduce_scatter", "reduce_rows", "reduce_part"]
+__all__ = ["Crossing", "Inline", "crossing", "allreduce", "allreduce_overlapped", "overlaps", "broadcast",
+           "allgather", "scatter", "reduce_scatter", "reduce_rows", "reduce_part"]
 
 
 def reduce_rows(shm, rows: np.ndarray, op: int, offset: int, length: int, kind: int) -> None:
@@ -159,6 +159,39 @@ class Crossing:
     def __exit__(self, kind, error, tb) -> None:
         if error is not None and self._last is not None:
             self.bulk.abort(f"the node's part of the allreduce failed: {error}")
+
+
+class Inline:
+    """:class:`Crossing`'s interface for parts that cross the nodes inline, the rank waiting:
+    each handed over is allreduced at once by ``across(buf, op, kind, what)`` (in place,
+    summing for avg; None on one node), divided for avg, and its ``then`` run. For chunk loops
+    written once for both ways (comm/algorithms/shared.py, single_copy.py)."""
+
+    def __init__(self, across, op: int, kind: int, size: int) -> None:
+        self.across, self.op, self.kind, self.size = across, op, kind, size
+
+    def hand_over(self, part: np.ndarray, then: Callable[[], None]) -> None:
+        if self.across is not None and part.size:
+            with timeline.span("comm", "allreduce across nodes"):
+                self.across(part, self.op, self.kind, "allreduce across nodes")
+        if self.op == kreduce.AVG:
+            divide(part, self.size, self.kind)
+        then()
+
+    def drain(self) -> None:
+        pass  # every part finished as it was handed over
+
+    def __enter__(self) -> Inline:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        pass  # nothing crosses after hand_over returns
+
+
+def crossing(bulk, across, op: int, kind: int, size: int) -> Crossing | Inline:
+    """A :class:`Crossing` over ``bulk``, or where it is None an :class:`Inline` over
+    ``across``."""
+    return Crossing(bulk, op, kind, size) if bulk is not None else Inline(across, op, kind, size)
 
 
 def allreduce_overlapped(shm, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: int = 0,

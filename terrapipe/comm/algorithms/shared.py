@@ -47,7 +47,7 @@ import numpy as np
 from ... import timeline
 from ...kernels import reduce as kreduce
 from ..message import segments
-from .segment import Crossing, reduce_part, reduce_rows
+from .segment import crossing, reduce_rows
 
 __all__ = ["allreduce", "overlaps", "SHARED_MIN_BYTES"]
 
@@ -69,8 +69,8 @@ def allreduce(shm, ident: int, offset: int, n: int, op: int, dtype, kind: int, a
               bulk=None) -> None:
     """Allreduce, in place, the ``n`` elements of ``dtype`` at byte ``offset`` of every local
     rank's row of shared segment ``ident`` (NOTE [shared arrays]); the agreement's barrier
-    has run. Across nodes each part is allreduced by ``across`` (segment.reduce_part), or,
-    with ``bulk``, handed over to it while the node goes on (NOTE [overlap across nodes] 5 in
+    has run. Across nodes each part is allreduced by ``across`` (segment.Inline), or, with
+    ``bulk``, handed over to it while the node goes on (NOTE [overlap across nodes] 5 in
     comm/algorithms/segment.py)."""
     rows = shm.shared_rows(ident).view(dtype)
     p, me = shm.local_size, shm.local_rank
@@ -84,27 +84,9 @@ def allreduce(shm, ident: int, offset: int, n: int, op: int, dtype, kind: int, a
         kreduce.allreduce_rows(rows, me, op, base + lo, hi - lo, divisor)
         if rec:
             t = timeline.phase("comm", "reduce (shared)", t, {"bytes": (hi - lo) * item})
-    elif bulk is not None:
-        _overlapped(shm, rows, base, n, op, kind, bulk)
     else:  # across nodes, or 16-bit floats: three passes per chunk
-        step = max(_SHARED_CHUNK_BYTES // item, p)
-        for c0 in range(0, n, step):
-            length = min(step, n - c0)
-            parts = segments(length, p)
-            lo, hi = parts[me]
-            at = base + c0
-            t = reduce_part(shm, rows, op, at + lo, hi - lo, kind, "reduce (shared)", rec, t, across)
-            shm.board.barrier(shm.timeout, "allreduce")
-            if rec:
-                t = timeline.phase("comm", "wait for peers", t)
-            # The peers' parts of this chunk, while their writes are still in the shared cache.
-            # Nobody writes these columns of this row again in this call: a peer's next chunk
-            # is beyond them (NOTE [shared arrays] 3).
-            for q, (a, b) in enumerate(parts):
-                if q != me and b > a:
-                    rows[me, at + a:at + b] = rows[q, at + a:at + b]
-            if rec:
-                t = timeline.phase("comm", "copy parts (shared)", t, {"bytes": (length - hi + lo) * item})
+        _chunked(shm, rows, base, n, op, kind, crossing(bulk, across, op, kind, shm.size))
+        t = timeline.now() if rec else 0
     shm.board.barrier(shm.timeout, "allreduce")  # NOTE [shared arrays] 3
     if rec:
         timeline.phase("comm", "wait for peers", t)
@@ -116,27 +98,41 @@ def overlaps(n: int, itemsize: int) -> bool:
     return n * itemsize > _SHARED_CHUNK_BYTES
 
 
-def _overlapped(shm, rows: np.ndarray, base: int, n: int, op: int, kind: int, bulk) -> None:
-    """The chunks of NOTE [shared arrays] 3 with each part crossing the nodes while this rank
-    reduces the next (NOTE [overlap across nodes] 5 in comm/algorithms/segment.py); a barrier
-    and the copy of the peers' parts once a part is back."""
+def _chunked(shm, rows: np.ndarray, base: int, n: int, op: int, kind: int, parts_across) -> None:
+    """NOTE [shared arrays] 3's chunks: this rank reduces its part of chunk k and hands it to
+    ``parts_across`` (segment.Crossing: it crosses the nodes while this rank reduces the next,
+    NOTE [overlap across nodes] 5 in comm/algorithms/segment.py; segment.Inline: at once); once
+    the part is back, a barrier, and the copy of the peers' parts of that chunk."""
     p, me = shm.local_size, shm.local_rank
     step = max(_SHARED_CHUNK_BYTES // rows.itemsize, p)
+    rec = timeline.enabled()
 
     def copy_parts(at: int, parts: list[tuple[int, int]]):
         def then() -> None:
+            t = timeline.now() if rec else 0
             shm.board.barrier(shm.timeout, "allreduce")
+            if rec:
+                t = timeline.phase("comm", "wait for peers", t)
+            # The peers' parts of this chunk, while their writes are still in the shared cache.
+            # Nobody writes these columns of this row again in this call: a peer's next chunk
+            # is beyond them (NOTE [shared arrays] 3).
             for q, (a, b) in enumerate(parts):
                 if q != me and b > a:
                     rows[me, at + a:at + b] = rows[q, at + a:at + b]
+            if rec:
+                others = parts[-1][1] - (parts[me][1] - parts[me][0])
+                timeline.phase("comm", "copy parts (shared)", t, {"bytes": others * rows.itemsize})
         return then
 
-    with Crossing(bulk, op, kind, shm.size) as crossing:
+    with parts_across:
         for c0 in range(0, n, step):
             parts = segments(min(step, n - c0), p)
             lo, hi = parts[me]
             at = base + c0
+            t = timeline.now() if rec else 0
             if hi > lo:
                 reduce_rows(shm, rows, op, at + lo, hi - lo, kind)
-            crossing.hand_over(rows[me, at + lo:at + hi], copy_parts(at, parts))
-        crossing.drain()
+            if rec:
+                timeline.phase("comm", "reduce (shared)", t, {"bytes": (hi - lo) * rows.itemsize})
+            parts_across.hand_over(rows[me, at + lo:at + hi], copy_parts(at, parts))
+        parts_across.drain()

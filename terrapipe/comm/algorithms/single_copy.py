@@ -65,9 +65,9 @@ import numpy as np
 
 from ... import timeline
 from ...kernels import reduce as kreduce
-from ..message import divide, segments
+from ..message import segments
 from ..transports import cma
-from .segment import Crossing
+from .segment import crossing
 
 __all__ = ["allreduce", "allreduce_nodes", "allgather", "reduce_scatter", "MIN_BYTES",
            "REDUCE_SCATTER_MIN_BYTES", "NODES_CHUNK_BYTES"]
@@ -165,18 +165,10 @@ def allreduce_nodes(shm, src: np.ndarray, dst: np.ndarray, op: int, bulk=None, a
                 timeline.phase("comm", "reduce (single copy)", t, {"bytes": (hi - lo) * src.itemsize})
             yield dst[c0 + lo:c0 + hi], gather(c0, parts)
 
-    if bulk is not None:
-        with Crossing(bulk, op, 0, shm.size) as crossing:
-            for part, then in chunks():
-                crossing.hand_over(part, then)
-            crossing.drain()
-    else:
+    with crossing(bulk, across, op, 0, shm.size) as parts:
         for part, then in chunks():
-            if part.size:
-                across(part, op, 0, "allreduce across nodes")
-            if op == kreduce.AVG:
-                divide(part, shm.size, 0)
-            then()
+            parts.hand_over(part, then)
+        parts.drain()
     board.barrier(shm.timeout, "allreduce")  # nobody reads my destination any more
 
 
