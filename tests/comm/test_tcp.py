@@ -235,3 +235,23 @@ def test_a_forked_child_closing_its_copy_leaves_the_parents_streams(mpi_comm):
         t.start_allreduce(buf, kreduce.SUM, 0, "test").result(timeout=30)
         assert np.all(buf == p * k), k
     t.close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_wait_on_the_far_peer_marks_this_rank_waiting_while_it_lasts(mpi_comm):
+    # Regression (NOTE [a peer lost across nodes] in transports/board.py): a rank waiting on its
+    # ring must say so while it waits, as MpiTransport's waits do, or its node's peers waiting
+    # for it on the board name it, not the far rank, when the link is cut. The hierarchical
+    # allreduce's part crossed without it under torchrun, and the link-cut test named a rank's
+    # node peer.
+    t = TcpTransport(mpi_comm, timeout=30, members=[0, 1])
+    marks = []
+    t.on_waiting = marks.append
+    x = np.ones(1000, np.float32)
+    if mpi_comm.Get_rank() == 1:
+        time.sleep(0.5)  # rank 0 waits on the ring meanwhile
+    t.allreduce_array(x, kreduce.SUM, 0, "test")
+    assert np.all(x == 2)
+    if mpi_comm.Get_rank() == 0:
+        assert marks[:1] == [True] and marks[-1] is False, marks
+    t.close()

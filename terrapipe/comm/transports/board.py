@@ -18,7 +18,8 @@ NOTE [a peer lost across nodes]
     every local rank in the per-local-rank exchange) can time out on a peer of another node,
     unreachable or stopped, while its node's ranks wait on the board for it.
     1. While its wait on peers of other nodes takes long, its board column ``lost`` holds -1
-       (MpiTransport.on_waiting -> Board.mark_waiting), 0 again once done.
+       (MpiTransport.on_waiting, TcpTransport.afar around each of its waits ->
+       Board.mark_waiting), 0 again once done.
     2. Before raising, it writes that peer's group rank + 1 there (MpiTransport.on_lost ->
        Board.mark_lost).
     3. A rank waiting on the board for it reads that column at each failure check: a peer lost

@@ -234,6 +234,7 @@ class TcpTransport:
         self._jobs: queue.SimpleQueue | None = None  # the background thread's, once it runs
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()  # a forked child shares the streams: only their owner ends them
+        self._afar, self._afar_lock = 0, threading.Lock()  # nested waits on other machines (afar)
         right, left = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         if self.size > 1:
             reached, accepted = connect_ranks(comm, self.rank, [right], [left], self.timeout,
@@ -270,7 +271,8 @@ class TcpTransport:
             return req.done or ring.closed is not None
 
         if not done():
-            wait_until(done, self.timeout, failure, nap=nap, sleep_after=0.0)
+            with self.afar():  # as MpiTransport.wait_all marks itself, whoever called the wait
+                wait_until(done, self.timeout, failure, nap=nap, sleep_after=0.0)
         if ring.closed is not None and not req.done:
             if self._aborted is not None:  # this rank ended the streams: no peer is to blame
                 raise CommError(f"{what}: ended on this rank ({self._aborted})")
@@ -286,12 +288,21 @@ class TcpTransport:
     @contextlib.contextmanager
     def afar(self):
         """Around a call that waits on other machines: this rank marked waiting, not late, for
-        its machine's ranks meanwhile (NOTE [a peer lost across nodes] 1 in transports/board.py)."""
-        self.on_waiting(True)
+        its machine's ranks meanwhile (NOTE [a peer lost across nodes] 1 in transports/board.py).
+        Every wait of the transport is inside one; they nest, across threads too (the caller
+        waiting for a part while the transport's thread waits on the ring), and the mark goes
+        only when the outermost ends."""
+        with self._afar_lock:
+            self._afar += 1
+            if self._afar == 1:
+                self.on_waiting(True)
         try:
             yield
         finally:
-            self.on_waiting(False)  # a peer marked lost stays marked
+            with self._afar_lock:
+                self._afar -= 1
+                if self._afar == 0:
+                    self.on_waiting(False)  # a peer marked lost stays marked
 
     # -- collectives ------------------------------------------------------------------------------
     def allgather(self, flat: np.ndarray, out: np.ndarray) -> None:
