@@ -38,6 +38,7 @@ __all__ = [
     "reduce_16",
     "reduce_many_native",
     "reduce_many_16",
+    "reduce_pair",
     "divide_float",
     "divide_int",
     "divide_16",
@@ -272,6 +273,53 @@ def reduce_many_16(dst, srcs, op, offset, length, kind, acc):
         d = dst[t0:t1]
         for i in range(n):
             d[i] = from_f32(acc[i], kind)
+
+
+def _pair(dst, first, second, op, kind):
+    """``dst = first op second``, chosen when compiled from ``dst``'s dtype (uint16: 16-bit)."""
+
+
+@overload(_pair, inline="always")
+def _pair_typed(dst, first, second, op, kind):
+    if dst.dtype == types.uint16:
+        def bits16(dst, first, second, op, kind):
+            if op == SUM or op == AVG:
+                for i in range(dst.shape[0]):
+                    dst[i] = from_f32(to_f32(first[i], kind) + to_f32(second[i], kind), kind)
+            else:
+                for i in range(dst.shape[0]):
+                    dst[i] = from_f32(_combine(to_f32(first[i], kind), to_f32(second[i], kind), op), kind)
+        return bits16
+
+    def native(dst, first, second, op, kind):
+        n = dst.shape[0]
+        if op == SUM or op == AVG:
+            for i in range(n):
+                dst[i] = first[i] + second[i]
+        elif op == PROD:
+            for i in range(n):
+                dst[i] = first[i] * second[i]
+        elif op == MIN:
+            for i in range(n):
+                dst[i] = _combine(first[i], second[i], MIN)
+        else:
+            for i in range(n):
+                dst[i] = _combine(first[i], second[i], MAX)
+    return native
+
+
+@njit(nogil=True, cache=True)
+def reduce_pair(dst, first, second, op, kind):
+    """``dst[i] = op(first[i], second[i])``, ``first`` the left operand (min/max keep its NaN and
+    its signed zero on ties, so the order is part of the result's bits). All three 1-D of one
+    dtype and ``dst``'s length: native, or uint16-held 16-bit floats of format ``kind``
+    accumulated in float32 and rounded once (the bits :func:`reduce_many_16` gives for two
+    sources). ``dst`` may be ``first`` or ``second`` (the same elements, not a shifted overlap).
+
+    Why: a round of the reduce-scatter between nodes (NOTE [MPI from compiled code] 8 in
+    comm/transports/mpi_native.py) reduces its own data, wherever it lies, with the peer's
+    message in place, where the rows' kernels would need both copied into one array first."""
+    _pair(dst, first, second, op, kind)
 
 
 @njit(nogil=True, cache=True)

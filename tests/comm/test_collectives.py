@@ -371,6 +371,48 @@ def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches
 
 
 @pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True, ci_ranks=(4,))
+def test_four_nodes_of_one_reduce_in_the_callers_array_and_leave_it_whole_on_a_mismatch(mpi_comm):
+    # NOTE [MPI from compiled code] 10: on nodes of one rank a payload that reduce-scatters is
+    # read from the caller's array, each round's tables written over bytes of its kept half and
+    # put back once sent, and the result written there only once every table agrees. So a
+    # mismatch (one rank's op, or its size across the threshold) leaves every rank's array as
+    # it was, and calls either side of it are exact, in every dtype, blocks down to one element.
+    os.environ["TERRAPIPE_NODE_SIZE"] = "1"
+    os.environ["TERRAPIPE_HALVING_BYTES"] = "256"
+    g = comm.init(timeout=30)
+    if g.shm.cross.native is None:
+        pytest.skip("this MPI's handles are not int32: the mpi4py exchange, which never halves")
+    assert g.nnodes == 4 and g.shm.cross.halving_bytes == 256
+    r, p = g.rank, g.size
+    log = g.record_algorithms()
+    limit = oneshot_nodes.limit(g.shm)
+    for i in range(40):
+        # the dtypes the test above compiles (CI time)
+        dtype, op = (("float32", "sum"), ("bfloat16", "avg"), ("float16", "min"), ("float64", "max"))[i % 4]
+        item = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+        n = (64, 67, 5000, 129, limit // item)[i % 5]
+        x = _data(r, n, dtype, seed=70 + i)
+        if isinstance(x, np.ndarray):
+            x = np.ascontiguousarray(x)
+        before = _np(x).copy()
+        if i % 3 == 2:  # rank 1 calls it differently: another op, or a size past the threshold
+            bad_op = "prod" if op != "prod" else "sum"
+            y = x if i % 2 else _data(r, 7, dtype, seed=70 + i)
+            with pytest.raises(comm.CollectiveMismatchError, match="ranks called it differently"):
+                comm.allreduce(y if r == 1 else x, bad_op if r == 1 and i % 2 else op)
+            np.testing.assert_array_equal(_np(x), before, err_msg=f"call {i}: the array changed")
+            continue
+        del log[:]
+        comm.allreduce(x, op)
+        assert [a for _, a, _ in log] == ["oneshot_nodes"], (n, dtype, log)
+        np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=70 + i),
+                                   rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
+        every = np.empty((p, n), np.float64)
+        mpi_comm.Allgather(_np(x), every)
+        assert (every == every[0]).all(), (i, n, dtype, op)
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True, ci_ranks=(4,))
 def test_four_nodes_hold_one_halving_threshold_measured_or_set(mpi_comm):
     # NOTE [MPI from compiled code] 9: among four nodes the payload from which the exchange
     # reduce-scatters is measured on the links when a group is made, or set; every rank must

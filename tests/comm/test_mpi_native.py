@@ -115,7 +115,7 @@ def test_the_halving_threshold_trusts_only_a_lead_that_holds_at_every_larger_pay
        st.booleans())
 def test_an_exchange_carries_what_the_one_shot_sends_and_the_inbox_stays_bounded(nodes, largest, doubling):
     # NOTE [one-shot across nodes] 10: between two nodes of several ranks a row half, among a
-    # power of two of nodes up to 512 KiB while the inbox (one row per node) stays within its
+    # power of two of nodes up to 1 MiB while the inbox (one row per node) stays within its
     # budget, else 64 KiB; the same on every rank of the exchange (it depends on what they share).
     from terrapipe.comm.transports import shm
 

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from terrapipe.kernels.floats import BF16, F16
 from terrapipe.kernels.reduce import (
     OPS as OP_CODES,
 )
@@ -12,8 +13,10 @@ from terrapipe.kernels.reduce import (
     allreduce_rows,
     divide,
     reduce_into,
+    reduce_many_16,
     reduce_many_into,
     reduce_many_native,
+    reduce_pair,
     reduce_rows_into,
 )
 
@@ -173,6 +176,31 @@ def test_allreduce_rows_equals_reduce_divide_copy_bit_for_bit(n, k, dtype, op, d
         eps = np.finfo(dtype).eps
         np.testing.assert_allclose(want, wide, rtol=1e-5 if dtype == np.float32 else 1e-12,
                                    atol=4 * k * k * eps if op in ("sum", "avg") else 0)
+
+
+@given(n=st.integers(0, 2 * TILE + 3), dtype=st.sampled_from(DTYPES), op=st.sampled_from(OPS),
+       out=st.sampled_from(["apart", "first", "second"]), data=st.data())
+def test_reduce_pair_equals_the_two_row_kernel_bit_for_bit(n, dtype, op, out, data):
+    # The reduce-scatter between nodes reduces its own data with the peer's message in place
+    # (reduce_pair) where it copied both into two rows and reduced those: the bits must not
+    # change, whichever operand is the output, in native and 16-bit formats.
+    rng = np.random.default_rng(n * 7 + len(op))
+    rows = _make(rng, n, dtype, 2)
+    if np.dtype(rows.dtype).kind == "f":  # signed zeros and ties: min/max keep the first's
+        rows[:, : n // 3] = 0.0
+        rows[0, : n // 6] = -0.0
+    kind = {np.float16: F16, "bfloat16": BF16}.get(dtype, 0)
+    if dtype == np.float16:
+        rows = rows.view(np.uint16)
+    want = np.zeros(n, rows.dtype)
+    if kind:
+        reduce_many_16(want, rows, OP_CODES[op], 0, n, kind, np.zeros(TILE, np.float32))
+    else:
+        reduce_many_native(want, rows, OP_CODES[op], 0, n)
+    first, second = rows[0].copy(), rows[1].copy()
+    dst = {"apart": np.full(n, 7, rows.dtype), "first": first, "second": second}[out]
+    reduce_pair(dst, first, second, OP_CODES[op], kind)
+    np.testing.assert_array_equal(dst.view(np.uint8), want.view(np.uint8))
 
 
 def test_reduce_many_aliasing_a_source_row():

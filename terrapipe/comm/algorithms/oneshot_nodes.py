@@ -87,12 +87,21 @@ NOTE [one-shot across nodes]
        The inbox's rows are that much wider there (``PAIR_PAYLOAD_BYTES`` in
        comm/transports/shm.py: 4 MiB a rank). Among a power of two of four or more nodes,
        whose compiled exchange reduce-scatters and allgathers the partials (1.5 x n per link
-       at four nodes, as MPICH's allreduce), up to ``ONESHOT_DOUBLING_BYTES`` (512 KiB) where
-       the inbox stays within 4 MiB a rank (``payload_bytes`` in comm/transports/shm.py): at
+       at four nodes, as MPICH's allreduce), up to ``ONESHOT_DOUBLING_BYTES`` (1 MiB since
+       clause 11; 512 KiB before) where the inbox stays within 4 MiB a rank (``payload_bytes``
+       in comm/transports/shm.py: 1 MiB among four nodes, 512 KiB among eight): at
        4 nodes x 1 from 128 to 512 KiB it took 0.56-0.97x the time of the agreement followed by
        MPI's own allreduce or our ring, level with MPICH's over 2.5gbit from 256 KiB (1.2x at
        128 KiB), 1.3-1.4x MPICH's over 10gbit, where the agreement and MPI's own took
        1.5-2.5x.
+    11. On nodes of one rank, in place, where the payload reduce-scatters between nodes (NOTE
+       [MPI from compiled code] 8-10 in comm/transports/mpi_native.py) and ``dst`` is a
+       C-contiguous array of the payload's dtype, steps 1, 2 and 4 copy nothing: the node's
+       step only publishes the signature (a node of one has no row to share), the exchange
+       reads ``dst`` and writes its result there once every table agrees, and avg divides it
+       in place. Before, the message went into the row, out of it into the payload, and from
+       the payload into ``dst``: three of the 4.5 copies a call beyond MPICH's allreduce that
+       made 256 KiB at 4 nodes x 1 over 10gbit take 1.37x its time (now 1.13x).
 
 Why one module: the limits (with the measurements that set them), the plan per signature, the
 compiled call and the Python around it are one algorithm whose clauses cite each other; split,
@@ -150,8 +159,12 @@ ONESHOT_NODE_PAIR_BYTES = 2 << 20
 # 2.5gbit 779 / 804 / 1011 / 650, 1308 / 1954 / 1525 / 1315, 2633 / 3411 / 3060 / 2634, 5721 /
 # 6805 / 5853 / 5270; over 10gbit 455 / 810 / 1082 / 322, 833 / 1148 / 1554 / 641, 1550 / 1699 /
 # 2236 / 1165, 3521 / 3316 / 3732 / 2559; over 1gbit all at the link's pace (512 KiB 6591 /
-# 10820 / 6593 / 6589). From 1 MiB the agreement then MPI's own leads over 10gbit.
-ONESHOT_DOUBLING_BYTES = 512 << 10
+# 10820 / 6593 / 6589). From 1 MiB the agreement then MPI's own led over 10gbit. Once the
+# one-shot copied nothing on nodes of one rank (clause 11), 1 MiB too (pinned probes, one run
+# each way, us, ours / MPICH's): over 10gbit 3318 / 3370 where the limit at 512 KiB left it to
+# the agreement and MPI's own, 3610 / 2855; over 2.5gbit 5312 / 5268 against 5823 / 5300. The
+# inbox's budget (shm.INBOX_BUDGET_BYTES) allows no more among four nodes.
+ONESHOT_DOUBLING_BYTES = 1 << 20
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
 # 0.81 at 4 KiB, 0.85 at 8 KiB, 1.03 at 16 KiB.
@@ -279,8 +292,44 @@ def _new_fixed(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t
                        statuses, counts, cells, me, p, node, h0, head, op, divisor, kind, doubling)
 
 
+def _user_of(dst, partial, direct):
+    """(``dst`` as bytes, ``dst``) where the exchange reduces in it (clause 11), else empty
+    arrays of those types: chosen when compiled, for only a C-contiguous ``dst`` of the
+    payload's dtype can be."""
+
+
+@overload(_user_of, inline="always")
+def _user_of_typed(dst, partial, direct):
+    if dst.layout == "C" and dst.dtype == partial.dtype:
+        def mine(dst, partial, direct):
+            n = dst.shape[0] if direct else 0
+            return dst.view(np.uint8)[:n * dst.itemsize], dst[:n]
+        return mine
+    return lambda dst, partial, direct: (np.empty(0, np.uint8), np.empty(0, partial.dtype))
+
+
+def _divide_in_place(dst, divisor, kind):
+    """``dst /= divisor`` (floor division for integers; 16-bit formats ``kind`` in float32,
+    rounded once), chosen when compiled from ``dst``'s dtype."""
+
+
+@overload(_divide_in_place, inline="always")
+def _divide_in_place_typed(dst, divisor, kind):
+    if dst.dtype == types.uint16:
+        return lambda dst, divisor, kind: kreduce.divide_16(dst, divisor, 0, dst.shape[0], kind)
+    if isinstance(dst.dtype, types.Integer):
+        return lambda dst, divisor, kind: kreduce.divide_int(dst, divisor, 0, dst.shape[0])
+    return lambda dst, divisor, kind: kreduce.divide_float(dst, divisor, 0, dst.shape[0])
+
+
 @njit(nogil=True, cache=True)
-def _fused(src, dst, fx, h, step, col, lo, hi, whole):
+def _divided(dst, divisor, kind):
+    """:func:`_divide_in_place`, callable from Python (the exchange finished there)."""
+    _divide_in_place(dst, divisor, kind)
+
+
+@njit(nogil=True, cache=True)
+def _fused(src, dst, fx, h, step, col, lo, hi, whole, direct):
     """Steps 1-4 of NOTE [one-shot across nodes] in one compiled call, the exchange by MPI's C
     API (NOTE [MPI from compiled code] in comm/transports/mpi_native.py): DONE, or where it
     stopped for the caller to go on in Python: LOCAL_WAIT (the node's ranks not all there
@@ -289,15 +338,17 @@ def _fused(src, dst, fx, h, step, col, lo, hi, whole):
     minus an MPI error code. ``fx``: a :class:`_Fixed`, the one-shot's and the exchange's
     arrays and this rank's place; this call's half ``h``, board ``step`` and signature
     column ``col``, its part ``[lo, hi)`` of the message, whether it goes ``whole`` (clause
-    9)."""
+    9), whether the exchange reduces in ``dst`` (clause 11: ``direct``)."""
     rows, table, sig, scratch, acc, parts = fx.rows, fx.table, fx.sig, fx.scratch, fx.acc, fx.parts
     inbox, words, pair, pair_t, st, cfg = fx.inbox, fx.words, fx.pair, fx.pair_t, fx.st, fx.cfg
     reqs, statuses, counts, cells = fx.reqs, fx.statuses, fx.counts, fx.cells
     me, p, node, h0, head = fx.me, fx.p, fx.node, fx.h0, fx.head
     op, divisor, kind = fx.op, fx.divisor, fx.kind
     partial = parts[node, h0:h0 + hi - lo]
-    state = koneshot.oneshot_allreduce(src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch,
-                                       acc, ONESHOT_SPINS, lo)
+    # clause 11: reducing in dst, the node's step only publishes the signature (no row, no partial)
+    n_in = 0 if direct else src.shape[0]
+    state = koneshot.oneshot_allreduce(src[:n_in], partial[:n_in], rows, h, me, table, col, sig, step, op, 1,
+                                       kind, scratch, acc, ONESHOT_SPINS, lo)
     if state == koneshot.WAITING:
         if not ksync.yield_until(table[:, 0], step, ROUND_SPINS, YIELDS):
             return LOCAL_WAIT
@@ -306,10 +357,15 @@ def _fused(src, dst, fx, h, step, col, lo, hi, whole):
     for r in range(p):  # this node's table: each local rank's signature digest (its rank is set)
         words[node, r * TABLE_COLS] = ksync.sig_digest(table[r, col:col + SIG_WORDS])
     nbytes = head + (hi - lo) * parts.itemsize
+    user, user_t = _user_of(dst, partial, direct)
     state = mpi_native.advance_reducing(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes,
-                                        pair, NATIVE_SPINS, partial, pair_t, op, kind, scratch, acc)
+                                        pair, NATIVE_SPINS, partial, pair_t, op, kind, user, user_t)
     if state != mpi_native.DONE:
         return state
+    if direct:
+        if divisor > 1:
+            _divide_in_place(dst, divisor, kind)
+        return mpi_native.DONE
     # clause 8: by recursive doubling the partials were reduced on the way: the last step only
     # divides this node's row
     finals = parts[node:node + 1] if fx.doubling else parts
@@ -367,21 +423,22 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
 
     def run(src: np.ndarray, dst: np.ndarray, how) -> None:
         """The call, ``how`` it runs for arrays like these (:func:`in_place`)."""
-        fns, whole, part, lo, hi = how
+        fns, whole, part, lo, hi, direct = how
         h = shm.next_half() * half
         step, col = board.reserve()
         state = LOCAL_WAIT
         if fns[4] is not None:  # all of it in one compiled call, Python only where it stops
-            state = fns[4](src, dst, fixed, h, step, col, lo, hi, whole)
+            state = fns[4](src, dst, fixed, h, step, col, lo, hi, whole, direct)
         if state != mpi_native.DONE:
-            _go_on(state, src, dst, fns, h, step, col, lo, hi, whole)
+            _go_on(state, src, dst, fns, h, step, col, lo, hi, whole, direct)
         if not whole:  # 5
             board.barrier(timeout, coll)
             fns[3](dst, rows, h, part, kind)
 
-    def _go_on(state, src, dst, fns, h, step, col, lo, hi, whole) -> None:
+    def _go_on(state, src, dst, fns, h, step, col, lo, hi, whole, direct) -> None:
         """Steps 1-4 in Python around the compiled kernels, from where _fused stopped (or from
-        the start where MPI's C API is not reached from compiled code)."""
+        the start where MPI's C API is not reached from compiled code). ``direct`` only where
+        _fused started (never LOCAL_WAIT then: a node of one rank has no one to wait for)."""
         partial = mine[h0:h0 + hi - lo]
         if state < 0:
             cross.raise_native_error(coll, state)
@@ -399,7 +456,12 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         # 3 (or the rest of it, PENDING): a node's mismatch too is raised here, on every rank of
         # every node; clause 8: by recursive doubling the partials are reduced on the way
         reduction = (partial, op, kind, scratch, acc) if doubling else None
-        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize, reduction)
+        shm.agree_across(coll, board.sigs(step), check, (hi - lo) * dtype.itemsize, reduction,
+                         dst if direct else None)
+        if direct:  # clause 11: the result is in dst
+            if divisor > 1:
+                _divided(dst, divisor, kind)
+            return
         out = dst if whole else rows[me, h + lo:h + hi]
         fns[2](out, parts[node:node + 1] if doubling else parts, h0, op, divisor, kind, scratch, acc)  # 4
 
@@ -409,7 +471,8 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         comm/algorithms/oneshot.py); whether it goes whole, its part, and the part's [lo, hi).
         What Numba's type of an array depends on: dtype, layout, writeability; _fused is
         compiled for calls in place only (the latency path's: each of its specializations
-        costs seconds of compilation on a first run)."""
+        costs seconds of compilation on a first run), and only those may reduce in ``dst``
+        (clause 11)."""
         n = src.shape[0]
         # clause 9: a message this small goes whole from every local rank, with no step 5
         whole = p == 1 or n * dtype.itemsize <= ONESHOT_WHOLE_BYTES
@@ -426,9 +489,11 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
                entry_point(koneshot.finish, (partial, rows, h + lo, op, 1, kind, scratch, acc)),
                entry_point(koneshot.finish, (out, parts, h0, op, divisor, kind, scratch, acc)),
                entry_point(koneshot.collect, gather) if p > 1 else None,
-               entry_point(_fused, (src, dst, fixed, h, step, col, lo, hi, whole))
+               entry_point(_fused, (src, dst, fixed, h, step, col, lo, hi, whole, False))
                if fixed is not None and src is dst and src.flags.writeable else None)
-        return fns, whole, part, lo, hi
+        direct = (fns[4] is not None and p == 1 and dst.dtype == dtype and dst.flags.c_contiguous
+                  and bool(mpi_native.halves(native.cfg, n * dtype.itemsize)))
+        return fns, whole, part, lo, hi, direct
 
     call.in_place = in_place
     call.run = run

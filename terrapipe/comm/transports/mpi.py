@@ -28,7 +28,6 @@ from collections.abc import Callable
 import numpy as np
 
 from ... import settings, timeline
-from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from .. import ops
@@ -61,7 +60,7 @@ NATIVE_SPINS = 64
 # _PROBE_CALLS exchanges back to back, each after exchanges that send _PROBE_SPEND_BYTES (a
 # shaped link's burst allowance, or a switch's buffers, spent: what is timed is the steady
 # state of a training loop), the median of _PROBE_ROUNDS kept. Up to 64 KiB: the one-shot
-# across nodes sends up to 512 KiB among four nodes or more (ONESHOT_DOUBLING_BYTES in
+# across nodes sends up to 1 MiB among four nodes (ONESHOT_DOUBLING_BYTES in
 # comm/algorithms/oneshot_nodes.py), but past the crossover halving's lead grows with the bytes
 # it saves (1.5 x n per link against log2(nodes) x n), so a lead at 64 KiB holds beyond it.
 _PROBE_PAYLOADS = (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10)
@@ -285,7 +284,7 @@ class MpiTransport(OwnCollectives):
         return self.size >= 4 and self.size & (self.size - 1) == 0
 
     def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check, sigs: np.ndarray,
-                     pair=None, reduction: tuple | None = None) -> None:
+                     pair=None, reduction: tuple | None = None, user: np.ndarray | None = None) -> None:
         """Send this rank's message, ``inbox[rank, :nbytes]``, to every rank of ``comm`` and
         receive theirs into their rows of ``inbox`` (:meth:`exchange`); call ``check(sigs,
         ranks)`` on every rank's signature, in rank order, where any differ. A message begins
@@ -303,8 +302,12 @@ class MpiTransport(OwnCollectives):
         on the way: ``partial`` this rank's payload as its dtype, the rest as for
         :func:`~terrapipe.kernels.oneshot.finish`; None where only tables travel). In compiled
         code where MPI's C API can be reached (NOTE [MPI from compiled code] in
-        comm/transports/mpi_native.py), else through mpi4py."""
-        counts = self._tables_only(coll, inbox, head, nbytes, pair, reduction)
+        comm/transports/mpi_native.py), else through mpi4py. ``user``: the caller's array the
+        payload is read from and whose result it receives, where the compiled exchange
+        reduce-scatters (``mpi_native.Exchange.start``, NOTE [MPI from compiled code] 10)."""
+        if user is not None and self.native is None:
+            raise ValueError("user: only the compiled exchange reduces in the caller's array")
+        counts = self._tables_only(coll, inbox, head, nbytes, pair, reduction, user)
         if counts is None:
             return
         words = inbox.view(np.int64)
@@ -314,11 +317,11 @@ class MpiTransport(OwnCollectives):
             return
         self.raise_mismatch(coll, inbox, head, counts, check, sigs)
 
-    def _tables_only(self, coll, inbox: np.ndarray, head: int, nbytes: int, pair, reduction):
+    def _tables_only(self, coll, inbox: np.ndarray, head: int, nbytes: int, pair, reduction, user=None):
         """The exchange of :meth:`agree_tables`: each rank's message length, or None where the
         compiled exchange found every table agreeing already."""
         if self.native is not None:
-            return self._exchange_native(coll, inbox, head, nbytes, pair, reduction)
+            return self._exchange_native(coll, inbox, head, nbytes, pair, reduction, user)
         if self.doubling:
             return self.exchange_doubling(coll, inbox, head, nbytes, pair, reduction)
         return self.exchange(coll, inbox, nbytes)
@@ -369,11 +372,12 @@ class MpiTransport(OwnCollectives):
         text = self._MPI.Get_error_string(-state)
         raise CommError(f"{what}: MPI failed in the exchange between nodes: {text}")
 
-    def _exchange_native(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair, reduction):
+    def _exchange_native(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair, reduction,
+                         user=None):
         """The exchange in compiled code (NOTE [MPI from compiled code] 4-6): None once every
         table agrees, else each rank's message length (a mismatch for the caller to describe)."""
         native = self.native
-        state = native.start(inbox, head, nbytes, pair, reduction, NATIVE_SPINS)
+        state = native.start(inbox, head, nbytes, pair, reduction, NATIVE_SPINS, user)
         if state == PENDING:
             self.on_waiting(True)
             try:
@@ -421,8 +425,8 @@ class MpiTransport(OwnCollectives):
         comm/transports/shm.py): in round k this rank and rank ``rank ^ 2**k`` swap the tables
         of their halves so far and their payloads, each received into its sender's rows of
         ``inbox`` (tables) and of ``pair`` ((2, width) uint8 scratch, width at least size / 2
-        tables and a payload: row 0 the lower half's message, row 1 the upper's). After each
-        round the payloads, ``pair[:, offset:offset + nbytes - head]``, are reduced lower row
+        tables and a payload: row 0 the lower half's message, its tables first, row 1 the
+        upper's, its tables last). After each round the two payloads are reduced lower row
         first into this rank's, at ``inbox[rank, head:nbytes]`` (``reduction``: (partial, op,
         kind, scratch, acc), ``partial`` that payload as its dtype), so the payload carries
         its half's reduction into the next round, and the last round leaves the whole group's
@@ -440,9 +444,12 @@ class MpiTransport(OwnCollectives):
             base, peer_base = me & ~(k - 1), peer & ~(k - 1)
             slot, tables = int(me > peer), k * head  # this half's row of pair; bytes of tables
             out = pair[slot]
-            for i in range(k):  # this half's tables, then the payload so far
-                out[i * head:(i + 1) * head] = inbox[base + i, :head]
-            out[tables:tables + payload] = mine
+            # this half's tables and the payload so far, the tables first from the lower rank,
+            # last from the upper (NOTE [MPI from compiled code] 10 in mpi_native.py)
+            at, pay = (payload, 0) if slot else (0, tables)  # where the tables and the payload go
+            for i in range(k):
+                out[at + i * head:at + (i + 1) * head] = inbox[base + i, :head]
+            out[pay:pay + payload] = mine
             recv = comm.Irecv(pair[1 - slot], source=peer, tag=AGREE_TAG)
             send = comm.Isend(out[:tables + payload], dest=peer, tag=AGREE_TAG)
             # On a failure: the peer's half, for the peer may be waiting on a rank of it (a rank
@@ -451,15 +458,17 @@ class MpiTransport(OwnCollectives):
                           late=lambda first=peer_base, k=k: list(range(first, first + k)))
             got = statuses[0].Get_count(MPI.BYTE)
             theirs = pair[1 - slot]
+            toff = 0 if slot else max(got - tables, 0)  # the upper rank's tables end its message
             for i in range(k):
-                inbox[peer_base + i, :head] = theirs[i * head:(i + 1) * head]
+                inbox[peer_base + i, :head] = theirs[toff + i * head:toff + (i + 1) * head]
             if got != tables + payload:  # another call's message: its tables tell which
                 for i in range(k):
                     counts[peer_base + i] = head + max(got - tables, 0)
             elif reduction is not None:  # the halves' partials, lower first
-                partial, op, kind, scratch, acc = reduction
-                koneshot.finish(partial, pair.view(partial.dtype), tables // partial.itemsize, op, 1, kind,
-                                scratch, acc)
+                partial, op, kind, _, _ = reduction
+                n, t = partial.shape[0], tables // partial.itemsize
+                rows = pair.view(partial.dtype)
+                kreduce.reduce_pair(partial, rows[0, t:t + n], rows[1, :n], op, kind)
             k <<= 1
         return counts
 

@@ -37,7 +37,8 @@ NOTE [MPI from compiled code]
        default); the caller raises it with MPI's text for it.
     7. Recursive doubling's first phase is the tables' (NOTE [agreement across nodes] 3): in
        round k this rank and rank ``rank ^ k`` swap their halves' tables so far, each message
-       followed by the payload it carries in that round. After log2(size) rounds every rank
+       with the payload it carries in that round (the tables before it from the lower rank of
+       the pair, after it from the upper: clause 10). After log2(size) rounds every rank
        holds every table, whatever the payloads were, so every rank decides alike whether the
        group agrees; a rank in another collective (another payload, or none) still meets its
        peers round for round and raises the same mismatch.
@@ -70,6 +71,28 @@ NOTE [MPI from compiled code]
        groups each it chose 7.9-13.1 KiB over 1gbit links and 24-38 KiB over 2.5gbit; a first
        group's took 0.5-0.9 s, with the one-time costs a first collective pays otherwise (the
        compiled exchange loaded, MPI's connections made).
+    10. What the reduce-scatter copies. Every round's reduction is made where this rank's data
+       lies, with the peer's message where MPI received it (``reduce_step``, operands in rank
+       order): its own half is no longer copied beside the peer's first. Its message is sent
+       from its data, not copied out: in each pair of a round the lower rank's tables go
+       before its payload, the upper's after it (in every round, whatever the payload, so a
+       rank met by another collective still finds the tables, at the front or the end of what
+       it received), written over the bytes of its kept half next to the half it sends, which
+       are saved in its row of ``pair`` and put back once the send is done (or abandoned);
+       where a kept half is shorter than the tables, the message is copied as before. Given
+       ``user`` (the one-shot across nodes of one rank a node, NOTE [one-shot across nodes]
+       11 in comm/algorithms/oneshot_nodes.py), the first round reads the caller's array
+       itself, the reductions go to this rank's payload, and once every table agrees its block
+       is copied into that array and the allgather fills the rest there: nothing in it is
+       written before the group agrees (a mismatch leaves it whole; the tables borrowed from
+       it are put back). Among 4 emulated nodes of one rank over 10gbit links (2-core Xeon,
+       float32 sum, 7 rounds interleaved with MPICH's allreduce, 2026-11-27), us at 64 / 128 /
+       256 / 512 KiB, ``comm.allreduce`` / MPICH: before 216 / 403 / 720 / 1514 against 168 /
+       287 / 527 / 1044 (1.29-1.45x), 4.5 copies of the message a call beyond MPICH's; after
+       183 / 390 / 675 / 1230 against 168 / 339 / 597 / 1110 (1.09-1.15x). What is left is
+       about the time MPICH's own rounds take when driven from Python with ``Testall`` and a
+       yield between polls (a blocking ``Sendrecv`` ran 1.03-1.07x of its allreduce, the
+       polled one 1.08-1.16x; polling 16 times a yield gained nothing).
 
 Why one module: the functions bound by name, the compiled code that calls them and the object
 that holds one communicator's handles and state are one contract (the slots of ``cfg`` and
@@ -84,12 +107,12 @@ import numpy as np
 from numba import njit, types
 
 from ...kernels import entry_point
-from ...kernels import oneshot as koneshot
+from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from .board import TABLE_COLS
 
-__all__ = ["bind", "supported", "Exchange", "advance", "advance_reducing", "reduce_step", "DONE", "PENDING",
-           "DISAGREE", "REDUCE", "C_HALVING"]
+__all__ = ["bind", "supported", "Exchange", "advance", "advance_reducing", "reduce_step", "halves", "DONE",
+           "PENDING", "DISAGREE", "REDUCE", "C_HALVING"]
 
 PENDING, DONE, DISAGREE, REDUCE = 0, 1, 2, 3
 
@@ -101,8 +124,13 @@ C_COMM, C_BYTE, C_TAG, C_RANK, C_SIZE, C_DOUBLING, C_STATUS, C_NULL, C_HALVING, 
 # all), whether its requests are posted, how many there are, and the phase (0: the tables'
 # rounds; 1: the allgather's, from the largest distance down).
 # Then the reduction advance() asks of its caller (REDUCE): whether there is one, its elements
-# [lo, hi) of this rank's payload, and where the two messages hold them (reduce_step()).
-S_ROUND, S_POSTED, S_NREQ, S_PHASE, S_RED, S_RLO, S_RHI, S_RAT, N_ST = range(9)
+# [lo, hi) of this rank's payload, where the peer's message holds them, this rank's row of the
+# pair (0: the lower half, whose data comes first), and whether this rank's data is still in the
+# caller's array (clause 10) rather than in its payload (reduce_step()).
+# Last, where a round's message borrowed bytes of this rank's kept half for its tables (clause
+# 10), their offset + 1 in its data (0: none), and whether that data is the caller's array.
+S_ROUND, S_POSTED, S_NREQ, S_PHASE, S_RED, S_RLO, S_RHI, S_RAT, S_SLOT, S_RUSER, S_SAVED, S_SUSER, N_ST = \
+    range(13)
 
 
 _i32, _ptr = types.int32, types.uintp
@@ -207,22 +235,51 @@ def _post_all(cfg, reqs, inbox, nbytes):
 
 
 @njit(nogil=True, cache=True)
-def _send_tables(cfg, reqs, inbox, head, pair, k, lo, hi):
+def halves(cfg, payload):
+    """Whether a payload of this many bytes goes by reduce-scatter and allgather (clause 8)."""
+    return cfg[C_DOUBLING] != 0 and payload > 0 and 0 < cfg[C_HALVING] <= payload
+
+
+@njit(nogil=True, cache=True)
+def _send_tables(cfg, st, reqs, inbox, head, pair, k, data, lo, hi, borrow):
     """Round ``k`` of the first phase (clause 7): this half's tables so far and bytes ``[lo,
-    hi)`` of this rank's payload to the rank ``k`` away, and its message received into
-    ``pair`` (row 0 the lower half's message, row 1 the upper's); 2 requests."""
+    hi)`` of ``data`` (this rank's payload so far, uint8) to the rank ``k`` away, the tables
+    before the payload from the lower rank of the two, after it from the upper (clause 10), and
+    its message received into ``pair`` (row 0 the lower rank's message, row 1 the upper's); 2
+    requests. ``borrow``: the message is sent from ``data`` itself, the tables written over the
+    bytes of the kept half next to ``[lo, hi)``, which are saved in this rank's row of ``pair``
+    and restored once the send is done (:func:`_restore`); else it is copied into that row."""
     me, comm, byte, tag = cfg[C_RANK], cfg[C_COMM], cfg[C_BYTE], cfg[C_TAG]
     peer = me ^ k
     base = me & ~(k - 1)
     slot = 1 if me > peer else 0
     tables = k * head
     out = pair[slot]
-    for i in range(k):
-        _copy(out, i * head, inbox[base + i], 0, head)
-    _copy(out, tables, inbox[me], head + lo, hi - lo)
+    if borrow:
+        at = hi if slot else lo - tables  # where the tables go in data
+        _copy(out, 0, data, at, tables)
+        for i in range(k):
+            _copy(data, at + i * head, inbox[base + i], 0, head)
+        st[S_SAVED] = at + 1
+        address = data.ctypes.data + (lo if slot else at)
+    else:
+        at = hi - lo if slot else 0
+        for i in range(k):
+            _copy(out, at + i * head, inbox[base + i], 0, head)
+        _copy(out, 0 if slot else tables, data, lo, hi - lo)
+        address = out.ctypes.data
     err = _Irecv(pair[1 - slot].ctypes.data, pair.shape[1], byte, peer, tag, comm, reqs.ctypes.data)
-    err |= _Isend(out.ctypes.data, tables + hi - lo, byte, peer, tag, comm, reqs.ctypes.data + 4)
+    err |= _Isend(address, tables + hi - lo, byte, peer, tag, comm, reqs.ctypes.data + 4)
     return err
+
+
+@njit(nogil=True, cache=True)
+def _restore(st, pair, slot, data, tables):
+    """Put back the bytes of ``data`` a round's tables were written over (clause 10), once its
+    send is done (or abandoned)."""
+    if st[S_SAVED]:
+        _copy(data, st[S_SAVED] - 1, pair[slot], 0, tables)
+        st[S_SAVED] = 0
 
 
 @njit(nogil=True, cache=True)
@@ -253,7 +310,7 @@ def _poll(reqs, n, cells, statuses, spins):
 
 
 @njit(nogil=True, cache=True)
-def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair, item, spins):
+def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair, item, spins, user):
     """Take the exchange as far as it goes (NOTE [MPI from compiled code] 4-8): DONE,
     DISAGREE, PENDING (call again with the same arguments), REDUCE (call :func:`reduce_step`,
     then this again), or minus an MPI error code. In bytes: compiled once, whatever the
@@ -265,32 +322,44 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
     was not the expected one (else ``nbytes``), out; ``cells``: int32 (2,) scratch.
     ``inbox``: (size, width) uint8, this rank's message in its row's first ``nbytes`` bytes
     (a table of ``head`` bytes, then the payload); ``words``: the same as int64. ``pair``:
-    (2, width) uint8, recursive doubling's messages of a round (row 0 the lower half's). All
-    the caller's; the receives write ``inbox`` rows and ``pair``; by recursive doubling this
-    rank's payload ends as the group's reduction."""
+    (2, width) uint8, recursive doubling's messages of a round (row 0 the lower half's).
+    ``user``: uint8, empty, or where the payload goes by reduce-scatter and allgather the
+    caller's array of its bytes (clause 10): the data is read from there and the result ends
+    there, written only once every table agrees. All the caller's; the receives write
+    ``inbox`` rows, ``pair`` and ``user``; by recursive doubling this rank's payload (or
+    ``user``) ends as the group's reduction."""
     me, size, byte = cfg[C_RANK], cfg[C_SIZE], cfg[C_BYTE]
     doubling = cfg[C_DOUBLING] != 0
     sbytes = cfg[C_STATUS]
     payload = nbytes - head
     m = payload // item
-    halving = doubling and payload > 0 and 0 < cfg[C_HALVING] <= payload
+    halving = halves(cfg, payload)
+    direct = halving and user.shape[0] > 0  # clause 10
+    mine = inbox[me, head:head + payload]
     if st[S_ROUND] == 1 and st[S_POSTED] == 0 and st[S_PHASE] == 0:
         for q in range(size):
             counts[q] = nbytes
     while st[S_PHASE] == 0 and st[S_ROUND] < size:
         k = st[S_ROUND]
         peer = me ^ k
+        slot = 1 if me > peer else 0
+        tables = k * head
         lo, hi = 0, m
+        borrow = False
         if halving:  # send the half the peer keeps (clause 8)
             lo, hi = _block(me, m, k >> 1)
             mid = lo + (hi - lo) // 2
+            # clause 10: both halves hold the tables, so both ranks send from their data
+            borrow = min(mid - lo, hi - mid) * item >= tables
             if me & k:
                 hi = mid
             else:
                 lo = mid
+        data = user if direct and k == 1 else mine
         if st[S_POSTED] == 0:
             if doubling:
-                err = _send_tables(cfg, reqs, inbox, head, pair, k, lo * item, hi * item)
+                st[S_SUSER] = 1 if direct and k == 1 else 0
+                err = _send_tables(cfg, st, reqs, inbox, head, pair, k, data, lo * item, hi * item, borrow)
                 n = 2
             else:
                 err, n = _post_all(cfg, reqs, inbox, nbytes)
@@ -311,14 +380,15 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
                     i += 1
             st[S_ROUND] = size
             continue
+        _restore(st, pair, slot, data, tables)
         _Get_count(statuses.ctypes.data, byte, cells.ctypes.data + 4)
         got = cells[1]
         peer_base = peer & ~(k - 1)
-        slot = 1 if me > peer else 0
         theirs = pair[1 - slot]
-        tables = k * head
+        # clause 10: the upper rank's tables end its message, whatever its payload
+        toff = max(got - tables, 0) if slot == 0 else 0
         for i in range(k):
-            _copy(inbox[peer_base + i], 0, theirs, i * head, head)
+            _copy(inbox[peer_base + i], 0, theirs, toff + i * head, head)
         st[S_ROUND] = k << 1
         # The peer sends what this rank keeps: the whole payload, or the other half of the block.
         keep_lo, keep_hi = (0, m) if not halving else _block(me, m, k)
@@ -327,11 +397,12 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
             for i in range(k):  # another call's message: its tables tell which
                 counts[peer_base + i] = head + max(got - tables, 0)
         elif payload > 0:  # the halves' partials of the kept block, lower first: the caller's
-            _copy(pair[slot], tables, inbox[me], head + keep_lo * item, (keep_hi - keep_lo) * item)
             st[S_RED] = 1
             st[S_RLO] = keep_lo
             st[S_RHI] = keep_hi
-            st[S_RAT] = tables // item
+            st[S_RAT] = 0 if slot == 0 else tables // item  # the peer's payload in its message
+            st[S_SLOT] = slot
+            st[S_RUSER] = 1 if direct and k == 1 else 0
             return REDUCE
     if st[S_PHASE] == 0:
         agree = ksync.tables_agree(words, head // 8, TABLE_COLS, words[me, :TABLE_COLS - 1])
@@ -344,7 +415,10 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
             return DONE if agree else DISAGREE
         st[S_PHASE] = 1
         st[S_ROUND] = size >> 1  # every table agrees: the allgather (clause 8)
-    base = inbox[me].ctypes.data + head
+        if direct:  # clause 10: the allgather in the caller's array, this rank's block first
+            blo, bhi = _block(me, m, size >> 1)
+            _copy(user, blo * item, mine, blo * item, (bhi - blo) * item)
+    base = user.ctypes.data if direct else mine.ctypes.data
     while st[S_ROUND] >= 1:
         k = st[S_ROUND]
         lo, hi = _block(me, m, k)
@@ -366,29 +440,44 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
 
 
 @njit(nogil=True, cache=True)
-def reduce_step(st, partial, pair_t, op, kind, scratch, acc):
+def reduce_step(st, partial, user_t, pair_t, op, kind):
     """The reduction :func:`advance` asked for (REDUCE), in the payload's dtype:
-    ``partial[lo:hi]`` = its two messages' copies in ``pair_t``, the lower half's first
-    (:func:`~terrapipe.kernels.oneshot.finish`; ``op``, ``kind``, ``scratch``, ``acc`` as
-    there). ``partial``: this rank's payload (``inbox[rank, head:nbytes]``) as its dtype;
-    ``pair_t``: ``pair`` as that dtype."""
+    ``partial[lo:hi]`` = this rank's data there (or in ``user_t``, clause 10) and the peer's
+    message in ``pair_t``, the lower half's first (:func:`~terrapipe.kernels.reduce.reduce_pair`,
+    16-bit formats ``kind`` in float32, rounded once). ``partial``: this rank's payload
+    (``inbox[rank, head:nbytes]``) as its dtype; ``user_t``: ``user`` as that dtype; ``pair_t``:
+    ``pair`` as that dtype."""
     if st[S_RED]:
-        koneshot.finish(partial[st[S_RLO]:st[S_RHI]], pair_t, st[S_RAT], op, 1, kind, scratch, acc)
+        lo, hi, at, slot = st[S_RLO], st[S_RHI], st[S_RAT], st[S_SLOT]
+        out = partial[lo:hi]
+        theirs = pair_t[1 - slot, at:at + hi - lo]
+        if st[S_RUSER]:
+            _reduce_ordered(out, user_t[lo:hi], theirs, slot, op, kind)
+        else:
+            _reduce_ordered(out, out, theirs, slot, op, kind)
     st[S_RED] = 0
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _reduce_ordered(out, mine, theirs, slot, op, kind):
+    if slot == 0:
+        kreduce.reduce_pair(out, mine, theirs, op, kind)
+    else:
+        kreduce.reduce_pair(out, theirs, mine, op, kind)
 
 
 @njit(nogil=True, cache=True)
 def advance_reducing(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair, spins, partial,
-                     pair_t, op, kind, scratch, acc):
+                     pair_t, op, kind, user, user_t):
     """:func:`advance` with the reductions it asks for made here (:func:`reduce_step`), in the
     payload's dtype: DONE, DISAGREE, PENDING or minus an MPI error code, never REDUCE. Arguments
-    as theirs (the element size is ``partial``'s)."""
+    as theirs (the element size is ``partial``'s; ``user_t``: ``user`` as its dtype)."""
     while True:
         state = advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, pair,
-                        partial.itemsize, spins)
+                        partial.itemsize, spins, user)
         if state != REDUCE:
             return state
-        reduce_step(st, partial, pair_t, op, kind, scratch, acc)
+        reduce_step(st, partial, user_t, pair_t, op, kind)
 
 
 @njit(nogil=True, cache=True)
@@ -435,33 +524,41 @@ class Exchange:
         self.counts = np.zeros(size, np.int64)
         self.cells = np.zeros(2, np.int32)
         self.no_pair = np.zeros((2, 8), np.uint8)  # the pair where there is no recursive doubling
+        self.no_user = np.zeros(0, np.uint8)  # ``user`` where the payload is only in the inbox
         self._inbox = self._words = None
         self._reducing: dict = {}  # advance_reducing's entry points, by dtype
         self._args: tuple = ()
+        self._borrowed_from: tuple = ()  # start's inbox, head, nbytes, pair and user as bytes
         self._advance = self._run = None
         self.state = PENDING  # the last start's or resume's
 
     def start(self, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray | None, reduction,
-              spins: int) -> int:
+              spins: int, user: np.ndarray | None = None) -> int:
         """Begin an exchange of ``inbox[rank, :nbytes]`` (see :func:`advance`) and take it as
         far as it goes: DONE, DISAGREE, PENDING (then :meth:`resume`) or minus an MPI error;
         the reductions it asks for on the way are made in the same compiled call
         (:func:`advance_reducing`). ``pair``: recursive doubling's (2, width) scratch, or None.
         ``reduction``: (partial, op, kind, scratch, acc), how payloads are reduced on the way
         by recursive doubling (``partial`` this rank's payload as its dtype), or None where
-        they only travel with the tables."""
+        they only travel with the tables. ``user``: 1-D, C-contiguous, ``partial``'s dtype and
+        length, where the payload goes by reduce-scatter and allgather (:func:`halves`), the
+        caller's array the data is read from and the result written to (clause 10); else
+        None."""
         pair = self.no_pair if pair is None else pair
+        user_bytes = self.no_user if user is None else user.view(np.uint8)
+        self._borrowed_from = (inbox, head, nbytes, pair, user_bytes)
         args = (self.st, self.cfg, self.reqs, self.statuses, self.counts, self.cells, inbox,
                 self.words(inbox), head, nbytes, pair)
         if reduction is None:
-            self._args = (*args, 1, spins)
+            self._args = (*args, 1, spins, self.no_user)
             if self._advance is None:
                 self._advance = entry_point(advance, self._args)
             self._run = self._advance
         else:
-            partial, op, kind, scratch, acc = reduction
-            self._args = (*args, spins, partial, pair.view(partial.dtype), op, kind, scratch, acc)
-            key = (partial.dtype, scratch.dtype, partial.flags.c_contiguous)
+            partial, op, kind, _, _ = reduction
+            user_t = partial[:0] if user is None else user
+            self._args = (*args, spins, partial, pair.view(partial.dtype), op, kind, user_bytes, user_t)
+            key = (partial.dtype, partial.flags.c_contiguous, user_t.flags.c_contiguous)
             self._run = self._reducing.get(key)
             if self._run is None:
                 self._run = self._reducing[key] = entry_point(advance_reducing, self._args)
@@ -499,5 +596,11 @@ class Exchange:
         """Cancel what is posted and start the next exchange afresh (after a failure)."""
         if self.st[S_POSTED]:
             cancel(self.cfg, self.reqs, int(self.st[S_NREQ]))
+        if self.st[S_SAVED]:  # a round's tables over the kept half (clause 10): put it back
+            inbox, head, nbytes, pair, user = self._borrowed_from
+            k = int(self.st[S_ROUND])
+            data = user if self.st[S_SUSER] else inbox[self.rank, head:nbytes]
+            at, tables = int(self.st[S_SAVED]) - 1, k * head
+            data[at:at + tables] = pair[int(self.rank > self.rank ^ k), :tables]
         self.st[:] = 0
         self.st[S_ROUND] = 1

@@ -157,9 +157,10 @@ PAYLOAD_BYTES = 64 << 10
 # two rows are this much wider.
 PAIR_PAYLOAD_BYTES = 2 << 20
 # Among a power of two of four or more nodes (recursive doubling) it takes up to this much
-# (NOTE [one-shot across nodes] 10), with the inbox of a rank kept within INBOX_BUDGET_BYTES:
-# its rows are one per node, so among many nodes the payload shrinks back to PAYLOAD_BYTES.
-DOUBLING_PAYLOAD_BYTES = 512 << 10
+# (NOTE [one-shot across nodes] 10-11), with the inbox of a rank kept within INBOX_BUDGET_BYTES:
+# its rows are one per node, so among eight nodes the payload is 512 KiB, and among many it
+# shrinks back to PAYLOAD_BYTES.
+DOUBLING_PAYLOAD_BYTES = 1 << 20
 INBOX_BUDGET_BYTES = 4 << 20
 
 
@@ -270,7 +271,7 @@ class ShmTransport(Transport):
         return self._inbox, self._head
 
     def agree_across(self, coll, sigs: np.ndarray, check, payload_bytes: int = 0,
-                     reduction: tuple | None = None) -> None:
+                     reduction: tuple | None = None, user: np.ndarray | None = None) -> None:
         """NOTE [agreement across nodes]: this node's signatures ``sigs`` (local_size, words),
         read off the board, to every other node, with the ``payload_bytes`` (at most the
         transport's) this rank wrote after its table in :meth:`inbox`; returns once every
@@ -278,14 +279,17 @@ class ShmTransport(Transport):
         exchange goes by recursive doubling (``cross.doubling``, clause 3) the payloads are
         reduced on the way instead, as ``reduction`` says: (partial, op, kind, scratch, acc),
         ``partial`` this rank's payload as its dtype, which then ends as the whole group's
-        reduction (``MpiTransport.agree_tables``); required there when there is a payload."""
+        reduction (``MpiTransport.agree_tables``); required there when there is a payload.
+        ``user``: the caller's array the payload is read from and whose result it receives, where
+        the compiled exchange reduce-scatters (NOTE [MPI from compiled code] 10 in
+        comm/transports/mpi_native.py); else None."""
         if payload_bytes > self.payload_bytes:
             raise ValueError(f"payload_bytes: at most {self.payload_bytes}, got {payload_bytes}")
         ksync.sig_digests(sigs, self._node_table, 0)
         if self.pair is not None and payload_bytes and reduction is None:
             raise ValueError("reduction: recursive doubling reduces payloads on the way")
         self.cross.agree_tables(coll, self._inbox, self._head, self._head + payload_bytes, check, sigs,
-                                self.pair, reduction if payload_bytes else None)
+                                self.pair, reduction if payload_bytes else None, user)
 
     def barrier(self) -> None:
         self.board.barrier(self.timeout, "barrier")
