@@ -281,7 +281,8 @@ def test_a_generation_whose_member_vanished_during_set_up_is_left_for_the_next()
         out = []
         for p in procs:
             stdout, stderr = p.communicate(timeout=120)
-            assert p.returncode == 0, stderr[-3000:]
+            # stdout too: whether it failed before its report or after it, at exit
+            assert p.returncode == 0, f"stdout: {stdout[-500:]!r}\nstderr: {stderr[-3000:]}"
             out.append(json.loads(stdout.strip().splitlines()[-1]))
     finally:
         for p in procs:

@@ -82,17 +82,19 @@ NOTE [MPI from compiled code]
        where a kept half is shorter than the tables, the message is copied as before. Given
        ``user`` (the one-shot across nodes of one rank a node, NOTE [one-shot across nodes]
        11 in comm/algorithms/oneshot_nodes.py), the first round reads the caller's array
-       itself, the reductions go to this rank's payload, and once every table agrees its block
-       is copied into that array and the allgather fills the rest there: nothing in it is
-       written before the group agrees (a mismatch leaves it whole; the tables borrowed from
-       it are put back). Among 4 emulated nodes of one rank over 10gbit links (2-core Xeon,
-       float32 sum, 7 rounds interleaved with MPICH's allreduce, 2026-11-27), us at 64 / 128 /
-       256 / 512 KiB, ``comm.allreduce`` / MPICH: before 216 / 403 / 720 / 1514 against 168 /
-       287 / 527 / 1044 (1.29-1.45x), 4.5 copies of the message a call beyond MPICH's; after
-       183 / 390 / 675 / 1230 against 168 / 339 / 597 / 1110 (1.09-1.15x). What is left is
-       about the time MPICH's own rounds take when driven from Python with ``Testall`` and a
-       yield between polls (a blocking ``Sendrecv`` ran 1.03-1.07x of its allreduce, the
-       polled one 1.08-1.16x; polling 16 times a yield gained nothing).
+       itself, the reductions go to this rank's payload, the last round's (every table known
+       by then, and checked first) into that array, and the allgather fills the rest there:
+       nothing in it is written before the group agrees (a mismatch leaves it whole; the
+       tables borrowed from it are put back). Among 4 emulated nodes of one rank over 10gbit
+       links (2-core Xeon, float32 sum, 7 rounds interleaved with MPICH's allreduce,
+       2026-11-27), us at 64 / 128 / 256 / 512 KiB, ``comm.allreduce`` / MPICH: before 216 /
+       403 / 720 / 1514 against 168 / 287 / 527 / 1044 (1.29-1.45x), 4.5 copies of the message
+       a call beyond MPICH's; with the rounds' copies gone and this rank's block copied into
+       the caller's array at the end, 183 / 390 / 675 / 1230 against 168 / 339 / 597 / 1110
+       (1.09-1.15x). What is left is about the time MPICH's own rounds take when driven from
+       Python with ``Testall`` and a yield between polls (a blocking ``Sendrecv`` ran
+       1.03-1.07x of its allreduce, the polled one 1.08-1.16x; polling 16 times a yield gained
+       nothing).
 
 Why one module: the functions bound by name, the compiled code that calls them and the object
 that holds one communicator's handles and state are one contract (the slots of ``cfg`` and
@@ -125,8 +127,9 @@ C_COMM, C_BYTE, C_TAG, C_RANK, C_SIZE, C_DOUBLING, C_STATUS, C_NULL, C_HALVING, 
 # rounds; 1: the allgather's, from the largest distance down).
 # Then the reduction advance() asks of its caller (REDUCE): whether there is one, its elements
 # [lo, hi) of this rank's payload, where the peer's message holds them, this rank's row of the
-# pair (0: the lower half, whose data comes first), and whether this rank's data is still in the
-# caller's array (clause 10) rather than in its payload (reduce_step()).
+# pair (0: the lower half, whose data comes first), and where the caller's array takes part
+# (clause 10): 1 this rank's data is still there, 2 the result goes there, 3 both, 0 neither
+# (reduce_step()).
 # Last, where a round's message borrowed bytes of this rank's kept half for its tables (clause
 # 10), their offset + 1 in its data (0: none), and whether that data is the caller's array.
 S_ROUND, S_POSTED, S_NREQ, S_PHASE, S_RED, S_RLO, S_RHI, S_RAT, S_SLOT, S_RUSER, S_SAVED, S_SUSER, N_ST = \
@@ -232,6 +235,17 @@ def _post_all(cfg, reqs, inbox, nbytes):
             err |= _Isend(inbox[me].ctypes.data, nbytes, byte, q, tag, comm, reqs.ctypes.data + 4 * n)
             n += 1
     return err, n
+
+
+@njit(nogil=True, cache=True)
+def _agreed(words, head, me, counts, nbytes, size):
+    """Whether every table known so far agrees with this rank's and every message had
+    ``nbytes`` bytes."""
+    agree = ksync.tables_agree(words, head // 8, TABLE_COLS, words[me, :TABLE_COLS - 1])
+    for q in range(size):
+        if counts[q] != nbytes:
+            agree = False
+    return agree
 
 
 @njit(nogil=True, cache=True)
@@ -397,27 +411,25 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
             for i in range(k):  # another call's message: its tables tell which
                 counts[peer_base + i] = head + max(got - tables, 0)
         elif payload > 0:  # the halves' partials of the kept block, lower first: the caller's
-            st[S_RED] = 1
-            st[S_RLO] = keep_lo
-            st[S_RHI] = keep_hi
-            st[S_RAT] = 0 if slot == 0 else tables // item  # the peer's payload in its message
-            st[S_SLOT] = slot
-            st[S_RUSER] = 1 if direct and k == 1 else 0
-            return REDUCE
+            # clause 10: the last round reduces into the caller's array, once every table agrees
+            into_user = direct and k << 1 >= size and _agreed(words, head, me, counts, nbytes, size)
+            if not (direct and k << 1 >= size) or into_user:
+                st[S_RED] = 1
+                st[S_RLO] = keep_lo
+                st[S_RHI] = keep_hi
+                st[S_RAT] = 0 if slot == 0 else tables // item  # the peer's payload in its message
+                st[S_SLOT] = slot
+                st[S_RUSER] = (1 if direct and k == 1 else 0) | (2 if into_user else 0)
+                return REDUCE
     if st[S_PHASE] == 0:
-        agree = ksync.tables_agree(words, head // 8, TABLE_COLS, words[me, :TABLE_COLS - 1])
-        for q in range(size):
-            if counts[q] != nbytes:
-                agree = False
+        agree = _agreed(words, head, me, counts, nbytes, size)
         if not agree or not halving:
             st[S_ROUND] = 1
             st[S_PHASE] = 0
             return DONE if agree else DISAGREE
         st[S_PHASE] = 1
-        st[S_ROUND] = size >> 1  # every table agrees: the allgather (clause 8)
-        if direct:  # clause 10: the allgather in the caller's array, this rank's block first
-            blo, bhi = _block(me, m, size >> 1)
-            _copy(user, blo * item, mine, blo * item, (bhi - blo) * item)
+        st[S_ROUND] = size >> 1  # every table agrees: the allgather (clause 8), in the caller's
+        # array where given: this rank's block is there already (clause 10)
     base = user.ctypes.data if direct else mine.ctypes.data
     while st[S_ROUND] >= 1:
         k = st[S_ROUND]
@@ -448,13 +460,16 @@ def reduce_step(st, partial, user_t, pair_t, op, kind):
     (``inbox[rank, head:nbytes]``) as its dtype; ``user_t``: ``user`` as that dtype; ``pair_t``:
     ``pair`` as that dtype."""
     if st[S_RED]:
-        lo, hi, at, slot = st[S_RLO], st[S_RHI], st[S_RAT], st[S_SLOT]
-        out = partial[lo:hi]
+        lo, hi, at, slot, where = st[S_RLO], st[S_RHI], st[S_RAT], st[S_SLOT], st[S_RUSER]
         theirs = pair_t[1 - slot, at:at + hi - lo]
-        if st[S_RUSER]:
-            _reduce_ordered(out, user_t[lo:hi], theirs, slot, op, kind)
+        if where == 1:  # from the caller's array into the payload
+            _reduce_ordered(partial[lo:hi], user_t[lo:hi], theirs, slot, op, kind)
+        elif where == 2:  # from the payload into the caller's array
+            _reduce_ordered(user_t[lo:hi], partial[lo:hi], theirs, slot, op, kind)
+        elif where == 3:  # the only round: from the caller's array into it
+            _reduce_ordered(user_t[lo:hi], user_t[lo:hi], theirs, slot, op, kind)
         else:
-            _reduce_ordered(out, out, theirs, slot, op, kind)
+            _reduce_ordered(partial[lo:hi], partial[lo:hi], theirs, slot, op, kind)
     st[S_RED] = 0
 
 
