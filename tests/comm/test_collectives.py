@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import terrapipe.comm as comm
-from terrapipe.comm.algorithms import oneshot, oneshot_nodes
+from terrapipe.comm.algorithms import oneshot, oneshot_nodes, ring
+from terrapipe.kernels import reduce as kreduce
 from tests.comm.calls import allreduce_by_way
 
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
@@ -594,6 +595,22 @@ def test_missing_rank_over_mpi_times_out_naming_it(mpi_comm):
         with pytest.raises(comm.CollectiveTimeoutError, match="in MPI waiting for rank 1") as e:
             comm.allreduce(np.zeros(10))
         assert e.value.ranks == [1]
+    mpi_comm.Barrier()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_ring_step_polled_between_yields_still_times_out_naming_its_peer(mpi_comm):
+    # NOTE [ring schedule]: a ring step's wait tests its request RING_POLLS times a yield; the
+    # wait must still end at the timeout, naming the rank it waits for, when that rank never
+    # comes (rank 1 skips the ring; rank 0 waits on its first chunk from it).
+    os.environ["TERRAPIPE_NODE_SIZE"] = "1"
+    g = comm.init(timeout=2)
+    assert g.nnodes == 2 and ring.RING_POLLS > 1
+    if comm.rank() == 0:
+        began = time.monotonic()
+        with pytest.raises(comm.CollectiveTimeoutError, match="in MPI waiting for rank 1") as e:
+            ring.allreduce_array(g.mpi, np.ones(1 << 20, np.float32), kreduce.SUM, 0, "allreduce")
+        assert e.value.ranks == [1] and time.monotonic() - began < 10, (e.value, time.monotonic() - began)
     mpi_comm.Barrier()
 
 

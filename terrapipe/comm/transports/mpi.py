@@ -191,30 +191,42 @@ class MpiTransport(OwnCollectives):
         return every.view(np.float64).max(axis=0)
 
     # -- waiting ------------------------------------------------------------------------------
-    def wait(self, req, what: str, peer: int | None = None) -> None:
+    def wait(self, req, what: str, peer: int | None = None, polls: int = 1) -> None:
         """Poll ``req`` until done, or raise CollectiveTimeoutError after the timeout naming the
-        ranks it waits for (``peer``: the one rank of ``comm`` it depends on, if one)."""
+        ranks it waits for (``peer``: the one rank of ``comm`` it depends on, if one).
+        ``polls``: tests between yields of the core (:meth:`wait_all`)."""
         if not req.Test():
-            self.wait_all([req], what, peer)
+            self.wait_all([req], what, peer, polls=polls)
 
     def wait_all(self, reqs: list, what: str, peer: int | None = None, statuses: list | None = None,
-                 late: Callable[[], list[int]] | None = None) -> None:
+                 late: Callable[[], list[int]] | None = None, polls: int = 1) -> None:
         """Poll ``reqs`` until all are done (NOTE [waiting for a peer] in comm/wait.py: never
         asleep, for this rank's own polls drive MPI's progress), or raise CollectiveTimeoutError
         naming the ranks waited for, after the timeout or at once when the node's board says
         one died; the requests are then cancelled where MPI can. ``statuses``: filled as
         ``Testall`` does; ``late()``: the ranks of ``comm`` not yet heard from, asked only once
-        the wait fails (else ``peer``, the one rank waited for, if one)."""
+        the wait fails (else ``peer``, the one rank waited for, if one). ``polls``: tests
+        between yields of the core, for a wait on one large transfer (``RING_POLLS``)."""
         Testall = self._MPI.Request.Testall
         if Testall(reqs, statuses):
             return
+        done = lambda: Testall(reqs, statuses)  # noqa: E731
+        if polls > 1 and len(reqs) == 1 and statuses is None:
+            test = reqs[0].Test
+
+            def done() -> bool:
+                for _ in range(polls):
+                    if test():
+                        return True
+                return False
         # No spinning before the first yield: where ranks outnumber cores (emulated nodes, a
         # busy machine), a rank spinning on Test keeps its peer, whose progress it waits for,
         # off the core: a 4 KiB Iallreduce polled without yielding took 8.3 ms at 2x2 on two
-        # cores, 0.22 ms yielding; on a core of its own a yield costs a system call.
+        # cores, 0.22 ms yielding; on a core of its own a yield costs a system call. A ring
+        # step's transfer of half a MiB tests several times a yield (NOTE [ring schedule]).
         self.on_waiting(True)
         try:
-            wait_until(lambda: Testall(reqs, statuses), self.timeout,
+            wait_until(done, self.timeout,
                        lambda timed_out: self._failure(reqs, timed_out, what, peer, late), sleep_after=None)
         finally:
             self.on_waiting(False)  # a peer marked lost stays marked
