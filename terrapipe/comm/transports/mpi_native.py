@@ -412,8 +412,9 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
                 counts[peer_base + i] = head + max(got - tables, 0)
         elif payload > 0:  # the halves' partials of the kept block, lower first: the caller's
             # clause 10: the last round reduces into the caller's array, once every table agrees
-            into_user = direct and k << 1 >= size and _agreed(words, head, me, counts, nbytes, size)
-            if not (direct and k << 1 >= size) or into_user:
+            last_of_user = direct and k << 1 >= size
+            into_user = last_of_user and _agreed(words, head, me, counts, nbytes, size)
+            if not last_of_user or into_user:
                 st[S_RED] = 1
                 st[S_RLO] = keep_lo
                 st[S_RHI] = keep_hi
