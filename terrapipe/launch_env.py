@@ -20,7 +20,7 @@ from pathlib import Path
 
 __all__ = ["mpi_launched", "torch_launched", "world", "local_rank", "local_size", "mpiexec_path",
            "MPI_RANK_VARS", "record_exit", "first_failure", "alive", "kill_until_gone", "end_job",
-           "remove_orphaned_mpi_segments", "unlink_own_mpi_segments"]
+           "remove_orphaned_mpi_files", "unlink_own_mpi_segments"]
 
 # Set by MPI launchers in every rank they start (any one suffices).
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -239,43 +239,56 @@ def end_job(variable: str, value: str, timeout: float = 10.0) -> None:
     kill_until_gone(marked, timeout)
 
 
-def remove_orphaned_mpi_segments(since: float, settle: float = 1.0) -> list[str]:
-    """Remove MPICH's node files (``/dev/shm/mpich_shm_*``) last written at or after ``since``
-    (a ``time.time()`` value) that no process maps or holds open; returns their paths. MPICH
-    unlinks its file in MPI_Finalize only, so a job whose ranks were killed (a launcher ending
-    the others after one failed, a timeout) leaves it behind; a live job's ranks map theirs.
-    End the job's processes first (:func:`end_job`). A file still mapped is looked at again for
-    up to ``settle`` seconds: right after a killed job, a file was sometimes still held when
-    looked at once (1 to 3 runs in 8 here) and never after a second look (14 runs)."""
+# The files an MPICH job leaves when its processes are killed, as (glob, what marks a path as
+# one of them in /proc/<pid>/maps and fd links): its ranks' node file in /dev/shm (unlinked in
+# MPI_Finalize only), and the topology file each of hydra's proxies writes (its path is fixed
+# in hydra, whatever TMPDIR says) and holds open while it runs, removed on the proxy's way out,
+# even on SIGTERM, but not on SIGKILL (a test harness's or a cluster's timeout).
+_MPI_FILES = (("/dev/shm/mpich_shm_*", "mpich_shm_"), ("/tmp/hydra_hwloc_xmlfile_*", "hydra_hwloc_xmlfile_"))
+
+
+def remove_orphaned_mpi_files(since: float, settle: float = 1.0) -> list[str]:
+    """Remove the files an MPICH job's killed processes leave behind, last written at or after
+    ``since`` (a ``time.time()`` value) and held by no process (mapped or open); returns their
+    paths. Those are MPICH's node files (``/dev/shm/mpich_shm_*``), unlinked in MPI_Finalize
+    only, so a job whose ranks were killed (a launcher ending the others after one failed, a
+    timeout) leaves them behind, and hydra's topology files (``/tmp/hydra_hwloc_xmlfile_*``), which a
+    proxy killed with SIGKILL leaves; a live job's ranks map theirs
+    and its proxies hold theirs open. End the job's processes first (:func:`end_job`). A file
+    still held is looked at again for up to ``settle`` seconds: right after a killed job, a file
+    was sometimes still held when looked at once (1 to 3 runs in 8 here) and never after a
+    second look (14 runs)."""
     removed: list[str] = []
     deadline = time.monotonic() + settle
     while True:
-        swept, mapped = _sweep_mpi_segments(since)
+        swept, held = _sweep_mpi_files(since)
         removed += swept
-        if not mapped or time.monotonic() > deadline:
+        if not held or time.monotonic() > deadline:
             return removed
         time.sleep(0.05)
 
 
-def _sweep_mpi_segments(since: float) -> tuple[list[str], int]:
+def _sweep_mpi_files(since: float) -> tuple[list[str], int]:
     """(files removed, files left because some process maps or holds them)."""
     candidates = set()
-    for path in glob.glob("/dev/shm/mpich_shm_*"):
-        try:
-            if os.stat(path).st_mtime >= since:
-                candidates.add(path)
-        except FileNotFoundError:
-            pass
+    for pattern, _ in _MPI_FILES:
+        for path in glob.glob(pattern):
+            try:
+                if os.stat(path).st_mtime >= since:
+                    candidates.add(path)
+            except FileNotFoundError:
+                pass
+    marks = tuple(mark for _, mark in _MPI_FILES)
     held = set()
     for proc in glob.glob("/proc/[0-9]*"):
         if not candidates - held:
             break
         try:
             with open(f"{proc}/maps") as f:
-                held |= {line.split(None, 5)[-1].strip() for line in f if "mpich_shm_" in line}
+                held |= {line.split(None, 5)[-1].strip() for line in f if any(m in line for m in marks)}
             for fd in glob.glob(f"{proc}/fd/*"):
                 target = os.readlink(fd)
-                if "mpich_shm_" in target:
+                if any(m in target for m in marks):
                     held.add(target)
         except OSError:  # the process ended, or is not ours to read
             continue

@@ -265,7 +265,7 @@ class _Job:
         if killed or self.proc.returncode != 0:
             # Ranks that never reached MPI_Finalize leave MPICH's node file in /dev/shm.
             launch_env.end_job(_CHILD_ENV, str(self.dir))
-            launch_env.remove_orphaned_mpi_segments(self.started)
+            launch_env.remove_orphaned_mpi_files(self.started)
 
     def close(self) -> None:
         self.kill()

@@ -57,3 +57,46 @@ def test_rank_status_keeps_the_first_word_and_names_the_earliest_failure(tmp_pat
     assert launch_env.first_failure(d) == (2, 1, "ValueError: bad batch\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.status", "rank1.status",
                                                           "rank2.error", "rank2.status"]
+
+
+def test_a_killed_jobs_mpi_files_are_removed_and_a_live_jobs_are_kept():
+    # Regression: a job the test harness or a cluster's timeout killed with SIGKILL left hydra's
+    # topology file in /tmp (a proxy removes its own only on its way out): four of them a CI run.
+    # The sweep removes the files written since the job started that no process holds, and
+    # keeps those a live process holds open (another job's proxy) or maps (a live rank).
+    import mmap
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    since = time.time() - 1
+    made = []
+    for directory, prefix in (("/tmp", "hydra_hwloc_xmlfile_"), ("/dev/shm", "mpich_shm_")):
+        for _ in range(2):
+            fd, path = tempfile.mkstemp(prefix=prefix, dir=directory)
+            os.write(fd, b"x" * mmap.PAGESIZE)
+            os.close(fd)
+            made.append(path)
+    orphans, held_open, mapped = made[0], made[1], made[3]
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import mmap, sys, time\n"
+         "f = open(sys.argv[1], 'rb')\n"
+         "g = open(sys.argv[2], 'r+b'); m = mmap.mmap(g.fileno(), 0); g.close()\n"
+         "print('ready', flush=True); time.sleep(60)\n", held_open, mapped],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        removed = launch_env.remove_orphaned_mpi_files(since, settle=0.2)
+        assert orphans in removed and made[2] in removed, removed
+        assert not os.path.exists(orphans) and not os.path.exists(made[2])
+        assert os.path.exists(held_open) and os.path.exists(mapped)
+        assert held_open not in removed and mapped not in removed
+    finally:
+        holder.kill()
+        holder.wait()
+        for path in made:
+            if os.path.exists(path):
+                os.unlink(path)

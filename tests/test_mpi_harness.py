@@ -65,13 +65,16 @@ def test_hung_rank_is_named_and_killed(pytester, monkeypatch):
                 time.sleep(600)
         """,
     )
-    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    files = ("/dev/shm/mpich_shm_*", "/tmp/hydra_hwloc_xmlfile_*")
+    before = {pattern: set(glob.glob(pattern)) for pattern in files}
     result = _run(pytester, monkeypatch)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert "rank 0 of 2 never reported (timed out after 8s)" in out
-    # The killed job's ranks never reached MPI_Finalize: MPICH's node file is removed for them.
-    assert set(glob.glob("/dev/shm/mpich_shm_*")) <= before
+    # The killed job's ranks never reached MPI_Finalize and its proxy was killed: MPICH's node
+    # file and hydra's topology file are removed for them.
+    for pattern in files:
+        assert set(glob.glob(pattern)) <= before[pattern], pattern
     assert "rank 1 of 2" not in out.split("never reported")[0].splitlines()[-1]
 
 

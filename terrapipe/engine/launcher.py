@@ -173,7 +173,7 @@ def _run_mpiexec(cmd: list[str], env: dict) -> int:
         code = proc.wait()
         if code != 0:  # ranks killed before MPI_Finalize leave MPICH's node file behind
             launch_env.end_job("TERRAPIPE_RUN_STATUS", env["TERRAPIPE_RUN_STATUS"])
-            launch_env.remove_orphaned_mpi_segments(started)
+            launch_env.remove_orphaned_mpi_files(started)
         return code
     finally:
         for s, h in old.items():

@@ -33,9 +33,11 @@ NOTE [leaving nothing behind]
      every process in each node's namespace, then deletes the namespaces, which takes their
      mounts and ``/dev/shm`` with them, then the bridge. The links are deleted by name first: a
      node's namespace whose kernel sockets outlive it (TCP connections cut off by a link taken
-     down retry for minutes) lingers, nameless, with its link, after ``ip netns del``. A
-     cluster whose maker died without closing is removed by the next one made
-     (``remove_stale``).
+     down retry for minutes) lingers, nameless, with its link, after ``ip netns del``. The nodes
+     share the host's ``/tmp`` (a job's files stay where its launcher wrote them), so the
+     topology files MPICH's proxies write there and leave when cut off from their launcher or
+     killed (``launch_env.remove_orphaned_mpi_files``) are removed last. A cluster whose maker
+     died without closing is removed by the next one made (``remove_stale``).
   2. Between jobs the nodes live on, so each job's end is cleaned up on each node as a resource
      manager's epilogue does (:meth:`Cluster.run`): processes the job left are killed (mpiexec
      exits at once when a node's proxy is lost, and the other nodes' proxies and ranks would
@@ -120,7 +122,7 @@ def _delete_links(name: str, stale: Callable[[re.Match], bool]) -> list[str]:
 
 # Run on a node after a failed job: MPICH's node files its killed ranks left in the node's /dev/shm.
 _SWEEP = ("import sys; from terrapipe import launch_env; "
-          "launch_env.remove_orphaned_mpi_segments(float(sys.argv[1]))")
+          "launch_env.remove_orphaned_mpi_files(float(sys.argv[1]))")
 
 
 def remove_stale() -> list[str]:
@@ -176,6 +178,7 @@ class Cluster:
         self._dir: Path | None = None
         self._made: list[str] = []  # namespaces made so far, for close()
         self._bridge = False
+        self._opened = time.time()  # files MPICH's processes left since then go in close()
 
     # -- set-up and teardown -------------------------------------------------------------------
     def __enter__(self) -> Cluster:
@@ -266,6 +269,7 @@ class Cluster:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        launch_env.remove_orphaned_mpi_files(self._opened)
 
     # -- running on the nodes ------------------------------------------------------------------
     def enter(self, node: int) -> list[str]:
@@ -359,7 +363,7 @@ class Cluster:
         nothing behind] 2): a launcher that dies with its job (mpiexec on losing a node's
         proxy) leaves the other nodes' proxies and ranks running; they are killed. After a
         failed job, MPICH's node files its killed ranks left in each node's ``/dev/shm`` are
-        removed (``launch_env.remove_orphaned_mpi_segments``, run on the node)."""
+        removed (``launch_env.remove_orphaned_mpi_files``, run on the node)."""
         for i, holder in enumerate(self._holders):
             _kill_namespace(self._ns(i), spare=holder.pid)
             if failed:

@@ -73,7 +73,7 @@ def test_kill_9_of_one_rank_ends_the_job_promptly(tmp_path):
                           text=True, timeout=120)
     elapsed = time.monotonic() - start
     # Plain mpiexec, no terrapipe run: MPICH's node file of the killed job is this test's to sweep.
-    launch_env.remove_orphaned_mpi_segments(wall)
+    launch_env.remove_orphaned_mpi_files(wall)
     assert proc.returncode != 0
     assert elapsed < 30, f"took {elapsed:.1f}s: {proc.stdout}{proc.stderr}"
     # Either the launcher tears the job down, or the survivor sees the death on the board.
@@ -90,7 +90,7 @@ def test_the_exit_hook_lets_a_node_peer_finish_before_it_ends_the_job(tmp_path):
     wall = time.time()
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script), str(report)],
                           capture_output=True, text=True, timeout=120)
-    launch_env.remove_orphaned_mpi_segments(wall)
+    launch_env.remove_orphaned_mpi_files(wall)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out  # the job was still aborted
     reported = float(report.read_text())
