@@ -275,7 +275,13 @@ def test_emulated_two_nodes_of_two(mpi_comm):
 
 
 @pytest.mark.mpi(ranks=(2,), timeout=120, one_node=True)
-def test_emulated_nodes_of_one_rank_each(mpi_comm):
+@pytest.mark.parametrize("dtype, op, size", [
+    ("float32", "sum", 4), ("bfloat16", "sum", 2),
+    # make test-full: each dtype compiles the one-shot across nodes anew (about 20 s from an
+    # empty cache on two cores); CI keeps a native and a 16-bit one.
+    pytest.param("float64", "avg", 8, marks=pytest.mark.full),
+    pytest.param("int32", "max", 4, marks=pytest.mark.full)])
+def test_emulated_nodes_of_one_rank_each(mpi_comm, dtype, op, size):
     # Nodes of one rank: small allreduces the one-shot across nodes, then MPI's own, then the
     # ring over the whole group (the hierarchical segment would only add two copies there).
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"
@@ -284,17 +290,15 @@ def test_emulated_nodes_of_one_rank_each(mpi_comm):
     r, p = comm.rank(), comm.size()
     log = g.record_algorithms()
     limit, ring_from = oneshot_nodes.limit(g.shm), g.mpi.ring_bytes
-    for dtype, op, size in (("float32", "sum", 4), ("float64", "avg", 8), ("int32", "max", 4),
-                            ("bfloat16", "sum", 2)):
-        for nbytes, want in ((limit, "oneshot_nodes"), (limit + size, "mpi"), (ring_from, "ring"),
-                             (12_000_004, "ring")):
-            n = nbytes // size
-            x = _data(r, n, dtype, seed=7)
-            del log[:]
-            comm.allreduce(x, op)
-            assert [a for _, a, _ in log] == [want], (n, dtype, log)
-            np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=7),
-                                       rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
+    for nbytes, want in ((limit, "oneshot_nodes"), (limit + size, "mpi"), (ring_from, "ring"),
+                         (12_000_004, "ring")):
+        n = nbytes // size
+        x = _data(r, n, dtype, seed=7)
+        del log[:]
+        comm.allreduce(x, op)
+        assert [a for _, a, _ in log] == [want], (n, dtype, log)
+        np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=7),
+                                   rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
 
 
 @pytest.mark.mpi(ranks=(2, 4), timeout=120, one_node=True, ci_ranks=(2,))
