@@ -34,7 +34,8 @@ NOTE [algorithm selection]
     4. Across nodes: an allreduce of at most ``oneshot_nodes.limit`` bytes is the one-shot
        across nodes (NOTE [one-shot across nodes] in comm/algorithms/oneshot_nodes.py: its
        agreement and data in one board step and one exchange between nodes; between two nodes
-       of several ranks up to a row half, 2 MiB at two ranks a node, clause 10); larger ones are
+       of several ranks up to a row half, 2 MiB at two ranks a node, clause 10, among four
+       nodes of one rank up to 2 MiB, clause 12); larger ones are
        hierarchical (the segment on each node, each part allreduced between nodes by the ring or
        MPI's own, by size; a message of several chunks with each part crossing over the group's
        ``bulk`` TCP rings while the node works on the next, NOTE [overlap across nodes] in

@@ -382,6 +382,8 @@ def test_four_nodes_of_one_reduce_in_the_callers_array_and_leave_it_whole_on_a_m
     # put back once sent, and the result written there only once every table agrees. So a
     # mismatch (one rank's op, or its size across the threshold) leaves every rank's array as
     # it was, and calls either side of it are exact, in every dtype, blocks down to one element.
+    # NOTE [one-shot across nodes] 12: a call out of place (some ranks, not others, in one
+    # call) runs in place in its output after copying its input there, which it leaves whole.
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"
     os.environ["TERRAPIPE_HALVING_BYTES"] = "256"
     g = comm.init(timeout=30)
@@ -404,11 +406,21 @@ def test_four_nodes_of_one_reduce_in_the_callers_array_and_leave_it_whole_on_a_m
             bad_op = "prod" if op != "prod" else "sum"
             y = x if i % 2 else _data(r, 7, dtype, seed=70 + i)
             with pytest.raises(comm.CollectiveMismatchError, match="ranks called it differently"):
-                comm.allreduce(y if r == 1 else x, bad_op if r == 1 and i % 2 else op)
+                if r == 2:  # out of place: its input stays whole too
+                    comm.allreduce(x, op, out=torch.empty_like(x) if isinstance(x, torch.Tensor)
+                                   else np.empty_like(x))
+                else:
+                    comm.allreduce(y if r == 1 else x, bad_op if r == 1 and i % 2 else op)
             np.testing.assert_array_equal(_np(x), before, err_msg=f"call {i}: the array changed")
             continue
         del log[:]
-        comm.allreduce(x, op)
+        if (r + i) % 3 == 0:
+            out = torch.empty_like(x) if isinstance(x, torch.Tensor) else np.empty_like(x)
+            comm.allreduce(x, op, out=out)
+            np.testing.assert_array_equal(_np(x), before, err_msg=f"call {i}: the input changed")
+            x = out
+        else:
+            comm.allreduce(x, op)
         assert [a for _, a, _ in log] == ["oneshot_nodes"], (n, dtype, log)
         np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=70 + i),
                                    rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))

@@ -102,6 +102,16 @@ NOTE [one-shot across nodes]
        in place. Before, the message went into the row, out of it into the payload, and from
        the payload into ``dst``: three of the 4.5 copies a call beyond MPICH's allreduce that
        made 256 KiB at 4 nodes x 1 over 10gbit take 1.37x its time (now 1.13x).
+    12. There the inbox may be wider (a node holds one, not one per local rank:
+       ``shm.INBOX_ALONE_BUDGET_BYTES``), so among four nodes the one-shot takes up to 2 MiB
+       (``ONESHOT_DOUBLING_ALONE_BYTES``), where MPICH's allreduce too reduce-scatters and
+       allgathers by halves and our ring took six steps after its agreement: 2 MiB at 4 nodes
+       x 1 over 10gbit went from 1.12-1.33x MPICH's time to 0.99-1.03x, level over slower
+       links (at 4 MiB the ring's steps keep slow links busier than rounds of halves). A call out of
+       place does what MPICH's does: it copies ``src`` into ``dst`` and runs in place there
+       (``call``), where it had gone through the row and the payload (three copies, not one).
+       Which path a call takes depends on its sizes only, never on its arrays, so ranks that
+       pass different arrays still meet in the same algorithm.
 
 Why one module: the limits (with the measurements that set them), the plan per signature, the
 compiled call and the Python around it are one algorithm whose clauses cite each other; split,
@@ -125,7 +135,8 @@ from ..transports.mpi import NATIVE_SPINS
 from .oneshot import ONESHOT_SPINS
 
 __all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES",
-           "ONESHOT_NODE_PAIR_BYTES", "ONESHOT_DOUBLING_BYTES", "ONESHOT_WHOLE_BYTES"]
+           "ONESHOT_NODE_PAIR_BYTES", "ONESHOT_DOUBLING_BYTES", "ONESHOT_DOUBLING_ALONE_BYTES",
+           "ONESHOT_WHOLE_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
 # interleaved), us at 4 / 16 / 32 / 64 KiB, before the latency path and the per-rank parts: at
@@ -165,6 +176,16 @@ ONESHOT_NODE_PAIR_BYTES = 2 << 20
 # the agreement and MPI's own, 3610 / 2855; over 2.5gbit 5312 / 5268 against 5823 / 5300. The
 # inbox's budget (shm.INBOX_BUDGET_BYTES) allows no more among four nodes.
 ONESHOT_DOUBLING_BYTES = 1 << 20
+# The same on nodes of one rank, whose inbox may be wider (shm.INBOX_ALONE_BUDGET_BYTES; clause
+# 12). 4 nodes x 1 (Xeon, 2 cores; 6-10 calls a round, 7 rounds interleaved with MPICH's
+# allreduce, each limit in its own runs, 2026-11-27), our time over MPICH's at 2 / 4 MiB, in
+# place, where our ring took them after the agreement / by the one-shot: over 10gbit
+# 1.12-1.33 / 1.13-1.33 and 0.99-1.03 / 0.97-1.00; over 2.5gbit 1.05 / 0.85 and 1.00 / 1.04;
+# over 1gbit 0.99 / 0.85 and 1.00 / 1.01. Both at the links' bound at 2 MiB over 1gbit; at 4
+# MiB over slow links rounds of halves (MPICH's too) fall behind the ring's steps (74% of the
+# bound against 95% over 1gbit in benchmark runs with the limit at 2 and 4 MiB), so the
+# one-shot stops at 2 MiB.
+ONESHOT_DOUBLING_ALONE_BYTES = 2 << 20
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
 # 0.81 at 4 KiB, 0.85 at 8 KiB, 1.03 at 16 KiB.
@@ -175,14 +196,15 @@ def limit(shm) -> int:
     """The largest allreduce (bytes as exchanged) the one-shot across nodes takes: half a row
     of the node's segment, and at most ``ONESHOT_NODE_PAIR_BYTES`` between two nodes of
     several ranks (clause 10), ``ONESHOT_DOUBLING_BYTES`` among a power of two of four or more
-    whose exchange is compiled (and so may reduce-scatter; clause 10),
+    whose exchange is compiled (and so may reduce-scatter; clause 10; on nodes of one rank
+    ``ONESHOT_DOUBLING_ALONE_BYTES``, clause 12),
     ``ONESHOT_TWO_NODES_BYTES`` between two nodes of one rank, ``ONESHOT_NODES_BYTES`` among
     others; never past what the exchange's messages carry (``shm.payload_bytes``)."""
     cross = shm.cross
     if cross is not None and cross.size == 2 and shm.local_size > 1:
         most = ONESHOT_NODE_PAIR_BYTES
     elif cross is not None and cross.doubling and cross.native is not None:
-        most = ONESHOT_DOUBLING_BYTES
+        most = ONESHOT_DOUBLING_ALONE_BYTES if shm.local_size == 1 else ONESHOT_DOUBLING_BYTES
     elif cross is not None and cross.size == 2:
         most = ONESHOT_TWO_NODES_BYTES
     else:
@@ -401,7 +423,16 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
                            native.counts, native.cells, me, p, node, h0, head, op, divisor, kind, doubling)
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
-        run(src, dst, in_place(src) if src is dst else _how(src, dst))
+        if src is dst:
+            run(src, dst, in_place(src))
+            return
+        if p == 1 and dst.dtype == dtype and dst.flags.c_contiguous and dst.flags.writeable:
+            how = in_place(dst)
+            if how[5]:  # clause 12: in place in dst, after MPI's own first copy
+                np.copyto(dst, src)
+                run(dst, dst, how)
+                return
+        run(src, dst, _how(src, dst))
 
     def in_place(x: np.ndarray):
         """How a call in place on arrays like ``x`` runs (clause 7), for :func:`run`: compiled

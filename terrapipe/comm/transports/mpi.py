@@ -60,7 +60,7 @@ NATIVE_SPINS = 64
 # _PROBE_CALLS exchanges back to back, each after exchanges that send _PROBE_SPEND_BYTES (a
 # shaped link's burst allowance, or a switch's buffers, spent: what is timed is the steady
 # state of a training loop), the median of _PROBE_ROUNDS kept. Up to 64 KiB: the one-shot
-# across nodes sends up to 1 MiB among four nodes (ONESHOT_DOUBLING_BYTES in
+# across nodes sends up to 1 MiB among four nodes, 2 MiB on nodes of one rank (ONESHOT_DOUBLING_BYTES in
 # comm/algorithms/oneshot_nodes.py), but past the crossover halving's lead grows with the bytes
 # it saves (1.5 x n per link against log2(nodes) x n), so a lead at 64 KiB holds beyond it.
 _PROBE_PAYLOADS = (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10)

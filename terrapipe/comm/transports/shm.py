@@ -87,8 +87,8 @@ from .base import Transport
 from .board import LOST, SIG_WORDS, TABLE_COLS, Board, wait_mode
 
 __all__ = ["Segment", "Board", "ShmTransport", "remove_stale", "alive", "PREFIX", "PAYLOAD_BYTES",
-           "PAIR_PAYLOAD_BYTES", "DOUBLING_PAYLOAD_BYTES", "payload_bytes", "row_bytes", "wait_mode",
-           "SIG_WORDS"]
+           "PAIR_PAYLOAD_BYTES", "DOUBLING_PAYLOAD_BYTES", "DOUBLING_ALONE_PAYLOAD_BYTES", "payload_bytes",
+           "row_bytes", "wait_mode", "SIG_WORDS"]
 
 PREFIX = "terrapipe_"
 _SHM_DIR = "/dev/shm"
@@ -162,6 +162,11 @@ PAIR_PAYLOAD_BYTES = 2 << 20
 # shrinks back to PAYLOAD_BYTES.
 DOUBLING_PAYLOAD_BYTES = 1 << 20
 INBOX_BUDGET_BYTES = 4 << 20
+# On nodes of one rank, where the one-shot reduces in the caller's array (NOTE [one-shot across
+# nodes] 11-12) and a node holds one inbox, not one per local rank, twice that: 2 MiB among four
+# nodes, 1 MiB among eight.
+DOUBLING_ALONE_PAYLOAD_BYTES = 2 << 20
+INBOX_ALONE_BUDGET_BYTES = 8 << 20
 
 
 def payload_bytes(nodes: int, largest_node: int, doubling: bool) -> int:
@@ -170,7 +175,9 @@ def payload_bytes(nodes: int, largest_node: int, doubling: bool) -> int:
     if nodes == 2 and largest_node > 1:
         return PAIR_PAYLOAD_BYTES
     if doubling:
-        return max(PAYLOAD_BYTES, min(DOUBLING_PAYLOAD_BYTES, INBOX_BUDGET_BYTES // nodes // 64 * 64))
+        most, budget = ((DOUBLING_ALONE_PAYLOAD_BYTES, INBOX_ALONE_BUDGET_BYTES) if largest_node == 1
+                        else (DOUBLING_PAYLOAD_BYTES, INBOX_BUDGET_BYTES))
+        return max(PAYLOAD_BYTES, min(most, budget // nodes // 64 * 64))
     return PAYLOAD_BYTES
 
 
