@@ -384,8 +384,8 @@ def test_four_nodes_of_one_reduce_in_the_callers_array_and_leave_it_whole_on_a_m
     # put back once sent, and the result written there only once every table agrees. So a
     # mismatch (one rank's op, or its size across the threshold) leaves every rank's array as
     # it was, and calls either side of it are exact, in every dtype, blocks down to one element.
-    # NOTE [one-shot across nodes] 12: a call out of place (some ranks, not others, in one
-    # call) runs in place in its output after copying its input there, which it leaves whole.
+    # Calls out of place on some ranks, in place on others, meet in the same one-shot and
+    # leave their inputs whole.
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"
     os.environ["TERRAPIPE_HALVING_BYTES"] = "256"
     g = comm.init(timeout=30)

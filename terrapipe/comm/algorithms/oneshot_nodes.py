@@ -107,11 +107,12 @@ NOTE [one-shot across nodes]
        (``ONESHOT_DOUBLING_ALONE_BYTES``), where MPICH's allreduce too reduce-scatters and
        allgathers by halves and our ring took six steps after its agreement: 2 MiB at 4 nodes
        x 1 over 10gbit went from 1.12-1.33x MPICH's time to 0.99-1.03x, level over slower
-       links (at 4 MiB the ring's steps keep slow links busier than rounds of halves). A call out of
-       place does what MPICH's does: it copies ``src`` into ``dst`` and runs in place there
-       (``call``), where it had gone through the row and the payload (three copies, not one).
-       Which path a call takes depends on its sizes only, never on its arrays, so ranks that
-       pass different arrays still meet in the same algorithm.
+       links (at 4 MiB the ring's steps keep slow links busier than rounds of halves). A call
+       out of place still goes through the row and the payload. Copying ``src`` into ``dst``
+       and running in place there, as MPICH's allreduce does, took 1.21x MPICH's time at 2
+       MiB over 10gbit where the row's way took 1.41x (probes, a copy back included), but a
+       rank then compiles ``_fused`` on its first call out of place too: where ranks mix the
+       two ways, both compile it at once on a first run (13 s more of a cold test at 2 nodes).
 
 Why one module: the limits (with the measurements that set them), the plan per signature, the
 compiled call and the Python around it are one algorithm whose clauses cite each other; split,
@@ -423,16 +424,7 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
                            native.counts, native.cells, me, p, node, h0, head, op, divisor, kind, doubling)
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
-        if src is dst:
-            run(src, dst, in_place(src))
-            return
-        if p == 1 and dst.dtype == dtype and dst.flags.c_contiguous and dst.flags.writeable:
-            how = in_place(dst)
-            if how[5]:  # clause 12: in place in dst, after MPI's own first copy
-                np.copyto(dst, src)
-                run(dst, dst, how)
-                return
-        run(src, dst, _how(src, dst))
+        run(src, dst, in_place(src) if src is dst else _how(src, dst))
 
     def in_place(x: np.ndarray):
         """How a call in place on arrays like ``x`` runs (clause 7), for :func:`run`: compiled
