@@ -107,7 +107,7 @@ NOTE [one-shot across nodes]
        (``ONESHOT_DOUBLING_ALONE_BYTES``), where MPICH's allreduce too reduce-scatters and
        allgathers by halves and our ring took six steps after its agreement: 2 MiB at 4 nodes
        x 1 over 10gbit went from 1.12-1.33x MPICH's time to 0.99-1.03x, level over slower
-       links (at 4 MiB the ring's steps keep slow links busier than rounds of halves). A call
+       links (at 4 MiB the ring's steps ran faster than rounds of halves over those). A call
        out of place still goes through the row and the payload. Copying ``src`` into ``dst``
        and running in place there, as MPICH's allreduce does, took 1.21x MPICH's time at 2
        MiB over 10gbit where the row's way took 1.41x (probes, a copy back included), but a
@@ -183,9 +183,9 @@ ONESHOT_DOUBLING_BYTES = 1 << 20
 # place, where our ring took them after the agreement / by the one-shot: over 10gbit
 # 1.12-1.33 / 1.13-1.33 and 0.99-1.03 / 0.97-1.00; over 2.5gbit 1.05 / 0.85 and 1.00 / 1.04;
 # over 1gbit 0.99 / 0.85 and 1.00 / 1.01. Both at the links' bound at 2 MiB over 1gbit; at 4
-# MiB over slow links rounds of halves (MPICH's too) fall behind the ring's steps (74% of the
-# bound against 95% over 1gbit in benchmark runs with the limit at 2 and 4 MiB), so the
-# one-shot stops at 2 MiB.
+# MiB over slow links rounds of halves (MPICH's too) fall behind the ring's steps (over 1gbit
+# the ring at 95% of the bound, allreduce_cluster_4x1_1gbit_2026-11-27_6.json, the one-shot at
+# 74% in a run with a trial limit of 4 MiB), so the one-shot stops at 2 MiB.
 ONESHOT_DOUBLING_ALONE_BYTES = 2 << 20
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
