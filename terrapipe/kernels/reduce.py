@@ -95,21 +95,10 @@ def _combine(a, b, op):
 
 @njit(nogil=True, cache=True, inline="always")
 def _fold(d, s, op):
-    """``d op= s`` elementwise over ``d``'s length (native dtypes). The op branch sits outside
-    each loop so every loop body is a single vectorizable operation; inlined into each caller."""
-    n = d.shape[0]
-    if op == SUM or op == AVG:
-        for i in range(n):
-            d[i] += s[i]
-    elif op == PROD:
-        for i in range(n):
-            d[i] *= s[i]
-    elif op == MIN:
-        for i in range(n):
-            d[i] = _combine(d[i], s[i], MIN)
-    else:
-        for i in range(n):
-            d[i] = _combine(d[i], s[i], MAX)
+    """``d op= s`` elementwise over ``d``'s length (native dtypes): :func:`_pair_native` with
+    ``d`` as its output and left operand (one array to LLVM, so the loop vectorizes); inlined
+    into each caller."""
+    _pair_native(d, d, s, op, 0)
 
 
 @njit(nogil=True, cache=True)
