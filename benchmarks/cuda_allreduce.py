@@ -6,8 +6,11 @@ otherwise write, and NCCL where every rank has its own GPU.
 Launches ``mpiexec -n N`` itself. Per message size (float32, 1 MiB .. ``--max-mib``, as 8 tensors
 of equal size like a bucket of gradients), in each round and interleaved:
 
-* jit_allreduce: ``comm.jit_allreduce(tensors)`` on the CUDA tensors (pinned buffer, downloads
-  and uploads in pieces on a side stream, overlapped with the chunked reduction);
+* jit_allreduce: ``comm.jit_allreduce(tensors)`` on the CUDA tensors, as selected (on one node
+  beyond the one-shot: staged_rows, each chunk copied by the GPU straight into and out of the
+  segment's rows, NOTE [staged rows] in comm/algorithms/staged_rows.py);
+* jit via segment: the same with the segment algorithm pinned (a private pinned buffer, the
+  host copying chunks into the rows and back out: the path before staged_rows);
 * naive staging: ``[t.cpu() ...]``, ``comm.jit_allreduce`` of those, ``t.copy_(host)`` back: the
   same reduction without pinned memory or overlap;
 * copies only: the pinned download and upload of the same bytes with no reduction (the floor of
@@ -17,7 +20,8 @@ of equal size like a bucket of gradients), in each round and interleaved:
 * nccl: ``comm.allreduce`` of one flat CUDA tensor on NCCL (only with a GPU per rank).
 
 A sample is the slowest rank's time for a batch of calls ending in ``torch.cuda.synchronize()``.
-Reported: median algbw (bytes / time) per case, and jit_allreduce's speed-up over naive staging.
+Reported: median algbw (bytes / time) per case, jit_allreduce's speed-up over naive staging and
+over the segment's way, and its rate as a fraction of the copies alone.
 Needs a CUDA device; without one it says so and exits.
 """
 
@@ -29,7 +33,7 @@ import time
 
 from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
-CASES = ("jit_allreduce", "naive staging", "copies only", "host only", "nccl")
+CASES = ("jit_allreduce", "jit via segment", "naive staging", "copies only", "host only", "nccl")
 
 
 def _worker(max_mib: int, rounds: int) -> None:
@@ -38,7 +42,7 @@ def _worker(max_mib: int, rounds: int) -> None:
 
     import terrapipe.comm as comm
 
-    comm.init()
+    g = comm.init()
     mpi = MPI.COMM_WORLD
     p = mpi.size
     ngpu = torch.cuda.device_count()
@@ -70,9 +74,14 @@ def _worker(max_mib: int, rounds: int) -> None:
             for i, t in enumerate(ts):
                 t.copy_(pinned[i * n:(i + 1) * n], non_blocking=True)
 
+        def via_segment(ts=ts):
+            g.use_algorithm("allreduce", "segment")
+            comm.jit_allreduce(ts, op="sum")
+            g.use_algorithm("allreduce", None)
+
         hosts = [pinned[i * n:(i + 1) * n] for i in range(8)]
         fns = {"jit_allreduce": lambda ts=ts: comm.jit_allreduce(ts, op="sum"),
-               "naive staging": naive, "copies only": copies,
+               "jit via segment": via_segment, "naive staging": naive, "copies only": copies,
                "host only": lambda hosts=hosts: comm.jit_allreduce(hosts, op="sum")}
         if nccl_ok:
             fns["nccl"] = lambda flat=flat: comm.allreduce(flat, "sum")
@@ -123,10 +132,12 @@ def main(argv: list[str] | None = None) -> None:
             records.append({"case": c, "bytes": b, "seconds": med[c], "algbw": b / med[c] / 1e9,
                             "samples_s": samples[c][b]})
         row.append(f"{med['naive staging'] / med['jit_allreduce']:.2f}x")
+        row.append(f"{med['jit via segment'] / med['jit_allreduce']:.2f}x")
+        row.append(f"{med['copies only'] / med['jit_allreduce']:.2f}")
         rows.append(row)
     print(f"\n{data['p']} ranks on {data['gpus']} x {data['device']}, float32 sum of 8 CUDA tensors, "
           f"median of {args.rounds} interleaved rounds; algbw in GB/s")
-    print(format_table(["size", *cases, "jit vs naive"], rows))
+    print(format_table(["size", *cases, "jit vs naive", "jit vs via segment", "jit of copies"], rows))
     result = {"ranks": data["p"], "gpus": data["gpus"], "device": data["device"], "records": records}
 
     def plot():

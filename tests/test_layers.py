@@ -14,7 +14,7 @@ import terrapipe
 ROOT = Path(terrapipe.__file__).parent
 LAYERS = ("kernels", "pipeline", "comm", "ps", "engine", "horovod", "distributed", "testing")
 # Modules any layer may import: they read the environment or record events and import no layer.
-LEAVES = ("settings", "timeline", "launch_env", "torch_backend")
+LEAVES = ("settings", "timeline", "launch_env", "torch_backend", "cuda_host")
 ALLOWED = {
     "kernels": set(),
     "pipeline": {"kernels"},

@@ -475,6 +475,8 @@ class Group:
             # After a failure MPI's frees may wait on the lost peer; sockets and Gloo close alone.
             if t is not None and (healthy or t.name in ("gloo", "tcp")):
                 t.close()
+        if self.staging_pool is not None:
+            self.staging_pool.close()  # unpins the segment's mapping before it is unmapped
         if self.shm is not None:
             self.shm.close(healthy)  # frees its node communicator
         self.shm = self.mpi = self.cross = self.gloo = self.control = self.bulk = None
@@ -515,7 +517,8 @@ class Group:
         """Run every ``coll`` ("allreduce", "reduce", "broadcast", "allgather", "gather",
         "scatter", "reduce_scatter", "barrier") issued after this call with ``algorithm`` (a
         name of ``terrapipe.comm.select.ALGORITHMS``: "oneshot", "segment", "shared",
-        "single_copy", "ring", "mpi", "gloo", "nccl"), or as selected again with None. A call
+        "single_copy", "staged_rows", "ring", "mpi", "gloo", "nccl", ...), or as selected
+        again with None. A call
         the algorithm cannot run raises CommError. Every rank must pin alike at the same point
         of its collective sequence (a rank that did not gets CollectiveMismatchError). For
         tests and benchmarks that compare algorithms; selection is otherwise automatic."""

@@ -9,6 +9,14 @@ NOTE [staging gate]
     every result below ``upto`` is final; the chunked segment (comm/algorithms/segment.py) does
     both per chunk, so downloads, reduction and uploads overlap. The gate owns those host arrays:
     nothing else writes them during the call.
+
+    A gate also speaks a second protocol, for staged_rows (NOTE [staged rows] in
+    comm/algorithms/staged_rows.py), whose device copies skip those arrays: ``pin(address,
+    nbytes)`` registers the segment's mapping, ``copy_in(c0, length, dst)`` queues the
+    download of fused elements ``[c0, c0 + length)`` into a row, ``wait_in()`` waits for the
+    oldest one queued, ``copy_out(c0, src)`` queues the upload of final results from a row,
+    and ``settle()`` waits until every upload has read its row. An algorithm speaks one of the
+    two per call.
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ NOTE [algorithm selection]
     1. CUDA tensors go to NCCL's own collectives when every rank of the group can use it
        (comm/transports/nccl.py); otherwise they are staged through host memory and take the
        rows below like any host message (device-staged: with a gate, NOTE [staging gate] in
-       comm/message.py).
+       comm/message.py). On one node, those beyond the one-shot (5) and not compressed on the
+       wire go staged_rows: the GPU copies each chunk straight into this rank's row of the
+       segment and back out of it, and the host only reduces (NOTE [staged rows] in
+       comm/algorithms/staged_rows.py).
     2. Over Gloo (torchrun, or an elastic generation across machines) every collective is
        Gloo's own, except reductions where the group spans machines of as many ranks each (NOTE
        [machines over Gloo] in comm/group.py). With two or more per machine those run
@@ -65,16 +68,16 @@ NOTE [algorithm selection]
        2 MiB 287 us vs the one-shot's 335, 4 MiB 467 vs the ring's 564, 64 MiB 10.8 ms vs 12.0
        (the chunked segment: 17.9); at 4 ranks on 2 cores it loses to the one-shot at 1 MiB
        (608 vs 420 us), ties the segment at 2 MiB and leads from 4 MiB (1.7 vs 2.2 ms; 64 MiB
-       30.5 vs 33.8). Device-staged messages keep the segment (their chunks overlap the
-       copies). Allgathers and gathers go single-copy from the same size, reduce-scatters from
+       30.5 vs 33.8). Device-staged messages go staged_rows (1). Allgathers and gathers go
+       single-copy from the same size, reduce-scatters from
        ``single_copy.REDUCE_SCATTER_MIN_BYTES``.
     8. Larger ones that do not go single-copy go through our ring over MPI when every local
        rank has a core of its own (MPI's own below ``ring_bytes``): one copy fewer than the
        segment (at 2 ranks here 1.3-1.5x the chunked segment from 1 MiB, 2.4x MPICH from 32
        MiB). When ranks outnumber the node's cores, each ring step waits for a neighbour to be
        scheduled (at 4 ranks on 2 cores the ring took 3x the segment's time at 1 MiB), so the
-       chunked segment carries them, as it does device-staged allreduces and everything under
-       ``TERRAPIPE_COMM_BACKEND=shm``.
+       chunked segment carries them, as it does device-staged allreduces across nodes and
+       everything under ``TERRAPIPE_COMM_BACKEND=shm``.
     9. Everything else on one node goes through the segment.
 
 Why one module: selection and the hand-off to the chosen algorithm are one decision per
@@ -92,7 +95,7 @@ import numpy as np
 
 from .. import timeline
 from ..kernels import F16, compress, decompress
-from .algorithms import native, oneshot, oneshot_nodes, ring, segment, shared, single_copy
+from .algorithms import native, oneshot, oneshot_nodes, ring, segment, shared, single_copy, staged_rows
 from .errors import CommError
 from .message import NO_GATE, Fused
 
@@ -112,7 +115,8 @@ class Request:
     ``barrier``); ``nbytes``: bytes each rank contributes as exchanged; ``kind``: the 16-bit
     float format exchanged (0: native); ``staged``: host copies of device memory behind a gate;
     ``shared``: (segment, byte offset) when in place on a piece of a shared array; ``cuda``:
-    CUDA tensors (NCCL may take them before staging)."""
+    CUDA tensors (NCCL may take them before staging); ``compressed``: float32 exchanged as
+    16-bit values."""
 
     coll: str
     nbytes: int = 0
@@ -120,6 +124,7 @@ class Request:
     staged: bool = False
     shared: tuple[int, int] | None = None
     cuda: bool = False
+    compressed: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,6 +172,8 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("oneshot_nodes", 9, lambda g, r: (  # its exchange between nodes is the shm's, over MPI
         r.coll == "allreduce" and g.shm is not None and g.shm.cross is not None and g.uniform
         and r.nbytes <= oneshot_nodes.limit(g.shm))),
+    Algorithm("staged_rows", 11, lambda g, r: (  # NOTE [staged rows] 5 in algorithms/staged_rows.py
+        r.coll == "allreduce" and r.staged and not r.compressed and _one_node_shm(g, r))),
 )}
 _BY_CODE = {a.code: a.name for a in ALGORITHMS.values()}
 
@@ -234,6 +241,10 @@ def _small_across_nodes(g, r: Request) -> str | None:  # 4
     return "oneshot_nodes" if ALGORITHMS["oneshot_nodes"].can(g, r) and not g.force_mpi else None
 
 
+def _staged_on_one_node(g, r: Request) -> str | None:  # 1
+    return "staged_rows" if ALGORITHMS["staged_rows"].can(g, r) and not g.force_mpi else None
+
+
 def _one_rank_per_node(g, r: Request) -> str | None:  # 4
     fits = r.coll in _REDUCING and g.mpi is not None and g.nnodes > 1 and g.local_size == 1
     return _ring_or_mpi(g, r) if fits and not (r.staged or g.force_shm) else None
@@ -262,6 +273,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate(4, _small_across_nodes),
     Candidate(7, _large_private),
     Candidate(5, _small_allreduce),
+    Candidate(1, _staged_on_one_node),
     Candidate(4, _one_rank_per_node),
     Candidate(8, _large_on_free_cores),
     Candidate(9, _through_segment),
@@ -356,7 +368,7 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
     rkind = ckind or kind
     nbytes = fs.n * rows_dtype.itemsize
     where = _shared_location(g, fs, fd, ckind, gate)
-    r = Request("allreduce", nbytes, rkind, gate is not NO_GATE, where)
+    r = Request("allreduce", nbytes, rkind, gate is not NO_GATE, where, compressed=bool(ckind))
     name = select(g, r)
     _ran(g, r, name)
     sig = g.signature(coll, op, sig_buf, algorithm=name)
@@ -388,6 +400,10 @@ def allreduce_views(g, srcs: list[np.ndarray], dsts: list[np.ndarray], op: int, 
         g.agree_signature(coll, sig)
         bulk = g.bulk if g.bulk is not None and shared.overlaps(fs.n, rows_dtype.itemsize) else None
         shared.allreduce(g.shm, where[0], where[1], fs.n, op, rows_dtype, rkind, _across(g), bulk)
+        return
+    if name == "staged_rows":
+        g.agree_signature(coll, sig)
+        staged_rows.allreduce(g.shm, gate, fs.n, op, rows_dtype, rkind)
         return
     if gate is NO_GATE and _overlapping(fs, fd):
         # The algorithms write results while later input is still unread.

@@ -6,6 +6,13 @@ for the pieces it is about to read (``ready``), and each finished piece of the r
 host-to-device as soon as the reduction has written it (``wrote``), so the two copies and the
 reduction overlap (the chunked shared-memory allreduce calls both, chunk by chunk).
 
+On one node the copies can skip that buffer: the staged-rows allreduce
+(comm/algorithms/staged_rows.py) has each chunk downloaded straight into this rank's row of the
+node's segment, registered with CUDA once per group, and uploaded from there (``copy_in``,
+``wait_in``, ``copy_out``, ``settle``), so the host only reduces. Downloads are queued by
+whichever protocol the chosen algorithm speaks: all at once at its first ``ready``, or chunk by
+chunk through ``copy_in``.
+
 NOTE [staging streams]
     Per call and per device, who touches what:
     - The caller's current stream produced the tensors. An event recorded on it when the call is
@@ -24,12 +31,21 @@ NOTE [staging streams]
       the whole device, only for download events of pieces it needs.
     - A pinned buffer replaced by a larger one may still be read by queued uploads: torch's
       pinned allocator keeps a freed block until the copies that used it complete.
+    - Copies straight to and from the segment's rows follow the same stream order; the rows
+      are the algorithm's to fence (NOTE [staged rows] in comm/algorithms/staged_rows.py): the
+      host waits for a chunk's download before the peers may read it, and for the last upload
+      before the call returns, since the rows are not this call's once it has.
 """
 
 from __future__ import annotations
 
+import bisect
+import warnings
+from collections import deque
+
 import numpy as np
 
+from ..cuda_host import register_host_memory, unregister_host_memory
 from .buffers import Buffer
 
 __all__ = ["StagedGroup", "PIECE_BYTES"]
@@ -46,11 +62,39 @@ def _torch():
 
 
 class _Pool:
-    """One side stream and one growing pinned byte buffer per device, owned by a Group."""
+    """One side stream and one growing pinned byte buffer per device, and the host memory
+    registered with CUDA (the segment's mapping), owned by a Group; :meth:`close` before the
+    group unmaps its segment."""
 
     def __init__(self) -> None:
         self.streams: dict = {}
         self.buffers: dict = {}
+        self.registered: dict[int, int] = {}  # address: bytes
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Pin host memory this process did not get from torch (once per mapping), for every
+        device (the group's calls may stage tensors of several). Where the driver refuses (a
+        locked-memory limit), a warning, and the copies run from pageable memory: correct,
+        since CUDA then returns from a download once it has landed and from an upload once it
+        has read the host memory, only slower; the same on every rank, nothing to agree on."""
+        if address in self.registered:
+            return
+        try:
+            register_host_memory(address, nbytes, portable=True)
+        except RuntimeError as e:
+            warnings.warn(f"jit_allreduce: {e}; staging through unpinned shared memory (slower)",
+                          RuntimeWarning, stacklevel=2)
+            nbytes = 0
+        self.registered[address] = nbytes
+
+    def close(self) -> None:
+        """Wait for the side streams' copies, then unpin what :meth:`register` pinned."""
+        for s in self.streams.values():
+            s.synchronize()
+        for address, nbytes in self.registered.items():
+            if nbytes:
+                unregister_host_memory(address)
+        self.registered.clear()
 
     def stream(self, device):
         s = self.streams.get(device)
@@ -80,8 +124,10 @@ class StagedGroup:
     a slice of the group's pinned buffer for a CUDA tensor, the tensor's own memory (or a copy,
     see :class:`~terrapipe.comm.buffers.Buffer`) for a host one. ``kind`` and ``dtype_name`` as
     in Buffer. Construct in the caller's thread (it records the producer event); then, on the
-    thread that runs the collective: :meth:`start`, the reduction calling :meth:`ready` /
-    :meth:`wrote` (the gate protocol of ``Group.allreduce_views``), :meth:`finish`.
+    thread that runs the collective: :meth:`start`, the algorithm speaking one of two protocols
+    (NOTE [staging gate] in comm/message.py): through ``views`` with :meth:`ready` / :meth:`wrote`,
+    or straight to and from the segment's rows with :meth:`pin`, :meth:`copy_in`,
+    :meth:`wait_in`, :meth:`copy_out` and :meth:`settle`; then :meth:`finish`.
     """
 
     def __init__(self, members: list, names: list[str], group) -> None:
@@ -108,45 +154,76 @@ class StagedGroup:
         self.produced.record(self.caller)
         self.sizes = [m.size if isinstance(m, Buffer) else m.numel() for m in members]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self._bounds = [int(o) for o in self.offsets]
         self.n = int(self.offsets[-1])
         self.views: list[np.ndarray] = []
+        self._flat_src: list | None = None  # per member: its flat contiguous device memory
+        # Through the pinned buffer:
         self._pieces: list[tuple[int, int, int]] = []  # (tensor, start, end) in the tensor's elements
         self._events: list = []
+        self._downloading = False
         self._next_ready = 0
         self._next_upload = 0
+        # Straight to and from the rows:
+        self._direct = False
+        self._arrivals: deque = deque()  # one event per copy_in, in order
+        self._landed = None  # after the last copy_out
 
     # -- on the collective's thread ------------------------------------------------------------
     def start(self) -> None:
-        """Queue every download on the side stream (NOTE [staging streams])."""
+        """Make ``views`` (no copy is queued yet: the algorithm's protocol queues them)."""
         torch = _torch()
         itemsize = self._itemsize
         pinned = self._pool.buffer(self.device, self.n * itemsize)
         as16 = self._dtype in (torch.float16, torch.bfloat16)
-        flat_dtype = torch.int16 if as16 else self._dtype
-        flat = pinned[:self.n * itemsize].view(flat_dtype)
+        flat = pinned[:self.n * itemsize].view(torch.int16 if as16 else self._dtype)
         host = flat.numpy().view(np.uint16) if as16 else flat.numpy()
-        per_piece = max(1, PIECE_BYTES // itemsize)
+        for i in range(len(self.tensors)):
+            o, n = int(self.offsets[i]), self.sizes[i]
+            self.views.append(self._host[i].flat if self._host[i] is not None else host[o:o + n])
+        self._flat = flat
+
+    def _sources(self) -> list:
+        """Each CUDA member as flat contiguous memory, for the side stream (None for host ones):
+        the tensor itself, or for a strided one a contiguous copy made on the side stream, after
+        the producer (written back at :meth:`finish` when the rows' protocol filled it)."""
+        if self._flat_src is None:
+            torch = _torch()
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(self.produced)
+                srcs = []
+                for t in self.tensors:
+                    if t is not None:
+                        t.record_stream(self.stream)
+                    srcs.append(None if t is None else t.detach().reshape(-1))
+            self._flat_src = srcs
+        return self._flat_src
+
+    def _download_all(self) -> None:
+        """Through the pinned buffer: queue every download on the side stream, in pieces
+        (NOTE [staging streams])."""
+        torch = _torch()
+        srcs = self._sources()
+        flat_dtype = self._flat.dtype
+        per_piece = max(1, PIECE_BYTES // self._itemsize)
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(self.produced)
-            for i, t in enumerate(self.tensors):
-                o, n = int(self.offsets[i]), self.sizes[i]
-                if self._host[i] is not None:
-                    self.views.append(self._host[i].flat)
+            for i, src in enumerate(srcs):
+                if src is None:
                     continue
-                self.views.append(host[o:o + n])
-                src = t.detach().reshape(-1)  # a copy on the side stream when not contiguous
-                t.record_stream(self.stream)
+                o, n = int(self.offsets[i]), self.sizes[i]
                 for a in range(0, n, per_piece):
                     b = min(n, a + per_piece)
-                    flat[o + a:o + b].copy_(src[a:b].view(flat_dtype), non_blocking=True)
+                    self._flat[o + a:o + b].copy_(src[a:b].view(flat_dtype), non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
                     self._pieces.append((i, a, b))
                     self._events.append(ev)
-        self._flat = flat
+        self._downloading = True
 
     def ready(self, upto: int) -> None:
         """Return once every element before fused index ``upto`` is in host memory."""
+        if not self._downloading:
+            self._download_all()
         while self._next_ready < len(self._pieces):
             i, a, _ = self._pieces[self._next_ready]
             if self.offsets[i] + a >= upto:
@@ -173,11 +250,78 @@ class StagedGroup:
                     t.detach().copy_(whole, non_blocking=True)
                 self._next_upload += 1
 
-    def finish(self) -> None:
-        """Queue the remaining uploads, write back host tensors, and make the caller's stream
-        wait for the uploads (no host wait)."""
+    # -- straight to and from the segment's rows (comm/algorithms/staged_rows.py) ---------------
+    def pin(self, address: int, nbytes: int) -> None:
+        """Register the host mapping the rows live in (once per group and mapping)."""
+        self._pool.register(address, nbytes)
+
+    def _members(self, c0: int, length: int):
+        """(member, start, end, offset in the range) of fused elements ``[c0, c0 + length)``."""
+        bounds = self._bounds
+        i = bisect.bisect_right(bounds, c0) - 1
+        end = c0 + length
+        while i < len(self.sizes) and bounds[i] < end:
+            a, b = max(c0, bounds[i]) - bounds[i], min(end, bounds[i + 1]) - bounds[i]
+            if b > a:
+                yield i, a, b, bounds[i] + a - c0
+            i += 1
+
+    def copy_in(self, c0: int, length: int, dst: np.ndarray) -> None:
+        """Queue the download of fused elements ``[c0, c0 + length)`` into ``dst`` (1-D, in
+        memory given to :meth:`pin`); host members are copied now. :meth:`wait_in` waits for
+        the oldest download not yet waited for."""
         torch = _torch()
-        self.wrote(self.n)
+        srcs = self._sources()
+        out = torch.from_numpy(dst.view(np.uint8))
+        it = self._itemsize
+        self._direct = True
+        with torch.cuda.stream(self.stream):
+            for i, a, b, o in self._members(c0, length):
+                if srcs[i] is None:
+                    dst[o:o + b - a] = self._host[i].flat[a:b]
+                else:
+                    out[o * it:(o + b - a) * it].copy_(srcs[i][a:b].view(torch.uint8), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self._arrivals.append(ev)
+
+    def wait_in(self) -> None:
+        """Return once the oldest download queued by :meth:`copy_in` and not yet waited for
+        has landed in host memory."""
+        self._arrivals.popleft().synchronize()
+
+    def copy_out(self, c0: int, src: np.ndarray) -> None:
+        """Queue the upload of ``src`` (final results of fused elements ``[c0, c0 + len(src))``,
+        in memory given to :meth:`pin`) into the tensors; host members are written now."""
+        torch = _torch()
+        srcs = self._sources()
+        inp = torch.from_numpy(src.view(np.uint8))
+        it = self._itemsize
+        with torch.cuda.stream(self.stream):
+            for i, a, b, o in self._members(c0, src.shape[0]):
+                if srcs[i] is None:
+                    self._host[i].flat[a:b] = src[o:o + b - a]
+                else:
+                    srcs[i][a:b].view(torch.uint8).copy_(inp[o * it:(o + b - a) * it], non_blocking=True)
+            self._landed = torch.cuda.Event()
+            self._landed.record(self.stream)
+
+    def settle(self) -> None:
+        """Return once every upload queued by :meth:`copy_out` has read its host memory."""
+        if self._landed is not None:
+            self._landed.synchronize()
+
+    def finish(self) -> None:
+        """Queue the remaining uploads (a strided tensor's whole copy, through the rows), write
+        back host tensors, and make the caller's stream wait for the uploads (no host wait)."""
+        torch = _torch()
+        if self._direct:
+            with torch.cuda.stream(self.stream):
+                for t, src in zip(self.tensors, self._flat_src, strict=True):
+                    if t is not None and not t.is_contiguous():
+                        t.detach().copy_(src.view(t.shape), non_blocking=True)
+        else:
+            self.wrote(self.n)
         done = torch.cuda.Event()
         done.record(self.stream)
         self.caller.wait_event(done)

@@ -33,13 +33,14 @@ import numpy as np
 import torch
 
 from .. import launch_env, timeline
+from ..cuda_host import register_host_memory, unregister_host_memory
 from ..kernels import image as kimage
 from .feed import Feed
 from .shared_slots import SharedSlots
 from .transforms import Plan
 
 __all__ = ["DEVICE_RING", "resolve_device", "pick_cuda_index", "normalize_into",
-           "SlotLedger", "DeviceFeed", "register_host_memory", "unregister_host_memory"]
+           "SlotLedger", "DeviceFeed"]
 
 # Device slots: the two batches the consumer may hold + one copied ahead.
 DEVICE_RING = 3
@@ -292,18 +293,3 @@ class DeviceFeed(Feed):
         if self._registered is not None:
             unregister_host_memory(self._registered)
             self._registered = None
-
-
-def register_host_memory(address: int, nbytes: int) -> None:
-    """Pin ``nbytes`` of host memory at ``address`` (page-aligned, e.g. a shared mapping) for
-    asynchronous copies: ``cudaHostRegister`` through torch. Raises RuntimeError with CUDA's
-    error code when the driver refuses."""
-    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {address:#x} failed: "
-                           f"CUDA error {int(err)}")
-
-
-def unregister_host_memory(address: int) -> None:
-    """Undo :func:`register_host_memory` (after every copy from that memory has completed)."""
-    torch.cuda.cudart().cudaHostUnregister(address)

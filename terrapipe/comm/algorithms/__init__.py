@@ -12,6 +12,9 @@ segment      chunked copy in / reduce by parts / copy out    shm (+ mpi across n
              through the node's rows; hierarchical across    hierarchical)
              nodes
 shared       in place on shared arrays, one pass             shm (+ mpi across nodes)
+staged_rows  a device-staged message copied by the GPU       shm (rows registered with
+             straight into and out of the rows, reduced      CUDA)
+             there in one pass
 single_copy  reads of the peers' private memory              shm board + cma
 ring         chunked ring over point-to-point                mpi
 native       the library's own collectives                   mpi, gloo

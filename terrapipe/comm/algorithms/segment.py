@@ -6,8 +6,9 @@ An allreduce: per chunk, every rank copies its piece into its row, a barrier, ea
 its part of the chunk over every row (``segments``), allreduces that part across nodes, a
 barrier, and every rank copies every part out. About 5.5 n bytes of memory traffic per rank;
 the single-copy (comm/algorithms/single_copy.py) and in-place shared (shared.py) algorithms move
-less where they apply, but only this one overlaps a device-staged message's copies with the
-reduction (NOTE [staging gate] in comm/message.py) and runs across nodes.
+less where they apply, but only this one runs across nodes, where it overlaps a device-staged
+message's copies with the reduction (NOTE [staging gate] in comm/message.py; on one node
+staged_rows.py does without the host copies).
 """
 
 from __future__ import annotations
