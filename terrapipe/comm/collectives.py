@@ -476,12 +476,13 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
     ``compression="bf16"`` or ``"fp16"`` float32 tensors travel as 16-bit values and are
     accumulated in float32. In place; returns the list (or a Handle).
 
-    CUDA tensors (one device per call) are copied into one pinned host buffer on a side stream,
-    in pieces, while the chunks already there are reduced, and each reduced piece is copied back
-    at once (NOTE [staging streams] in comm/staging.py). The host never waits for the whole
-    device: when the call returns (or ``Handle.wait()`` does), the caller's current stream is
-    ordered after the copies back, so work queued on it sees the result. Until then the tensors
-    belong to the collective.
+    CUDA tensors (one device per call) are copied on a side stream, in pieces, while the chunks
+    already there are reduced, and each reduced piece is copied back at once (NOTE [staging
+    streams] in comm/staging.py): on one node straight into and out of the node's shared rows
+    (NOTE [staged rows] in comm/algorithms/staged_rows.py), otherwise through one pinned host
+    buffer. The host never waits for the whole device: when the call returns (or
+    ``Handle.wait()`` does), the caller's current stream is ordered after the copies back, so
+    work queued on it sees the result. Until then the tensors belong to the collective.
     """
     g = _g(group)
     code = kreduce.op_code(op)
@@ -519,7 +520,7 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
         for name, members, staged in plans:
             use_c = ckind if name == "float32" else 0
             if staged is not None:
-                with timeline.span("comm", "staging: copies to host queued"):
+                with timeline.span("comm", "staging: host views made"):
                     staged.start()
                 views, kind = staged.views, staged.kind
             else:
