@@ -113,23 +113,10 @@ def reduce_native(dst, src, op, offset, length):
 @njit(nogil=True, cache=True)
 def reduce_16(dst, src, op, offset, length, kind):
     """``dst op= src`` on uint16-held float16 (``kind=F16``) or bfloat16 (``kind=BF16``) chunks,
-    computed in float32 and rounded to nearest even once per element."""
+    computed in float32 and rounded to nearest even once per element: :func:`_pair_16` with
+    ``dst`` as its output and left operand."""
     d = dst[offset : offset + length]
-    s = src[offset : offset + length]
-    if kind == F16:
-        if op == SUM or op == AVG:
-            for i in range(length):
-                d[i] = from_f32(to_f32(d[i], F16) + to_f32(s[i], F16), F16)
-        else:
-            for i in range(length):
-                d[i] = from_f32(_combine(to_f32(d[i], F16), to_f32(s[i], F16), op), F16)
-    else:
-        if op == SUM or op == AVG:
-            for i in range(length):
-                d[i] = from_f32(to_f32(d[i], BF16) + to_f32(s[i], BF16), BF16)
-        else:
-            for i in range(length):
-                d[i] = from_f32(_combine(to_f32(d[i], BF16), to_f32(s[i], BF16), op), BF16)
+    _pair_16(d, d, src[offset : offset + length], op, kind)
 
 
 @njit(nogil=True, cache=True)
@@ -287,14 +274,25 @@ def _pair_native(dst, first, second, op, kind):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _pair_16(dst, first, second, op, kind):
-    """``dst = first op second`` on uint16-held 16-bit floats, in float32, rounded once."""
+def _pair_16_of(dst, first, second, op, kind):
+    """:func:`_pair_16`'s loops for one format, passed as a constant: its conversions then
+    inline without a branch per element."""
     if op == SUM or op == AVG:
         for i in range(dst.shape[0]):
             dst[i] = from_f32(to_f32(first[i], kind) + to_f32(second[i], kind), kind)
     else:
         for i in range(dst.shape[0]):
             dst[i] = from_f32(_combine(to_f32(first[i], kind), to_f32(second[i], kind), op), kind)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _pair_16(dst, first, second, op, kind):
+    """``dst = first op second`` on uint16-held 16-bit floats, in float32, rounded once; the
+    format's branch outside the loops."""
+    if kind == F16:
+        _pair_16_of(dst, first, second, op, F16)
+    else:
+        _pair_16_of(dst, first, second, op, BF16)
 
 
 @overload(_pair, inline="always")
