@@ -34,6 +34,8 @@ import time
 from .common import format_table, rank_sweep_args, report_from_rank0, run_ranks, save, sweep_plot
 
 CASES = ("jit_allreduce", "jit via segment", "naive staging", "copies only", "host only", "nccl")
+# Cases that run with an algorithm pinned (Group.use_algorithm), set before each timed batch.
+PINNED = {"jit via segment": "segment"}
 
 
 def _worker(max_mib: int, rounds: int) -> None:
@@ -74,26 +76,25 @@ def _worker(max_mib: int, rounds: int) -> None:
             for i, t in enumerate(ts):
                 t.copy_(pinned[i * n:(i + 1) * n], non_blocking=True)
 
-        def via_segment(ts=ts):
-            g.use_algorithm("allreduce", "segment")
-            comm.jit_allreduce(ts, op="sum")
-            g.use_algorithm("allreduce", None)
-
         hosts = [pinned[i * n:(i + 1) * n] for i in range(8)]
         fns = {"jit_allreduce": lambda ts=ts: comm.jit_allreduce(ts, op="sum"),
-               "jit via segment": via_segment, "naive staging": naive, "copies only": copies,
+               "jit via segment": lambda ts=ts: comm.jit_allreduce(ts, op="sum"),
+               "naive staging": naive, "copies only": copies,
                "host only": lambda hosts=hosts: comm.jit_allreduce(hosts, op="sum")}
         if nccl_ok:
             fns["nccl"] = lambda flat=flat: comm.allreduce(flat, "sum")
         reps = max(1, min(50, (64 << 20) // nbytes))
-        for fn in fns.values():
+        for name, fn in fns.items():
+            g.use_algorithm("allreduce", PINNED.get(name))
             fn()  # warm-up: compilation, pinned buffers, NCCL set-up
+        g.use_algorithm("allreduce", None)
         torch.cuda.synchronize()
         for _ in range(rounds):
             for name, fn in fns.items():
                 for t in ts:
                     t.fill_(1.0)
                 flat.fill_(1.0)
+                g.use_algorithm("allreduce", PINNED.get(name))  # for the whole batch, untimed
                 torch.cuda.synchronize()
                 mpi.Barrier()
                 start = time.perf_counter()
@@ -101,6 +102,7 @@ def _worker(max_mib: int, rounds: int) -> None:
                     fn()
                 torch.cuda.synchronize()
                 dt = mpi.allreduce((time.perf_counter() - start) / reps, op=MPI.MAX)
+                g.use_algorithm("allreduce", None)
                 results.setdefault(name, {}).setdefault(nbytes, []).append(dt)
     if mpi.rank == 0:
         report_from_rank0({"p": p, "gpus": ngpu, "device": torch.cuda.get_device_name(dev),
