@@ -37,6 +37,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -102,7 +103,10 @@ class ProcessWorkers(Workers):
         try:
             try:
                 self._proc.start()
-            except Exception as exc:
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                # What pickle raises for an object it refuses. Anything else (multiprocessing's
+                # own refusal to start a process while the main module is being imported, say)
+                # goes up as it is, with its own advice.
                 raise TypeError(f"workers='process': the dataset and transforms go to the worker process by "
                                 f"pickling, and that failed: {type(exc).__name__}: {exc}") from exc
             finally:
@@ -137,8 +141,14 @@ class ProcessWorkers(Workers):
                                    f"within {timeout:.0f} s during {what}")
 
     def _died(self, what: str) -> RuntimeError:
+        code = self._proc.exitcode
+        hint = ""
+        if what == "its start" and code == 1:  # a Python exception in the worker, before "ready"
+            hint = ("; its traceback is on stderr above. The worker is a spawned process, which "
+                    "imports the main module again: a script that makes FastLoader(workers='process') "
+                    "at import time needs the `if __name__ == \"__main__\":` guard")
         return RuntimeError(f"FastLoader's worker process (pid {self._proc.pid}) died during {what}: "
-                            f"{_how_it_ended(self._proc.exitcode)}")
+                            f"{_how_it_ended(code)}{hint}")
 
     def _take(self, head: dict) -> None:
         if head.get("skipped"):

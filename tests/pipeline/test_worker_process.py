@@ -326,3 +326,35 @@ def test_many_loaders_made_and_dropped_leave_no_descriptor_process_or_file():
         counts.append(descriptors())
     assert max(counts[1:]) <= counts[1], counts
     assert _leftovers() == ([], [], [])
+
+
+UNGUARDED = textwrap.dedent(
+    """
+    import numpy as np
+    from terrapipe import FastLoader
+    from terrapipe.pipeline import ArrayDataset
+
+    # No `if __name__ == "__main__":` guard: the spawned worker imports this file again.
+    ds = ArrayDataset(np.zeros((8, 8, 8, 3), np.uint8), np.zeros(8, np.int64))
+    loader = FastLoader(ds, batch_size=4, workers="process")
+    print("BATCHES", len(list(loader)), flush=True)
+    """
+)
+
+
+def test_a_script_without_the_main_guard_is_told_so(tmp_path):
+    """Regression: the worker's own failure to start a nested worker was reported as a pickling
+    failure of the dataset ("by pickling"), which sent the user after the wrong object. Now the
+    parent names the guard, and the worker's traceback carries multiprocessing's own advice."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    before = set(glob.glob(f"/dev/shm/{shared_slots.PREFIX}*"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert proc.returncode != 0 and "BATCHES" not in proc.stdout
+    assert "died during its start: exit code 1" in proc.stderr
+    assert 'needs the `if __name__ == "__main__":` guard' in proc.stderr
+    assert "by pickling" not in proc.stderr
+    assert "bootstrapping phase" in proc.stderr  # the worker's traceback: multiprocessing's advice
+    assert set(glob.glob(f"/dev/shm/{shared_slots.PREFIX}*")) <= before  # no slot file left behind
