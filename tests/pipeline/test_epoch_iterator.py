@@ -9,7 +9,7 @@ import torch
 
 from terrapipe import FastLoader
 from terrapipe.kernels.geometry import resize_center_crop_box
-from terrapipe.pipeline import ArrayDataset, CenterCrop, RandomHorizontalFlip, Resize, Transform
+from terrapipe.pipeline import ArrayDataset, CenterCrop, RandomHorizontalFlip, Resize, SampleError, Transform
 from terrapipe.pipeline.transforms import SampleSpec, compile_plan
 
 IMGS = np.random.default_rng(0).integers(0, 256, (40, 12, 14, 3), dtype=np.uint8)
@@ -158,3 +158,105 @@ def test_close_ends_a_live_iterator_and_leaves_no_threads():
     assert not [t for t in threading.enumerate() if t.name.startswith("terrapipe-loader")]
     with pytest.raises(StopIteration):
         next(it)
+
+
+# -- NOTE [the next epoch's first batches] -------------------------------------------------------
+def _fresh(epoch, **kw):
+    """Epoch ``epoch`` from a loader that never ran another: nothing to take over."""
+    with _loader(**kw) as L:
+        L.set_epoch(epoch)
+        return _epoch(L)
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for (x, y), (u, v) in zip(a, b, strict=True):
+        assert torch.equal(x, u) and torch.equal(y, v)
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_the_next_epochs_first_batches_are_taken_over_with_the_same_bytes(workers):
+    with _loader(workers=workers) as L:
+        for epoch in range(3):
+            L.set_epoch(epoch)
+            it = iter(L)
+            if epoch:  # taken over: the slot sequence runs on, its first batches were submitted
+                assert it._base == 10 * epoch and L._next is None and 0 in it._submitted
+            got = [(x.clone(), y.clone()) for x, y in it]
+            _same(got, _fresh(epoch, workers="thread"))
+            # the pass that follows has begun: the next epoch, from its start
+            assert L._next is not None and L._next.epoch == epoch + 1 and L._next.submitted == {0, 1, 2}
+
+
+def test_a_pass_other_than_the_expected_one_starts_empty_with_its_own_bytes():
+    with _loader() as L:
+        _epoch(L)  # epoch 0; epoch 1's first batches submitted
+        L.set_epoch(5)
+        it = iter(L)
+        assert it._submitted == set()  # cancelled, not taken over
+        _same([(x.clone(), y.clone()) for x, y in it], _fresh(5))
+        L.set_epoch(6)
+        _epoch(L)  # took over epoch 6; epoch 7's begun
+        state = {**L.state_dict(), "epoch": 7, "consumed": 12}
+        L.load_state_dict(state)  # resume inside epoch 7: not the pass begun (from its start)
+        _same(_epoch(L), _fresh(7)[3:])
+        L.set_epoch(8)
+        _epoch(L)
+        L.set_world(1, 2)  # another rank's share of epoch 9
+        ref = _fresh(9, rank=1, world_size=2)
+        L.set_epoch(9)
+        _same(_epoch(L), ref)
+
+
+def test_without_set_epoch_the_same_epoch_is_expected_after_the_second_pass():
+    with _loader() as L:
+        ref = _fresh(0)
+        _same(_epoch(L), ref)
+        assert L._next.epoch == 1  # the usual loop calls set_epoch(epoch + 1)
+        _same(_epoch(L), ref)  # it did not: epoch 0 again, started empty
+        assert L._next.epoch == 0  # from now on the same epoch is expected
+        it = iter(L)
+        assert it._submitted  # and taken over
+        _same([(x.clone(), y.clone()) for x, y in it], ref)
+
+
+class _FailsOnSecondRead(ArrayDataset):
+    """Sample ``bad`` reads once, then raises: epoch 0 reads it, epoch 1 cannot."""
+
+    def __init__(self, images, labels, bad: int) -> None:
+        super().__init__(images, labels)
+        self.bad, self.reads, self.lock = bad, 0, threading.Lock()
+
+    def read(self, i):
+        if i == self.bad:
+            with self.lock:
+                self.reads += 1
+                if self.reads > 1:
+                    raise ValueError("unreadable")
+        return super().read(i)
+
+
+def test_an_error_in_the_next_epochs_first_batch_is_raised_by_that_epoch():
+    first = int(_fresh(1)[0][1][0])  # epoch 1's first sample
+    ds = _FailsOnSecondRead(IMGS, range(40), bad=first)
+    with FastLoader(ds, [CenterCrop(8)], batch_size=4, shuffle=True, seed=1, num_threads=2) as L:
+        assert len(_epoch(L)) == 10  # epoch 0 whole, though epoch 1's first batch already failed
+        assert L._next is not None and L._next.epoch == 1 and 0 in L._next.submitted
+        L.set_epoch(1)
+        with pytest.raises(SampleError, match=f"sample {first} .*unreadable"):
+            next(iter(L))
+
+
+def test_skip_mode_submits_nothing_ahead_and_break_cancels_what_was():
+    with _loader(on_error="skip") as L:
+        _epoch(L)
+        assert L._next is None
+    with _loader() as L:
+        for i, _ in enumerate(L):
+            if i == 8:  # the next epoch's begun, then a break before the last batch
+                assert L._next is not None and L._next.submitted == {0, 1}
+                break
+        gc.collect()
+        assert L._next is None  # the pass ended early: its batches and the next epoch's cancelled
+        L.set_epoch(1)
+        _same(_epoch(L), _fresh(1))

@@ -164,8 +164,10 @@ def test_loader_bytes_are_the_same_with_pillow_decoding(jpeg_folder, monkeypatch
 
     monkeypatch.setattr(roi_jpeg.RoiDecoder, "decode", counting_decode)
     ours = epochs(FastLoader(ds, transforms, batch_size=8, shuffle=True, num_threads=3))
-    # Every JPEG but the CMYK one went through the shim (the PNG never reaches decode()).
-    assert len(decoded) == 2 * (len(ds) - 2) and all(decoded)
+    # Every JPEG but the CMYK one went through the shim (the PNG never reaches decode()), in
+    # both epochs; at the second's end the loader had also begun the first batches of a third
+    # (NOTE [the next epoch's first batches]), which close() cancelled or let finish.
+    assert len(decoded) >= 2 * (len(ds) - 2) and all(decoded)
     monkeypatch.setenv("TERRAPIPE_JPEG", "pillow")
     assert not roi_jpeg.enabled()
     ref = epochs(FastLoader(ds, transforms, batch_size=8, shuffle=True, num_threads=3))
