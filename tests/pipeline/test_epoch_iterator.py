@@ -188,8 +188,9 @@ def test_the_next_epochs_first_batches_are_taken_over_with_the_same_bytes(worker
             assert L._next is not None and L._next.epoch == epoch + 1 and L._next.submitted == {0, 1, 2}
 
 
-def test_a_pass_other_than_the_expected_one_starts_empty_with_its_own_bytes():
-    with _loader() as L:
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_a_pass_other_than_the_expected_one_starts_empty_with_its_own_bytes(workers):
+    with _loader(workers=workers) as L:
         _epoch(L)  # epoch 0; epoch 1's first batches submitted
         L.set_epoch(5)
         it = iter(L)
