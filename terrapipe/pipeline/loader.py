@@ -104,7 +104,9 @@ class FastLoader:
     Yielded tensors are views of reused buffers (NOTE [batch buffer ownership]); pass
     ``copy=True`` for owned tensors. Augmentation is a pure function of (seed, epoch, sample
     index), so any ``num_threads`` gives the same bytes. Each ``iter()`` is one epoch's iterator
-    (NOTE [one iterator per epoch]).
+    (NOTE [one iterator per epoch]); the first batches of the next one (the next epoch, as a
+    loop of ``set_epoch(epoch)`` runs them) are begun while the consumer takes this one's last
+    batches, and cancelled if another pass comes instead (NOTE [the next epoch's first batches]).
 
     ``device="cuda"`` / ``"cuda:N"`` (default index under a multi-process launch: the local
     rank's GPU, round-robin): host buffers are pinned, uint8 crosses the bus on a side stream and
