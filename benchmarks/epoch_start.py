@@ -8,7 +8,8 @@ GPU step does), longer than any loader here needs for a batch, so inside an epoc
 keeps ahead is never waited for; what remains is the wait at each epoch's start. Epochs of
 ``--images`` real photographs (the first ones of DIR) in batches of ``--batch``, RandomResizedCrop
 (224) + flip + normalize on ``--threads`` workers. The cases alternate in every round, each
-``--epochs`` epochs per sample:
+``--epochs`` timed epochs per sample after one untimed epoch that starts the sample (each sample
+starts from an empty pipeline: ``FastLoader.cancel_ahead()`` after the one before):
 
 * fastloader: ``FastLoader``, ``set_epoch(e)`` for consecutive e, as a training loop calls it:
   the loader begins the next epoch's first batches while the consumer works through the last
@@ -56,20 +57,26 @@ def _first_photos(photos: Path, n: int) -> Path:
 
 
 def _sample(loader, epochs: list[int], step_s: float) -> dict:
-    """``epochs`` of ``loader`` with a step of ``step_s`` after each batch: the waits."""
+    """``epochs`` of ``loader`` with a step of ``step_s`` after each batch: the waits, from the
+    second epoch on (the first starts the sample, from an empty pipeline)."""
     first, rest = [], []
     images = 0
-    start = time.perf_counter()
-    for e in epochs:
+    start = None
+    for k, e in enumerate(epochs):
         if hasattr(loader, "set_epoch"):
             loader.set_epoch(e)
         t = time.perf_counter()
         for i, (x, _) in enumerate(loader):
-            (first if i == 0 else rest).append(time.perf_counter() - t)
-            images += x.shape[0]
+            if k:
+                (first if i == 0 else rest).append(time.perf_counter() - t)
+                images += x.shape[0]
             time.sleep(step_s)
             t = time.perf_counter()
+        if k == 0:
+            start = time.perf_counter()
     wall = time.perf_counter() - start
+    if isinstance(loader, FastLoader):
+        loader.cancel_ahead()  # nothing decoded while another case is timed
     return {"first_s": first, "rest_s": rest, "waiting": (sum(first) + sum(rest)) / wall,
             "img_per_s": images / wall}
 
@@ -98,11 +105,11 @@ def run(args) -> dict:
         return got
 
     for case in CASES:  # warm-up: compilation, worker start-up
-        _sample(loaders[case], epochs(case, 1), step_s)
+        _sample(loaders[case], epochs(case, 2), step_s)
     samples: dict[str, list[dict]] = {c: [] for c in CASES}
     for r in range(args.rounds):
         for case in CASES:
-            got = _sample(loaders[case], epochs(case, args.epochs), step_s)
+            got = _sample(loaders[case], epochs(case, args.epochs + 1), step_s)
             samples[case].append(got)
             first_ms = 1e3 * statistics.median(got["first_s"])
             rest_ms = 1e3 * statistics.median(got["rest_s"])

@@ -363,6 +363,19 @@ class FastLoader:
         self._live = weakref.ref(it)
         return it
 
+    def cancel_ahead(self) -> None:
+        """Cancel the next pass's batches begun ahead (NOTE [the next epoch's first batches]):
+        the next ``iter()`` starts with an empty pipeline, as on a loader that ran nothing
+        before. Returns once no worker writes a slot (samples being decoded are finished). Does
+        nothing while an iterator is live or when nothing was begun. For benchmarks that
+        alternate loaders, each timed from an empty pipeline, and for a consumer that wants the
+        cores back between passes."""
+        live = self._live() if self._live is not None else None
+        if self._next is None or (live is not None and not live.finished):
+            return
+        self._next = None
+        self._workers.stop()
+
     def close(self) -> None:
         """Stop the pool; no loader thread survives this call, and no copy is left in flight."""
         self._closed = True

@@ -261,3 +261,21 @@ def test_skip_mode_submits_nothing_ahead_and_break_cancels_what_was():
         assert L._next is None  # the pass ended early: its batches and the next epoch's cancelled
         L.set_epoch(1)
         _same(_epoch(L), _fresh(1))
+
+
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_cancel_ahead_leaves_the_next_pass_to_start_empty(workers):
+    with _loader(workers=workers) as L:
+        it = iter(L)
+        next(it)
+        L.cancel_ahead()  # a live iterator: its own batches stay
+        rest = [(x.clone(), y.clone()) for x, y in it]
+        assert len(rest) == 9 and L._next is not None
+        L.cancel_ahead()
+        assert L._next is None
+        L.set_epoch(1)
+        it = iter(L)
+        assert it._submitted == set()  # nothing was taken over
+        _same([(x.clone(), y.clone()) for x, y in it], _fresh(1))
+        L.cancel_ahead()
+        L.cancel_ahead()  # nothing begun: a no-op
