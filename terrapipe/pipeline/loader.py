@@ -41,7 +41,10 @@ NOTE [the next epoch's first batches]
        ``set_world``, ``load_state_dict``) they are cancelled first and the pass starts empty,
        as it always did. The bytes are the same either way: a batch is a function of its
        indices, seed and epoch (NOTE [one iterator per epoch] 3).
-    4. A pass stopped early (``break``, ``close()``, an error) cancels them with its own. Under
+    4. A pass stopped early (``break``, ``close()``, an error) cancels them with its own, and
+       ``cancel_ahead()`` does between passes (a benchmark that alternates loaders times each
+       pass from an empty pipeline; begun batches would be decoded in another case's time).
+       After the last epoch up to ``prefetch + 1`` batches are decoded for nothing. Under
        ``on_error="skip"`` nothing is submitted ahead: a cancelled batch would have added its
        bad samples to ``skipped`` for a pass that never ran.
 
