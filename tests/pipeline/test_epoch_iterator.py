@@ -188,7 +188,11 @@ def test_the_next_epochs_first_batches_are_taken_over_with_the_same_bytes(worker
             assert L._next is not None and L._next.epoch == epoch + 1 and L._next.submitted == {0, 1, 2}
 
 
-@pytest.mark.parametrize("workers", ["thread", "process"])
+# The worker process's variants run in make test-full (CI time); CI keeps its take-over test.
+PROCESS_IN_FULL = ["thread", pytest.param("process", marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("workers", PROCESS_IN_FULL)
 def test_a_pass_other_than_the_expected_one_starts_empty_with_its_own_bytes(workers):
     with _loader(workers=workers) as L:
         _epoch(L)  # epoch 0; epoch 1's first batches submitted
@@ -269,7 +273,7 @@ def test_skip_mode_submits_nothing_ahead_and_break_cancels_what_was():
         _same(_epoch(L), _fresh(1))
 
 
-@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("workers", PROCESS_IN_FULL)
 def test_cancel_ahead_leaves_the_next_pass_to_start_empty(workers):
     with _loader(workers=workers) as L:
         it = iter(L)
