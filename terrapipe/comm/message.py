@@ -28,7 +28,7 @@ import numpy as np
 from ..kernels import compress, decompress
 from ..kernels import reduce as kreduce
 
-__all__ = ["Fused", "divide", "reduce_flat", "segments", "NO_GATE"]
+__all__ = ["Fused", "divide", "reduce_flat", "segments", "spans", "NO_GATE"]
 
 
 def segments(n: int, p: int) -> list[tuple[int, int]]:
@@ -38,6 +38,19 @@ def segments(n: int, p: int) -> list[tuple[int, int]]:
     q, r = divmod(n, p)
     bounds = [i * q + min(i, r) for i in range(p + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def spans(offsets: list[int], c0: int, length: int):
+    """(part, start, end, offset in the range) of elements ``[c0, c0 + length)`` of a message
+    made of parts laid end to end, part i being ``[offsets[i], offsets[i + 1])``: each part's
+    overlap with the range, in the part's own elements. Empty parts are skipped."""
+    i = bisect.bisect_right(offsets, c0) - 1
+    end = c0 + length
+    while i < len(offsets) - 1 and offsets[i] < end:
+        a, b = max(c0, offsets[i]) - offsets[i], min(end, offsets[i + 1]) - offsets[i]
+        if b > a:
+            yield i, a, b, offsets[i] + a - c0
+        i += 1
 
 
 class _NoGate:
@@ -70,17 +83,8 @@ class Fused:
         if len(self.views) == 1:
             yield self.views[0], c0, c0 + length, 0
             return
-        i = bisect.bisect_right(self.offsets, c0) - 1
-        pos = c0
-        end = c0 + length
-        while pos < end:
-            v0 = int(self.offsets[i])
-            v1 = int(self.offsets[i + 1])
-            a, b = pos - v0, min(end, v1) - v0
-            if b > a:
-                yield self.views[i], a, b, pos - c0
-            pos = max(pos, min(end, v1))
-            i += 1
+        for i, a, b, o in spans(self.offsets, c0, length):
+            yield self.views[i], a, b, o
 
     def read(self, c0: int, length: int, out: np.ndarray, ckind: int = 0) -> None:
         if len(self.views) == 1 and not ckind:

@@ -39,7 +39,6 @@ NOTE [staging streams]
 
 from __future__ import annotations
 
-import bisect
 import warnings
 from collections import deque
 
@@ -47,6 +46,7 @@ import numpy as np
 
 from ..cuda_host import register_host_memory, unregister_host_memory
 from .buffers import Buffer
+from .message import spans
 
 __all__ = ["StagedGroup", "PIECE_BYTES"]
 
@@ -255,17 +255,6 @@ class StagedGroup:
         """Register the host mapping the rows live in (once per group and mapping)."""
         self._pool.register(address, nbytes)
 
-    def _members(self, c0: int, length: int):
-        """(member, start, end, offset in the range) of fused elements ``[c0, c0 + length)``."""
-        bounds = self._bounds
-        i = bisect.bisect_right(bounds, c0) - 1
-        end = c0 + length
-        while i < len(self.sizes) and bounds[i] < end:
-            a, b = max(c0, bounds[i]) - bounds[i], min(end, bounds[i + 1]) - bounds[i]
-            if b > a:
-                yield i, a, b, bounds[i] + a - c0
-            i += 1
-
     def copy_in(self, c0: int, length: int, dst: np.ndarray) -> None:
         """Queue the download of fused elements ``[c0, c0 + length)`` into ``dst`` (1-D, in
         memory given to :meth:`pin`); host members are copied now. :meth:`wait_in` waits for
@@ -276,7 +265,7 @@ class StagedGroup:
         it = self._itemsize
         self._direct = True
         with torch.cuda.stream(self.stream):
-            for i, a, b, o in self._members(c0, length):
+            for i, a, b, o in spans(self._bounds, c0, length):
                 if srcs[i] is None:
                     dst[o:o + b - a] = self._host[i].flat[a:b]
                 else:
@@ -298,7 +287,7 @@ class StagedGroup:
         inp = torch.from_numpy(src.view(np.uint8))
         it = self._itemsize
         with torch.cuda.stream(self.stream):
-            for i, a, b, o in self._members(c0, src.shape[0]):
+            for i, a, b, o in spans(self._bounds, c0, src.shape[0]):
                 if srcs[i] is None:
                     self._host[i].flat[a:b] = src[o:o + b - a]
                 else:

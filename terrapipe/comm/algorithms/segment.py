@@ -22,7 +22,7 @@ from ...kernels import reduce as kreduce
 from ..message import NO_GATE, Fused, divide, segments
 
 __all__ = ["Crossing", "Inline", "crossing", "allreduce", "allreduce_overlapped", "overlaps", "broadcast",
-           "allgather", "scatter", "reduce_scatter", "reduce_rows", "reduce_part"]
+           "allgather", "scatter", "reduce_scatter", "reduce_rows", "reduce_part", "chunks"]
 
 
 def reduce_rows(shm, rows: np.ndarray, op: int, offset: int, length: int, kind: int) -> None:
@@ -57,7 +57,7 @@ def reduce_part(shm, rows: np.ndarray, op: int, start: int, length: int, kind: i
     return t
 
 
-def _chunks(shm, n: int, itemsize: int):
+def chunks(shm, n: int, itemsize: int):
     """(first element, length, first column of the row half) of each chunk of ``n`` elements."""
     half = (shm.row_bytes // itemsize) // 2
     for c0 in range(0, n, half):
@@ -74,7 +74,7 @@ def allreduce(shm, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: i
     rows = shm.rows(dtype)
     item = np.dtype(dtype).itemsize
     rec = timeline.enabled()  # the phases of each chunk, at one clock read each
-    for c0, length, h in _chunks(shm, srcs.n, item):
+    for c0, length, h in chunks(shm, srcs.n, item):
         t = timeline.now() if rec else 0
         gate.ready(c0 + length)
         if rec and gate is not NO_GATE:
@@ -265,7 +265,7 @@ def allreduce_overlapped(shm, srcs: Fused, dsts: Fused, op: int, dtype, kind: in
 def broadcast(shm, flat: np.ndarray, root: int) -> None:
     rows = shm.rows(flat.dtype)
     lroot = shm.board.ranks.index(root)
-    for c0, length, h in _chunks(shm, flat.shape[0], flat.itemsize):
+    for c0, length, h in chunks(shm, flat.shape[0], flat.itemsize):
         if shm.rank == root:
             rows[lroot, h:h + length] = flat[c0:c0 + length]
         shm.board.barrier(shm.timeout, "broadcast")
@@ -277,7 +277,7 @@ def allgather(shm, flat: np.ndarray, out: np.ndarray, root: int = -1) -> None:
     rows = shm.rows(flat.dtype)
     me = shm.local_rank
     coll = "gather" if root >= 0 else "allgather"
-    for c0, length, h in _chunks(shm, flat.shape[0], flat.itemsize):
+    for c0, length, h in chunks(shm, flat.shape[0], flat.itemsize):
         rows[me, h:h + length] = flat[c0:c0 + length]
         shm.board.barrier(shm.timeout, coll)
         if root < 0 or root == shm.rank:
@@ -289,7 +289,7 @@ def scatter(shm, full: np.ndarray, out: np.ndarray, root: int) -> None:
     n = out.shape[0]
     rows = shm.rows(out.dtype)
     me = shm.local_rank
-    for c0, length, h in _chunks(shm, n, out.itemsize):
+    for c0, length, h in chunks(shm, n, out.itemsize):
         if shm.rank == root:
             for q in range(shm.local_size):
                 r = shm.board.ranks[q]
@@ -310,7 +310,7 @@ def reduce_scatter(shm, flat: np.ndarray, out: np.ndarray, op: int, kind: int) -
     rows = shm.rows(flat.dtype)
     me = shm.local_rank
     lo_me, hi_me = segments(n, shm.size)[shm.rank]
-    for c0, length, h in _chunks(shm, n, flat.itemsize):
+    for c0, length, h in chunks(shm, n, flat.itemsize):
         rows[me, h:h + length] = flat[c0:c0 + length]
         shm.board.barrier(shm.timeout, "reduce_scatter")
         a, b = max(lo_me, c0), min(hi_me, c0 + length)

@@ -46,6 +46,7 @@ import numpy as np
 from ... import timeline
 from ...kernels import reduce as kreduce
 from ..message import divide, segments
+from .segment import chunks as segment_chunks
 from .segment import reduce_rows
 
 __all__ = ["allreduce"]
@@ -79,8 +80,7 @@ def allreduce(shm, gate, n: int, op: int, dtype, kind: int) -> None:
     seg = shm.segment
     gate.pin(seg.buf.ctypes.data, seg.nbytes)
     rows = shm.rows(dtype)
-    half = (shm.row_bytes // np.dtype(dtype).itemsize) // 2
-    chunks = [(c0, min(half, n - c0), shm.next_half() * half) for c0 in range(0, n, half)]
+    chunks = list(segment_chunks(shm, n, np.dtype(dtype).itemsize))  # the halves, taken now
     rec = timeline.enabled()
     c0, length, h = chunks[0]
     gate.copy_in(c0, length, rows[me, h:h + length])
