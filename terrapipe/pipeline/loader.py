@@ -441,12 +441,16 @@ class _EpochIterator:
             return
         if b in self._submitted:
             return
-        loader = self._loader
-        key = self._base + b
-        loader._feed.slot_writable(key % self._ring)
-        rows = self._indices[b * loader.batch_size:(b + 1) * loader.batch_size]
-        loader._workers.submit(key, key % self._ring, rows, self.seed, self.epoch)
+        self._queue(self._base + b, self._indices, b, self.seed, self.epoch)
         self._submitted.add(b)
+
+    def _queue(self, key: int, indices: np.ndarray, b: int, seed: int, epoch: int) -> None:
+        """Batch ``b`` of a pass of ``indices`` to the workers as ``key``, into slot ``key %
+        ring`` once no copy still reads it."""
+        loader = self._loader
+        loader._feed.slot_writable(key % self._ring)
+        rows = indices[b * loader.batch_size:(b + 1) * loader.batch_size]
+        loader._workers.submit(key, key % self._ring, rows, seed, epoch)
 
     def _submit_next(self, j: int) -> None:
         """Batch ``j`` of the pass expected after this one (NOTE [the next epoch's first batches] 2)."""
@@ -459,10 +463,7 @@ class _EpochIterator:
                                            self._base + self.num_batches)
         if j >= nxt.num_batches or j in nxt.submitted:
             return
-        key = nxt.base + j
-        loader._feed.slot_writable(key % self._ring)
-        bs = loader.batch_size
-        loader._workers.submit(key, key % self._ring, nxt.indices[j * bs:(j + 1) * bs], nxt.seed, nxt.epoch)
+        self._queue(nxt.base + j, nxt.indices, j, nxt.seed, nxt.epoch)
         nxt.submitted.add(j)
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
