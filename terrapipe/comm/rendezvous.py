@@ -47,10 +47,18 @@ NOTE [a launcher that dies]
     3. A script that handles SIGTERM (to save a checkpoint) gets the chance; otherwise the
        process ends at once. Remote workers stop the same way, and their ``ssh`` sessions
        end with them.
+    4. The watcher is stopped and joined at exit (an ``atexit`` hook, :func:`_stop_watching`),
+       before the interpreter finalizes. A daemon thread still running then is ended by
+       Python (``pthread_exit``) when it next takes the GIL; the watcher's question is a call
+       into torch's C++ that releases the GIL, and one returning during finalization retakes
+       it in a destructor, where the unwinding aborts the process ("terminate called without
+       an active exception", SIGABRT, exit code -6 for a job that had finished). Joining waits
+       for at most the question in flight (the watcher's store timeout, ``_WATCH_TIMEOUT``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -70,6 +78,7 @@ __all__ = ["Generations", "LauncherGone", "Membership", "WorkerRemoved", "is_ela
 
 _POLL = 0.02  # seconds between looks at the store while waiting for the launcher
 _WATCH_SECONDS = 0.5  # between questions to the launcher's store (NOTE [a launcher that dies] 2)
+_WATCH_TIMEOUT = 10.0  # seconds one question may take before the port itself is tried
 
 
 class WorkerRemoved(CommError):
@@ -120,6 +129,8 @@ class Membership:
 
 _client = None  # the store connection, one per process, reused by every generation
 _last = 0  # the newest generation this process joined
+_watcher: threading.Thread | None = None  # NOTE [a launcher that dies] 2, started with _client
+_stop_watch = threading.Event()  # set at exit (NOTE [a launcher that dies] 4)
 
 
 def is_elastic() -> bool:
@@ -129,7 +140,7 @@ def is_elastic() -> bool:
 
 def connect(timeout: float):
     """The launcher's store (``TERRAPIPE_ELASTIC`` = ``host:port``), connected once."""
-    global _client
+    global _client, _watcher
     if _client is None:
         from torch.distributed import TCPStore
 
@@ -139,9 +150,18 @@ def connect(timeout: float):
             raise ValueError(f"TERRAPIPE_ELASTIC: expected host:port, got {where!r}")
         _client = TCPStore(host, int(port), is_master=False,
                            timeout=datetime.timedelta(seconds=float(timeout)))
-        threading.Thread(target=_watch_launcher, args=(host, int(port)), name="terrapipe-launcher-watch",
-                         daemon=True).start()
+        _watcher = threading.Thread(target=_watch_launcher, args=(host, int(port)),
+                                    name="terrapipe-launcher-watch", daemon=True)
+        _watcher.start()
+        atexit.register(_stop_watching)
     return _client
+
+
+def _stop_watching() -> None:
+    """NOTE [a launcher that dies] 4: stop the watcher and wait for its question in flight."""
+    _stop_watch.set()
+    if _watcher is not None and _watcher is not threading.current_thread():
+        _watcher.join()
 
 
 def _watch_launcher(host: str, port: int) -> None:
@@ -149,11 +169,10 @@ def _watch_launcher(host: str, port: int) -> None:
     from torch.distributed import TCPStore
 
     try:
-        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=_WATCH_TIMEOUT))
     except Exception:  # noqa: BLE001 - the main connection reports what is wrong
         return
-    while True:
-        time.sleep(_WATCH_SECONDS)
+    while not _stop_watch.wait(_WATCH_SECONDS):
         try:
             store.check(["elastic/latest"])
             continue

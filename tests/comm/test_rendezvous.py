@@ -3,6 +3,7 @@ MASTER_PORT), SLURM's (SLURM_PROCID / SLURM_NTASKS with a MASTER_ADDR) and a key
 (torch's FileStore and TCPStore, what a torch.distributed backend is handed). Each runs two real
 processes started here with only those variables, and checks the collectives against NumPy."""
 
+import contextlib
 import json
 import os
 import random
@@ -290,3 +291,82 @@ def test_a_generation_whose_member_vanished_during_set_up_is_left_for_the_next()
                 p.kill()
     assert [(g, rep["rank"], rep["size"]) for g, _, rep in out] == [(2, 0, 2), (2, 1, 2)]
     assert all(seconds < 30 for _, seconds, _ in out), out
+
+
+class _SlowReplies:
+    """A TCP proxy in front of ``port`` whose replies arrive ``delay`` seconds late: every
+    question a client asks through it is in flight that long."""
+
+    def __init__(self, port: int, delay: float):
+        import threading
+
+        self.port, self.delay = port, delay
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(("127.0.0.1", self.port))
+            threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, delay: float) -> None:
+        import time
+
+        try:
+            while data := src.recv(1 << 16):
+                time.sleep(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_an_elastic_worker_exits_cleanly_while_its_launcher_watch_asks_the_store():
+    """Regression (NOTE [a launcher that dies] 4): a finished elastic worker was aborted at exit
+    (SIGABRT, "terminate called without an active exception"), rarely, under load in CI. The
+    launcher's watcher, a daemon thread, was inside torch's store call (the GIL released) when
+    the interpreter began to finalize; returning, it retook the GIL in a C++ destructor and
+    Python's ending of the thread unwound through it. Here every store reply arrives 0.4 s late
+    and the worker's finalization takes 1.5 s (an object's ``__del__``), longer than one of the
+    watcher's rounds (0.5 s apart, 0.4 s in flight), so a question returns during it: the
+    worker must stop its watcher before finalizing. Failed 4 times in 4 before the fix."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=60))
+    proxy = _SlowReplies(store.port, 0.4)
+    script = textwrap.dedent("""
+        import time
+        from terrapipe.comm import rendezvous
+        rendezvous.connect(30)
+        class SlowToFinalize:
+            def __del__(self):
+                time.sleep(1.5)  # the GIL released while the interpreter finalizes
+        held = SlowToFinalize()
+        time.sleep(1.0)  # the watcher's questions under way
+        print("done", flush=True)
+    """)
+    env = _clean_env({"TERRAPIPE_ELASTIC": proxy.address, "TERRAPIPE_ELASTIC_WORKER": "a"})
+    try:
+        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert (p.returncode, p.stdout.strip()) == (0, "done"), p.stderr[-2000:]
+    finally:
+        proxy.close()
