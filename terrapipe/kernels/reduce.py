@@ -295,21 +295,72 @@ def _pair_16(dst, first, second, op, kind):
         _pair_16_of(dst, first, second, op, BF16)
 
 
+# NOTE [pair kernels]
+#     1. An output that is one of the operands is passed to the loop as itself: LLVM then sees
+#        one array where it would check two for overlap, fail the check and run the scalar loop
+#        (3-6x slower on float32 and bfloat16, 64K elements). So reduce_pair has three loops,
+#        one per case (into its first operand, into its second, apart), each a compiled
+#        function of its own over one or two arrays.
+#     2. Why functions of their own and not three inlined copies of the loop in one: Numba
+#        inlines ``inline="always"`` functions by copying their IR into the caller, and the cost
+#        grows with each level and each copy. Three inlined copies of the 16-bit loop (itself two
+#        formats of inlined conversions) took 23 s to compile for uint16 on a 2-core Xeon, and
+#        one copy in each of three functions 9 s in all, the loops as fast (64K elements, every
+#        case and format). Numba spends that time copying IR, not in LLVM.
+#        A rank's first collective across nodes waits for it, and so does every cold CI run.
+
+
+@njit(nogil=True, cache=True)
+def _native_into_first(dst, second, op, kind):
+    """``dst = dst op second`` (native dtypes; NOTE [pair kernels])."""
+    _pair_native(dst, dst, second, op, kind)
+
+
+@njit(nogil=True, cache=True)
+def _native_into_second(dst, first, op, kind):
+    """``dst = first op dst`` (native dtypes; NOTE [pair kernels])."""
+    _pair_native(dst, first, dst, op, kind)
+
+
+@njit(nogil=True, cache=True)
+def _native_apart(dst, first, second, op, kind):
+    """``dst = first op second``, ``dst`` neither operand (native dtypes; NOTE [pair kernels])."""
+    _pair_native(dst, first, second, op, kind)
+
+
+@njit(nogil=True, cache=True)
+def _16_into_first(dst, second, op, kind):
+    """``dst = dst op second`` (uint16-held 16-bit floats; NOTE [pair kernels])."""
+    _pair_16(dst, dst, second, op, kind)
+
+
+@njit(nogil=True, cache=True)
+def _16_into_second(dst, first, op, kind):
+    """``dst = first op dst`` (uint16-held 16-bit floats; NOTE [pair kernels])."""
+    _pair_16(dst, first, dst, op, kind)
+
+
+@njit(nogil=True, cache=True)
+def _16_apart(dst, first, second, op, kind):
+    """``dst = first op second``, ``dst`` neither operand (16-bit; NOTE [pair kernels])."""
+    _pair_16(dst, first, second, op, kind)
+
+
 @overload(_pair, inline="always")
 def _pair_typed(dst, first, second, op, kind):
-    loop = _pair_16 if dst.dtype == types.uint16 else _pair_native
+    if dst.dtype == types.uint16:
+        into_first, into_second, apart = _16_into_first, _16_into_second, _16_apart
+    else:
+        into_first, into_second, apart = _native_into_first, _native_into_second, _native_apart
 
-    def aliased(dst, first, second, op, kind):
-        # An output that is one of the operands is passed as itself: LLVM then sees one array
-        # where it would check two for overlap, fail the check and run the scalar loop (3-6x
-        # slower on float32 and bfloat16, 64K elements).
+    def by_aliasing(dst, first, second, op, kind):
         if dst.ctypes.data == first.ctypes.data:
-            loop(dst, dst, second, op, kind)
+            into_first(dst, second, op, kind)
         elif dst.ctypes.data == second.ctypes.data:
-            loop(dst, first, dst, op, kind)
+            into_second(dst, first, op, kind)
         else:
-            loop(dst, first, second, op, kind)
-    return aliased
+            apart(dst, first, second, op, kind)
+    return by_aliasing
 
 
 @njit(nogil=True, cache=True)
