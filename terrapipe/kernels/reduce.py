@@ -223,15 +223,11 @@ def _divide_typed(d, q):
     return true
 
 
-@njit(nogil=True, cache=True)
-def reduce_many_16(dst, srcs, op, offset, length, kind, acc):
-    """Multi-source reduce on uint16-held float16/bfloat16: every element is accumulated over all
-    ``k`` sources in float32 and rounded once, so the result never passes through intermediate
-    16-bit roundings. ``acc`` is caller-owned float32 scratch of at least ``TILE`` elements
-    (or ``length`` if smaller), reused tile by tile."""
+@njit(nogil=True, cache=True, inline="always")
+def _many_16_of(dst, srcs, op, offset, length, kind, acc):
+    """:func:`reduce_many_16`'s loops for one format, passed as a constant (the conversions'
+    choice folds away, NOTE [conversions as intrinsics] in floats.py)."""
     k = srcs.shape[0]
-    if k == 0:
-        return
     for t0 in range(offset, offset + length, TILE):
         t1 = min(t0 + TILE, offset + length)
         n = t1 - t0
@@ -249,6 +245,20 @@ def reduce_many_16(dst, srcs, op, offset, length, kind, acc):
         d = dst[t0:t1]
         for i in range(n):
             d[i] = from_f32(acc[i], kind)
+
+
+@njit(nogil=True, cache=True)
+def reduce_many_16(dst, srcs, op, offset, length, kind, acc):
+    """Multi-source reduce on uint16-held float16/bfloat16: every element is accumulated over all
+    ``k`` sources in float32 and rounded once, so the result never passes through intermediate
+    16-bit roundings. ``acc`` is caller-owned float32 scratch of at least ``TILE`` elements
+    (or ``length`` if smaller), reused tile by tile."""
+    if srcs.shape[0] == 0:
+        return
+    if kind == F16:
+        _many_16_of(dst, srcs, op, offset, length, F16, acc)
+    else:
+        _many_16_of(dst, srcs, op, offset, length, BF16, acc)
 
 
 def _pair(dst, first, second, op, kind):
