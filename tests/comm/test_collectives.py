@@ -343,9 +343,17 @@ def test_the_one_shot_across_four_nodes_by_recursive_doubling_in_a_loop(mpi_comm
     _one_shot_across_nodes_loop(1, 4)
 
 
+_DOUBLING_CASES = (("float32", "sum"), ("float16", "sum"), ("bfloat16", "avg"), ("float32", "max"))
+_FLOAT64_PROD = pytest.param((("float64", "prod"),), marks=pytest.mark.full)
+
+
+# float64 in make test-full: its one-shot across nodes would be compiled here first in CI, by four
+# ranks on two cores (20 s); CI's other tests across nodes keep float32 and float16.
 @pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True, ci_ranks=(4,))
 @pytest.mark.parametrize("native", [True, pytest.param(False, marks=pytest.mark.full)])
-def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches(mpi_comm, native):
+@pytest.mark.parametrize("cases", [_DOUBLING_CASES, _FLOAT64_PROD],
+                         ids=["float32-16bit", "float64"])
+def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches(mpi_comm, native, cases):
     # Recursive doubling reduces in pairs, lower half first, so every rank must end with the
     # same bits (random float32, float16 and bfloat16 data, where order changes the sum); so
     # must the reduce-scatter and allgather that payloads of HALVING_BYTES and more take in
@@ -365,11 +373,11 @@ def test_four_nodes_by_recursive_doubling_agree_bit_for_bit_and_raise_mismatches
     r, p = g.rank, g.size
     log = g.record_algorithms()
     limit = oneshot_nodes.limit(g.shm)
-    cases = [("float32", "sum"), ("float16", "sum"), ("bfloat16", "avg"), ("float64", "prod"),
-             ("float32", "max")]
-    for i, (dtype, op) in enumerate(cases * 5):
+    # every case at every size, then each once more at 2 elements
+    plan = [(dtype, op, k) for k in range(6) for dtype, op in cases] + [(d, o, None) for d, o in cases]
+    for i, (dtype, op, k) in enumerate(plan):
         size = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype]
-        n = (1, 17, 1000, halving // size - 1, halving // size + 3, limit // size)[i % 6] if i < 24 else 2
+        n = (1, 17, 1000, halving // size - 1, halving // size + 3, limit // size)[k] if k is not None else 2
         x = _data(r, n, dtype, seed=11 + i)
         del log[:]
         comm.allreduce(x, op)
