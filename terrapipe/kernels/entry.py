@@ -1,8 +1,30 @@
 """A compiled kernel's entry point for given arguments' types: what a caller that calls the same
 kernel with the same types many times calls directly, skipping Numba's type dispatch per call
-(a few microseconds, which the smallest collectives pay on every rank)."""
+(a few microseconds, which the smallest collectives pay on every rank).
+
+NOTE [one compiler per kernel]
+    1. The ranks of a node call the same kernels with the same types, so on a first run (an
+       empty Numba cache) each would compile each one at once, all of them missing the cache
+       together. Where the ranks outnumber the cores (four ranks on two cores in CI, a laptop)
+       that multiplies the first call's wait: the four-node collective tests took 103 s from
+       an empty cache at four ranks on a 2-core Xeon, 66 s with one compiler at a time.
+    2. So :func:`entry_point` compiles a kernel for a signature in one process at a time: the
+       first takes an exclusive ``flock`` on a file beside Numba's cache of that kernel and
+       compiles, which saves it to the cache; the others wait for a shared lock on the same file
+       (granted once the compiler is done) and then load it from the cache.
+    3. Waiters compile after the wait, not under the lock: where the cache could not be saved
+       they compile side by side, as without the lock, never one after the other. Where the
+       kernel has no file cache, or the lock file cannot be made, nothing waits.
+    4. The lock is held only while compiling, which waits for no other process, so no two
+       processes can wait for each other; a process that dies holding it releases it.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
 
 import numba
 
@@ -15,7 +37,38 @@ def entry_point(kernel, args: tuple):
     arguments of exactly those types; ``args`` are only looked at, never kept.
 
     Compiling ahead is also what NOTE [symmetric completion] in comm/algorithms/oneshot.py asks
-    of a collective: no rank does first-call work after a meeting point its peers skip."""
+    of a collective: no rank does first-call work after a meeting point its peers skip. One
+    process of a machine compiles a kernel at a time, the others load it (NOTE [one compiler
+    per kernel])."""
     key = tuple(numba.typeof(a) for a in args)
-    kernel.compile(key)
+    if key not in kernel.overloads:
+        with _one_compiler(kernel, key):
+            kernel.compile(key)
     return kernel.overloads[key].entry_point
+
+
+@contextlib.contextmanager
+def _one_compiler(kernel, key: tuple):
+    """NOTE [one compiler per kernel] 2-3: compile under an exclusive lock, or wait for the
+    process holding it and then compile (load) without it."""
+    cache = getattr(kernel, "_cache", None)
+    where = getattr(cache, "cache_path", None) if type(cache).__name__ == "FunctionCache" else None
+    fd = -1
+    if where:
+        func = kernel.py_func
+        name = hashlib.sha1(f"{func.__module__}.{func.__qualname__}{key}".encode()).hexdigest()[:20]
+        with contextlib.suppress(OSError):
+            fd = os.open(os.path.join(where, f"terrapipe-compiling-{name}.lock"), os.O_CREAT | os.O_RDWR,
+                         0o666)
+    if fd < 0:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another process compiles it: wait for it, then load its result
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(fd)

@@ -1,0 +1,71 @@
+"""kernels.entry: a kernel's entry point compiled for given types, by one process of a machine
+at a time while the others wait and load it from Numba's cache (NOTE [one compiler per kernel])."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+from terrapipe.kernels import reduce as kreduce
+from terrapipe.kernels.entry import entry_point
+
+# Each process waits for the go file, asks for the same entry point, and reports whether it
+# compiled it (Numba's compile event) or loaded it from the cache.
+_RANK = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    from numba.core import event
+    from terrapipe.kernels import reduce as kreduce
+    from terrapipe.kernels.entry import entry_point
+    compiled = []
+    class Seen(event.Listener):
+        def on_start(self, ev):
+            if ev.data["dispatcher"] is kreduce.reduce_pair:
+                compiled.append(1)
+        def on_end(self, ev):
+            pass
+    event.register("numba:compile", Seen())
+    a = np.zeros(8, np.uint16)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.005)
+    f = entry_point(kreduce.reduce_pair, (a, a, a, 0, 1))
+    b = np.full(8, 0x3C00, np.uint16)  # float16 1.0
+    kreduce.reduce_pair(b, b, b.copy(), 0, 1)
+    print(json.dumps({"compiled": len(compiled), "sum": int(b[0])}))
+""")
+
+
+def test_processes_asking_at_once_compile_a_kernel_once_and_load_it(tmp_path):
+    # Regression (CI time): four ranks on two cores each compiled the same kernels at once from
+    # an empty cache. Three processes ask for the same entry point together: exactly one compiles
+    # it, the others load it from the cache it saved.
+    go = tmp_path / "go"
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(go)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        go.write_text("")
+        reports = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert sorted(r["compiled"] for r in reports) == [0, 0, 1], reports
+    assert all(r["sum"] == 0x4000 for r in reports), reports  # 1.0 + 1.0 = 2.0
+
+
+def test_an_entry_point_runs_the_kernel_for_those_types():
+    a = np.arange(6, dtype=np.float32)
+    b = np.full(6, 2, np.float32)
+    out = np.empty(6, np.float32)
+    f = entry_point(kreduce.reduce_pair, (out, a, b, kreduce.PROD, 0))
+    assert f is entry_point(kreduce.reduce_pair, (out, a, b, kreduce.PROD, 0))
+    f(out, a, b, kreduce.PROD, 0)
+    np.testing.assert_array_equal(out, a * b)
