@@ -16,7 +16,8 @@ NOTE [one compiler per kernel]
        they compile side by side, as without the lock, never one after the other. Where the
        kernel has no file cache, or the lock file cannot be made, nothing waits.
     4. The lock is held only while compiling, which waits for no other process, so no two
-       processes can wait for each other; a process that dies holding it releases it.
+       processes can wait for each other; a process that dies holding it releases it. A waiter
+       gives up waiting after ``_WAIT_SECONDS`` (a compiler stopped, not dead) and compiles.
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import time
 
 import numba
 
 __all__ = ["entry_point"]
+
+_WAIT_SECONDS = 600.0  # the longest a process waits for another's compile (clause 4)
 
 
 def entry_point(kernel, args: tuple):
@@ -51,15 +55,10 @@ def entry_point(kernel, args: tuple):
 def _one_compiler(kernel, key: tuple):
     """NOTE [one compiler per kernel] 2-3: compile under an exclusive lock, or wait for the
     process holding it and then compile (load) without it."""
-    cache = getattr(kernel, "_cache", None)
-    where = getattr(cache, "cache_path", None) if type(cache).__name__ == "FunctionCache" else None
-    fd = -1
-    if where:
-        func = kernel.py_func
-        name = hashlib.sha1(f"{func.__module__}.{func.__qualname__}{key}".encode()).hexdigest()[:20]
+    path, fd = _lock_path(kernel, key), -1
+    if path is not None:
         with contextlib.suppress(OSError):
-            fd = os.open(os.path.join(where, f"terrapipe-compiling-{name}.lock"), os.O_CREAT | os.O_RDWR,
-                         0o666)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
     if fd < 0:
         yield
         return
@@ -67,8 +66,34 @@ def _one_compiler(kernel, key: tuple):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # another process compiles it: wait for it, then load its result
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            _wait_for_shared(fd, time.monotonic() + _WAIT_SECONDS)
         yield
     finally:
         os.close(fd)
+
+
+def _lock_path(kernel, key: tuple) -> str | None:
+    """The lock file of ``kernel`` compiled for ``key``, beside its Numba cache; None where the
+    kernel has no file cache."""
+    cache = getattr(kernel, "_cache", None)
+    where = getattr(cache, "cache_path", None) if type(cache).__name__ == "FunctionCache" else None
+    if not where:
+        return None
+    func = kernel.py_func
+    name = hashlib.sha1(f"{func.__module__}.{func.__qualname__}{key}".encode()).hexdigest()[:20]
+    return os.path.join(where, f"terrapipe-compiling-{name}.lock")
+
+
+def _wait_for_shared(fd: int, deadline: float) -> None:
+    """Take and drop a shared lock on ``fd`` (granted once no process holds it exclusively),
+    or return at ``deadline`` without it."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+            continue
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return
