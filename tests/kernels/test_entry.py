@@ -7,7 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import numba
 import numpy as np
+from numba import njit
 
 from terrapipe.kernels import reduce as kreduce
 from terrapipe.kernels.entry import entry_point
@@ -71,6 +73,13 @@ def test_an_entry_point_runs_the_kernel_for_those_types():
     np.testing.assert_array_equal(out, a * b)
 
 
+@njit(cache=True)
+def _add(dst, src):
+    """A kernel of this test's own: no other test compiles it in this process first."""
+    for i in range(dst.shape[0]):
+        dst[i] += src[i]
+
+
 def test_a_compiler_that_never_finishes_is_waited_for_only_so_long(monkeypatch):
     # NOTE [one compiler per kernel] 4: a process stopped while it compiles (it holds the lock
     # and never lets go) must not hold the others forever: past the wait they compile.
@@ -80,24 +89,23 @@ def test_a_compiler_that_never_finishes_is_waited_for_only_so_long(monkeypatch):
 
     from terrapipe.kernels import entry
 
-    a = np.zeros(5, np.int32)  # a signature this process has not compiled
-    key = tuple(__import__("numba").typeof(x) for x in (a, a, a, 0, 0))
-    assert key not in kreduce.reduce_pair.overloads
-    path = entry._lock_path(kreduce.reduce_pair, key)
+    a = np.zeros(5, np.int16)
+    b = np.full(5, 3, np.int16)
+    key = (numba.typeof(a), numba.typeof(b))
+    assert key not in _add.overloads
+    path = entry._lock_path(_add, key)
     assert path is not None
     monkeypatch.setattr(entry, "_WAIT_SECONDS", 0.5)
     held = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
     fcntl.flock(held, fcntl.LOCK_EX)  # the stopped compiler
     got, began = [], time.monotonic()
     try:
-        t = threading.Thread(target=lambda: got.append(entry_point(kreduce.reduce_pair, (a, a, a, 0, 0))),
-                             daemon=True)
+        t = threading.Thread(target=lambda: got.append(entry_point(_add, (a, b))), daemon=True)
         t.start()
         t.join(120)
         assert got, "entry_point still waiting for a lock nobody will release"
     finally:
         os.close(held)
     assert time.monotonic() - began >= 0.5
-    b = np.full(5, 3, np.int32)
-    got[0](a, a, b, kreduce.SUM, 0)
+    got[0](a, b)
     np.testing.assert_array_equal(a, b)
