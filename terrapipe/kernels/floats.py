@@ -19,8 +19,6 @@ from numba.extending import intrinsic
 __all__ = [
     "F16",
     "BF16",
-    "f32_bits",
-    "bits_f32",
     "f16_to_f32",
     "f32_to_f16",
     "bf16_to_f32",
@@ -36,70 +34,16 @@ F16 = 1
 BF16 = 2
 
 
-@intrinsic
-def f32_bits(typingctx, x):
-    """Reinterpret a float32 as its uint32 bit pattern."""
-    if not isinstance(x, types.Float):
-        return None
-    sig = types.uint32(x)
-
-    def codegen(context, builder, signature, args):
-        val = context.cast(builder, args[0], signature.args[0], types.float32)
-        return builder.bitcast(val, ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def bits_f32(typingctx, u):
-    """Reinterpret a uint32 bit pattern as a float32."""
-    if not isinstance(u, types.Integer):
-        return None
-    sig = types.float32(u)
-
-    def codegen(context, builder, signature, args):
-        val = context.cast(builder, args[0], signature.args[0], types.uint32)
-        return builder.bitcast(val, ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def f16_to_f32(typingctx, h):
-    """IEEE half (as integer bits) -> float32, exact."""
-    if not isinstance(h, types.Integer):
-        return None
-    sig = types.float32(h)
-
-    def codegen(context, builder, signature, args):
-        bits = context.cast(builder, args[0], signature.args[0], types.uint16)
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def f32_to_f16(typingctx, x):
-    """float32 -> IEEE half bits (uint16), round to nearest even."""
-    if not isinstance(x, types.Float):
-        return None
-    sig = types.uint16(x)
-
-    def codegen(context, builder, signature, args):
-        val = context.cast(builder, args[0], signature.args[0], types.float32)
-        return builder.bitcast(builder.fptrunc(val, ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
-
-
 # NOTE [conversions as intrinsics]
-#     The conversions below emit their LLVM IR straight into the caller (``@intrinsic``), where
-#     they were compiled functions inlined by Numba (``inline="always"``). Numba inlines by
+#     The conversions below emit their LLVM IR straight into the caller (``@intrinsic``; the
+#     bfloat16 ones and to_f32 / from_f32 were compiled functions inlined by Numba,
+#     ``inline="always"``), each format's IR written once in a ``_*_ir`` helper. Numba inlines by
 #     copying the callee's IR into the caller and typing it again, once per call site, and a
 #     16-bit loop calls them several times in each of its format's and op's copies: a pair
 #     kernel's three loops took 7-9 s to compile that way and 2-3 s as intrinsics, with the same
 #     bits and the same speed per element (2-core Xeon, 64K elements). ``kind`` is a value at
-#     run time; where the caller passes a constant, LLVM folds the choice away.
+#     run time: where the caller passes a constant (typed as a literal) only that format's IR
+#     is emitted, else a select of both (:func:`_choose`).
 
 _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 
@@ -139,6 +83,32 @@ def _choose(context, builder, kind, kind_type, bf16, f16):
     is_bf16 = builder.icmp_signed("==", context.cast(builder, kind, kind_type, types.int64),
                                   ir.Constant(_I64, BF16))
     return builder.select(is_bf16, bf16(), f16())
+
+
+@intrinsic
+def f16_to_f32(typingctx, h):
+    """IEEE half (as integer bits) -> float32, exact."""
+    if not isinstance(h, types.Integer):
+        return None
+    sig = types.float32(h)
+
+    def codegen(context, builder, signature, args):
+        return _f16_to_f32_ir(builder, context.cast(builder, args[0], signature.args[0], types.uint16))
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_f16(typingctx, x):
+    """float32 -> IEEE half bits (uint16), round to nearest even."""
+    if not isinstance(x, types.Float):
+        return None
+    sig = types.uint16(x)
+
+    def codegen(context, builder, signature, args):
+        return _f32_to_f16_ir(builder, context.cast(builder, args[0], signature.args[0], types.float32))
+
+    return sig, codegen
 
 
 @intrinsic
