@@ -7,25 +7,37 @@ selection] in comm/select.py). Bandwidth-optimal: each rank sends and receives 2
 the buffer, whatever p.
 
 NOTE [ring schedule]
-    The buffer is cut into p segments (:func:`segments`). Reduce-scatter: at step s = 0 .. p-2, rank r
-    sends segment (r - s) mod p to rank r + 1 and receives segment (r - s - 1) mod p from r - 1,
-    combining it into its own copy; after p - 1 steps rank r holds the full result of segment
-    (r + 1) mod p. All-gather: at step s rank r sends segment (r + 1 - s) mod p and stores the
-    received segment (r - s) mod p. A segment travels in chunks; two receive buffers let chunk
-    k + 1 arrive while chunk k is reduced, and all sends of a step are posted at once (a step
-    only sends data final before it began). Messages between two ranks on one communicator and
-    tag arrive in order, so one tag serves every step; callers give the ring a communicator no
-    one else sends on.
-    A step's wait tests its request ``RING_POLLS`` times between yields of the core, not once
-    (MpiTransport.wait): a chunk of half a MiB moves only as this rank's own calls into MPI
-    push it (NOTE [MPI progress] 1), and a yield between every test left it waiting for the
-    core while the link was idle. 4 nodes x 1 over 10gbit, 2-core Xeon, ``comm.allreduce``
-    float32 sum, per-round medians of 7 (3) interleaved rounds, 2026-11-27, the speed-up over
-    one test a yield at 4 / 16 / 64 MiB: 8 tests 1.05 / 1.13 / 1.23x, 32 tests 1.12 / 1.08 /
-    1.24x, 128 tests 1.08 / 1.12 / 1.22x; at 4 MiB MPICH's allreduce took 9.75 ms, one test
-    a yield 10.83, 32 tests 9.35. Over 1gbit (16 MiB), where the link sets the pace, level
-    (1.01x at 32, 0.91x at 128). MPI's own blocking ``Wait`` was slower than any (51.5 ms at
-    16 MiB against 39.5 for a test and a yield from Python) and would not notice a dead peer.
+    1. The buffer is cut into p segments (:func:`segments`). Reduce-scatter: at step s = 0 ..
+       p-2, rank r sends segment (r - s) mod p to rank r + 1 and receives segment (r - s - 1)
+       mod p from r - 1, combining it into its own copy; after p - 1 steps rank r holds the full
+       result of segment (r + 1) mod p. All-gather: at step s rank r sends segment (r + 1 - s)
+       mod p and stores the received segment (r - s) mod p. Numbered as one run of 2(p - 1)
+       steps t, step t sends segment (r - t) mod p and receives (r - t - 1) mod p: what step t
+       receives is what step t + 1 sends. Messages between two ranks on one communicator and
+       tag arrive in order, so one tag serves every step; callers give the ring a communicator
+       no one else sends on.
+    2. A segment travels in chunks, and the steps are pipelined by chunk: chunk k of step t + 1
+       is sent as soon as chunk k of step t has arrived (and, reducing, been combined), not once
+       the whole of step t has. A rank's receives follow its left neighbour's sends in order,
+       one posted ahead of the one it waits for; two receive buffers let chunk k + 1 arrive
+       while chunk k is reduced. Waiting for a whole step first left the link idle for a chunk
+       at every one of the 2(p - 1) step boundaries, a chunk's transfer plus its reduction,
+       which at 4 nodes of one rank is 2(p - 1) chunks of each segment's few.
+    3. The all-gather receives in place, over a segment this rank sent during the
+       reduce-scatter (step t's segment was step t + 1 - p's): the receive is posted only after
+       that send completed. It has in practice (its bytes went around the ring before these
+       came back), but MPI lets a send read its buffer until the request says it is done.
+    4. A receive's wait tests its request ``RING_POLLS`` times between yields of the core, not
+       once (MpiTransport.wait): a chunk of half a MiB moves only as this rank's own calls into
+       MPI push it (NOTE [MPI progress] 1), and a yield between every test left it waiting for
+       the core while the link was idle. 4 nodes x 1 over 10gbit, 2-core Xeon,
+       ``comm.allreduce`` float32 sum, per-round medians of 7 (3) interleaved rounds,
+       2026-11-27, the speed-up over one test a yield at 4 / 16 / 64 MiB: 8 tests 1.05 / 1.13 /
+       1.23x, 32 tests 1.12 / 1.08 / 1.24x, 128 tests 1.08 / 1.12 / 1.22x; at 4 MiB MPICH's
+       allreduce took 9.75 ms, one test a yield 10.83, 32 tests 9.35. Over 1gbit (16 MiB),
+       where the link sets the pace, level (1.01x at 32, 0.91x at 128). MPI's own blocking
+       ``Wait`` was slower than any (51.5 ms at 16 MiB against 39.5 for a test and a yield from
+       Python) and would not notice a dead peer.
 
 NOTE [MPI progress]
     1. MPI promises only that of a matched send and receive *one* completes by itself (the
@@ -63,7 +75,7 @@ __all__ = ["RING_TAG", "DONE_TAG", "allreduce", "allreduce_array", "ring_allredu
 RING_TAG = 7201
 DONE_TAG = 7202
 _EMPTY = np.empty(0, np.uint8)  # the done message: no payload, only its arrival counts
-# Tests of a ring step's request between yields of the core (NOTE [ring schedule]).
+# Tests of a ring receive's request between yields of the core (NOTE [ring schedule] 4).
 RING_POLLS = 32
 
 
@@ -121,45 +133,53 @@ def ring_allreduce(comm, buf: np.ndarray, op: int, kind: int,
         scratch = np.empty(2 * chunk * buf.itemsize, np.uint8)
     half = chunk * buf.itemsize
     spare = [scratch[k * half:(k + 1) * half].view(buf.dtype)[:m] for k in range(2)]
-    for s in range(p - 1):
-        _step(comm, buf, parts[(r - s) % p], parts[(r - s - 1) % p], right, left, chunk, spare,
-              op, kind, wait, "reduce-scatter")
-    for s in range(p - 1):
-        _step(comm, buf, parts[(r + 1 - s) % p], parts[(r - s) % p], right, left, chunk, None,
-              op, kind, wait, "all-gather")
-    # NOTE [MPI progress] 2: every send of this rank has completed (each step waits for its own).
+    steps = 2 * (p - 1)  # NOTE [ring schedule] 1: step t sends segment (r - t) mod p
+
+    def chunks(t: int) -> list[tuple[int, int]]:  # the chunks of the segment step t sends
+        a, b = parts[(r - t) % p]
+        return [(c, min(c + chunk, b)) for c in range(a, b, chunk)]
+
+    # NOTE [ring schedule] 2: chunk k's send of step t + 1 goes as soon as its receive of step t
+    # is in; the receives in the order the left neighbour sends them.
+    recvs = [(t, k, a, b) for t in range(steps) for k, (a, b) in enumerate(chunks(t + 1))]
+    sends = {(0, k): comm.Isend(buf[a:b], right, RING_TAG) for k, (a, b) in enumerate(chunks(0))}
+
+    def post(i: int):
+        t, k, a, b = recvs[i]
+        if t < p - 1:  # reduce-scatter: into a spare buffer
+            dst = spare[i % 2][:b - a]
+        else:  # all-gather: into place, once the send that read it is done (NOTE [ring schedule] 3)
+            wait(sends.pop((t + 1 - p, k)), "ring allreduce (reduce-scatter) sending", right)
+            dst = buf[a:b]
+        return comm.Irecv(dst, left, RING_TAG), dst
+
+    def postable(i: int) -> bool:  # an all-gather receive's send issued (not yet, where segments are empty)
+        t, k = recvs[i][:2]
+        return t < p - 1 or (t + 1 - p, k) in sends
+
+    with timeline.span("comm", "ring allreduce"):
+        inflight = post(0)
+        for i, (t, k, a, b) in enumerate(recvs):
+            req, dst = inflight
+            wait(req, f"ring allreduce ({_PHASES[t >= p - 1]}) receiving", left)
+            ahead = i + 1 < len(recvs) and postable(i + 1)
+            if ahead:  # the next chunk arrives while this one is reduced
+                inflight = post(i + 1)
+            if t < p - 1:
+                if kind:
+                    kreduce.reduce_16(buf[a:b], dst, op, 0, b - a, kind)
+                else:
+                    kreduce.reduce_native(buf[a:b], dst, op, 0, b - a)
+            if t + 1 < steps:
+                sends[(t + 1, k)] = comm.Isend(buf[a:b], right, RING_TAG)
+            if not ahead and i + 1 < len(recvs):
+                inflight = post(i + 1)
+        for (t, _), req in sends.items():
+            wait(req, f"ring allreduce ({_PHASES[t >= p - 1]}) sending", right)
+    # NOTE [MPI progress] 2: every send of this rank has completed.
     done = comm.Irecv(_EMPTY, left, DONE_TAG)
     pending.append(comm.Isend(_EMPTY, right, DONE_TAG))
     wait(done, "ring allreduce (done)", left)
 
 
-def _step(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what) -> None:
-    with timeline.span("comm", f"ring {what} step"):
-        _step_body(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what)
-
-
-def _step_body(comm, buf, send, recv, right, left, chunk, spare, op, kind, wait, what) -> None:
-    sends = [comm.Isend(buf[a:min(a + chunk, send[1])], right, RING_TAG)
-             for a in range(send[0], send[1], chunk)]
-    starts = list(range(recv[0], recv[1], chunk))
-
-    def post(k):
-        a = starts[k]
-        b = min(a + chunk, recv[1])
-        # All-gather receives straight into place; reduce-scatter into a spare buffer.
-        dst = buf[a:b] if spare is None else spare[k % 2][:b - a]
-        return comm.Irecv(dst, left, RING_TAG), dst, a
-
-    inflight = post(0) if starts else None
-    for k in range(len(starts)):
-        req, dst, a = inflight
-        wait(req, f"ring allreduce ({what}) receiving", left)
-        inflight = post(k + 1) if k + 1 < len(starts) else None
-        if spare is not None:
-            m = dst.shape[0]
-            if kind:
-                kreduce.reduce_16(buf[a:a + m], dst, op, 0, m, kind)
-            else:
-                kreduce.reduce_native(buf[a:a + m], dst, op, 0, m)
-    for req in sends:
-        wait(req, f"ring allreduce ({what}) sending", right)
+_PHASES = ("reduce-scatter", "all-gather")

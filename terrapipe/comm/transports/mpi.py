@@ -223,7 +223,7 @@ class MpiTransport(OwnCollectives):
         # busy machine), a rank spinning on Test keeps its peer, whose progress it waits for,
         # off the core: a 4 KiB Iallreduce polled without yielding took 8.3 ms at 2x2 on two
         # cores, 0.22 ms yielding; on a core of its own a yield costs a system call. A ring
-        # step's transfer of half a MiB tests several times a yield (NOTE [ring schedule]).
+        # step's transfer of half a MiB tests several times a yield (NOTE [ring schedule] 4).
         self.on_waiting(True)
         try:
             wait_until(done, self.timeout,
