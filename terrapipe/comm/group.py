@@ -45,9 +45,8 @@ NOTE [machines over Gloo]
        and 16 MiB reached 91% of the links' bound (Gloo's own: 58-63%).
     8. Machines of one rank each (4 nodes x 1 under torchrun) have no segment to share: the
        group's ranks form one ring of TCP streams (``cross``, also the agreement's ``control``:
-       an allgather of the signatures around it); allreduces and reduces below 1 MiB run over it
-       whole (the ``tcp`` algorithm, NOTE [algorithm selection] 2), larger ones and the other
-       collectives are Gloo's own.
+       an allgather of the signatures around it); allreduces and reduces run over it whole (the
+       ``tcp`` algorithm, NOTE [algorithm selection] 2), the other collectives are Gloo's own.
 """
 
 from __future__ import annotations
@@ -196,7 +195,9 @@ class Group:
         # Every rank the same way: the overlapped allreduce and the inline one lay out the rows
         # differently (NOTE [overlap across nodes] 2). The condition before the vote is the same
         # on every rank (nodes, their rank counts), so one-node groups pay no start-up collective.
-        tiered = cross_mpi is not None and self.uniform and self.local_size > 1
+        # On nodes of one rank each the streams make one ring of the whole group, which carries
+        # large allreduces whole (NOTE [algorithm selection] 4 in comm/select.py).
+        tiered = cross_mpi is not None and self.uniform
         if tiered and mpi_comm.allreduce(int(_bulk_over_tcp()), op=MPI.MIN):
             from .transports.tcp import TcpTransport
 
@@ -643,8 +644,10 @@ class Group:
         alike is reduced in place with nothing copied in. Collective over the group, in issue
         order, with the same ``nbytes`` on every rank (CollectiveMismatchError otherwise). None
         where the group cannot use it (one rank, Gloo, TERRAPIPE_COMM_BACKEND=mpi, nodes of
-        unequal size) or when the node's /dev/shm cannot hold it. The caller owns the array;
-        :meth:`release_shared` returns it to private use."""
+        unequal size) or when the node's /dev/shm cannot hold it. On nodes of one rank each its
+        allreduces take private memory's paths (NOTE [algorithm selection] 6 in
+        comm/select.py). The caller owns the array; :meth:`release_shared` returns it to private
+        use."""
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"shared_array: nbytes must be >= 0, got {nbytes}")

@@ -27,11 +27,15 @@ NOTE [algorithm selection]
        hierarchical, the segment on each machine and each local rank's part allreduced between
        machines over a ring of TCP streams among nnodes ranks (NOTE [a ring over TCP] in
        comm/transports/tcp.py), where Gloo's own is a ring of every rank; with one per machine,
-       the whole message around one such ring (``tcp``) below ``TCP_WHOLE_BYTES`` (1 MiB),
-       Gloo's own from there (its pipeline beats our ring's by 5-7% at 4 nodes x 1 from 4 MiB;
-       every rank is a node, so no hierarchy to gain). At 2 nodes x 2 under torchrun, pinned
-       and interleaved (``python -m benchmarks.gloo_machines``): 1.5-10x Gloo's own through the
-       same group from 16 MiB down to 4 KiB over 1gbit links, 1.4-10x over 2.5gbit.
+       the whole message around one such ring (``tcp``): every rank is a node, so there is no
+       hierarchy to gain, but the ring's steps pipelined by chunk (NOTE [ring schedule] 2 in
+       comm/algorithms/ring.py) keep pace with Gloo's own or lead it. At 4 nodes x 1 under
+       torchrun (2-core Xeon, 2026-11-28), interleaved through the same group, per-round median
+       of Gloo's time over ours: over 10gbit 2.1x at 1 MiB, 1.08x at 4, 1.09x at 16, 1.02x at
+       64; over 1gbit 1.04x at 1 MiB and level from 4 (both at the links' bound). At 2 nodes x
+       2 under torchrun, pinned and interleaved (``python -m benchmarks.gloo_machines``):
+       1.5-10x Gloo's own through the same group from 16 MiB down to 4 KiB over 1gbit links,
+       1.4-10x over 2.5gbit.
     3. Under MPI, every collective is MPI's own, or our ring for allreduces from ``ring_bytes``,
        when MPI is forced (``TERRAPIPE_COMM_BACKEND=mpi``) or nodes differ in rank count.
     4. Across nodes: an allreduce of at most ``oneshot_nodes.limit`` bytes is the one-shot
@@ -48,9 +52,13 @@ NOTE [algorithm selection]
        1.3-1.6x the segment's way from 4 to 64 MiB; level over 1 and 2.5gbit, where the link
        does, with a quarter to a third less CPU: allreduce_cluster_2x2_*_2026-11-27_{4,5,6}.json),
        except on nodes of one rank each, where the segment only adds two
-       copies: there they take the ring over the whole group from ``ring_bytes``, MPI's own
+       copies: there they take a ring over the whole group from ``ring_bytes``, MPI's own
        below (at 4 nodes x 1 over 1gbit, 16 MiB: the segment's way 56% of the links' bound, the
-       ring alone about 95%); the other collectives are MPI's own.
+       ring alone about 95%): the ring of the group's ``bulk`` TCP streams where it has them
+       (``tcp``), else our ring over MPI. Interleaved at 4 nodes x 1 (2-core Xeon, 2026-11-28),
+       the TCP ring against the ring over MPI: over 10gbit, where the cores set the pace, level
+       at 4 MiB, 1.28x at 8 MiB and 1.2-1.3x at 16 and 64 MiB; over 1gbit level (both at about
+       93% of the links' bound). The other collectives are MPI's own.
     5. On one node, an allreduce of at most ``oneshot.limit`` bytes is the one-shot: one
        barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
        (2 MiB messages at 2 ranks, 1 MiB at 4: ``oneshot.ONESHOT_READ_BYTES``), where it beats
@@ -58,7 +66,10 @@ NOTE [algorithm selection]
     6. An allreduce in place on a piece of a shared array (``Group.shared_array``; NOTE
        [shared arrays] in comm/algorithms/shared.py) takes the shared algorithm from
        ``shared.SHARED_MIN_BYTES`` (512 KiB), before the one-shot, sync (the latency path
-       declines it) or async alike.
+       declines it) or async alike; except on nodes of one rank each, where no peer shares the
+       row: there it is private memory in effect and takes 4's whole-group paths (at 4 nodes
+       x 1 over 10gbit the shared path's chunked crossings took 1.2-2x a private bucket's time
+       from 1 to 16 MiB: allreduce_cluster_4x1_10gbit_2026-11-27_{4,5,6}.json).
     7. On one node (across nodes: 4), an allreduce of private host memory from
        ``single_copy.MIN_BYTES`` (2 MiB) goes single-copy where the kernel lets the node's
        ranks read each other's memory (NOTE [single-copy allreduce] in
@@ -167,8 +178,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
         r.coll == "allreduce" and _one_node_shm(g, r) and r.nbytes <= oneshot.limit(g.shm))),
     Algorithm("segment", 8, lambda g, r: (
         g.shm is not None and (g.nnodes == 1 or (r.coll in _REDUCING and g.uniform)) and r.coll in _ALL)),
-    Algorithm("tcp", 10, lambda g, r: (  # NOTE [machines over Gloo] 8 in comm/group.py
-        r.coll in _REDUCING and g.cross is not None and g.cross.name == "tcp" and g.shm is None)),
+    Algorithm("tcp", 10, lambda g, r: r.coll in _REDUCING and _whole_ring(g) is not None),
     Algorithm("oneshot_nodes", 9, lambda g, r: (  # its exchange between nodes is the shm's, over MPI
         r.coll == "allreduce" and g.shm is not None and g.shm.cross is not None and g.uniform
         and r.nbytes <= oneshot_nodes.limit(g.shm))),
@@ -176,6 +186,17 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
         r.coll == "allreduce" and r.staged and not r.compressed and _one_node_shm(g, r))),
 )}
 _BY_CODE = {a.code: a.name for a in ALGORITHMS.values()}
+
+
+def _whole_ring(g):
+    """The TCP ring of the whole group, or None: a Gloo group's machines of one rank each (NOTE
+    [machines over Gloo] 8 in comm/group.py), or an MPI group's ``bulk`` streams on nodes of one
+    rank each (NOTE [algorithm selection] 4)."""
+    if g.cross is not None and g.cross.name == "tcp" and g.shm is None:
+        return g.cross
+    if g.bulk is not None and g.bulk.name == "tcp" and g.local_size == 1 and g.nnodes == g.size > 1:
+        return g.bulk
+    return None
 
 
 def _nccl():
@@ -198,20 +219,13 @@ class Candidate:
     pick: Callable
 
 
-# Machines of one rank each: allreduces below this go around our TCP ring, larger ones are
-# Gloo's own (NOTE [algorithm selection] 2). At 4 nodes x 1 over 1gbit (Xeon, 2026-11-27,
-# ddp_machines_4x1_1gbit_2026-11-27.json): ours 4.8x Gloo at 4 KiB, 1.26x at 256 KiB, level at
-# 1 MiB, 0.93-0.95x from 4 MiB, where Gloo's C++ ring keeps its pipeline fuller than ours.
-TCP_WHOLE_BYTES = 1 << 20
-
-
 def _machines_over_gloo(g, r: Request) -> str | None:  # 2
     fits = g.gloo is not None and g.cross is not None and r.coll in _REDUCING and not g.force_mpi
     if not fits:
         return None
     if g.shm is not None:
         return _large_private(g, r) or "segment"
-    return "tcp" if r.nbytes < TCP_WHOLE_BYTES else "gloo"
+    return "tcp"  # machines of one rank each: one ring of them all
 
 
 def _under_torchrun(g, r: Request) -> str | None:  # 2
@@ -224,7 +238,7 @@ def _flat_over_mpi(g, r: Request) -> str | None:  # 3
 
 def _in_shared_array(g, r: Request) -> str | None:  # 6
     fits = r.shared is not None and r.coll == "allreduce" and r.nbytes >= shared.SHARED_MIN_BYTES
-    return "shared" if fits and not g.force_mpi else None
+    return "shared" if fits and not g.force_mpi and g.local_size > 1 else None
 
 
 def _large_private(g, r: Request) -> str | None:  # 7
@@ -247,7 +261,10 @@ def _staged_on_one_node(g, r: Request) -> str | None:  # 1
 
 def _one_rank_per_node(g, r: Request) -> str | None:  # 4
     fits = r.coll in _REDUCING and g.mpi is not None and g.nnodes > 1 and g.local_size == 1
-    return _ring_or_mpi(g, r) if fits and not (r.staged or g.force_shm) else None
+    if not fits or r.staged or g.force_shm:
+        return None
+    name = _ring_or_mpi(g, r)
+    return "tcp" if name == "ring" and _whole_ring(g) is not None else name
 
 
 def _large_on_free_cores(g, r: Request) -> str | None:  # 8
@@ -447,7 +464,7 @@ def _run_allreduce(g, name: str, fs: Fused, fd: Fused, op: int, dtype, kind: int
     elif name == "ring":
         ring.allreduce(g.mpi, fs, fd, op, dtype, kind, ckind, root, gate)
     elif name == "tcp":
-        native.allreduce(g.cross, fs, fd, op, dtype, kind, ckind, root, gate)
+        native.allreduce(_whole_ring(g), fs, fd, op, dtype, kind, ckind, root, gate)
     else:
         native.allreduce(g.mpi if name == "mpi" else g.gloo, fs, fd, op, dtype, kind, ckind, root, gate)
 

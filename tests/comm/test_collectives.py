@@ -284,23 +284,32 @@ def test_emulated_two_nodes_of_two(mpi_comm):
     pytest.param("float64", "avg", 8, marks=pytest.mark.full),
     pytest.param("int32", "max", 4, marks=pytest.mark.full)])
 def test_emulated_nodes_of_one_rank_each(mpi_comm, dtype, op, size):
-    # Nodes of one rank: small allreduces the one-shot across nodes, then MPI's own, then the
-    # ring over the whole group (the hierarchical segment would only add two copies there).
+    # Nodes of one rank: small allreduces the one-shot across nodes, then MPI's own, then a
+    # ring over the whole group (the hierarchical segment would only add two copies there): the
+    # group's TCP streams, or with TERRAPIPE_BULK_TRANSPORT=mpi our ring over MPI (NOTE
+    # [algorithm selection] 4).
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"
-    g = comm.init(timeout=60)
-    assert (g.nnodes, g.local_size) == (2, 1)
+    world = comm.init(timeout=60)
+    os.environ["TERRAPIPE_BULK_TRANSPORT"] = "mpi"
+    try:
+        over_mpi = comm.Group(mpi_comm.Dup(), 60.0, node_size=1)
+    finally:
+        del os.environ["TERRAPIPE_BULK_TRANSPORT"]
     r, p = comm.rank(), comm.size()
-    log = g.record_algorithms()
-    limit, ring_from = oneshot_nodes.limit(g.shm), g.mpi.ring_bytes
-    for nbytes, want in ((limit, "oneshot_nodes"), (limit + size, "mpi"), (ring_from, "ring"),
-                         (12_000_004, "ring")):
-        n = nbytes // size
-        x = _data(r, n, dtype, seed=7)
-        del log[:]
-        comm.allreduce(x, op)
-        assert [a for _, a, _ in log] == [want], (n, dtype, log)
-        np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=7),
-                                   rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
+    for g, ring_name in ((world, "tcp"), (over_mpi, "ring")):
+        assert (g.nnodes, g.local_size) == (2, 1)
+        log = g.record_algorithms()
+        limit, ring_from = oneshot_nodes.limit(g.shm), g.mpi.ring_bytes
+        for nbytes, want in ((limit, "oneshot_nodes"), (limit + size, "mpi"), (ring_from, ring_name),
+                             (12_000_004, ring_name)):
+            n = nbytes // size
+            x = _data(r, n, dtype, seed=7)
+            del log[:]
+            comm.allreduce(x, op, group=g)
+            assert [a for _, a, _ in log] == [want], (n, dtype, log)
+            np.testing.assert_allclose(_np(x), _reference(p, n, dtype, op, seed=7),
+                                       rtol=_tol(dtype, op, p), atol=_tol(dtype, op, p))
+    over_mpi.close()
 
 
 @pytest.mark.mpi(ranks=(2, 4), timeout=120, one_node=True, ci_ranks=(2,))
@@ -639,7 +648,7 @@ def test_missing_rank_over_mpi_times_out_naming_it(mpi_comm):
 
 @pytest.mark.mpi(ranks=(2,), timeout=120)
 def test_a_ring_step_polled_between_yields_still_times_out_naming_its_peer(mpi_comm):
-    # NOTE [ring schedule]: a ring step's wait tests its request RING_POLLS times a yield; the
+    # NOTE [ring schedule] 4: a ring receive's wait tests its request RING_POLLS times a yield; the
     # wait must still end at the timeout, naming the rank it waits for, when that rank never
     # comes (rank 1 skips the ring; rank 0 waits on its first chunk from it).
     os.environ["TERRAPIPE_NODE_SIZE"] = "1"

@@ -109,15 +109,21 @@ def test_mismatches_raise_everywhere_and_a_full_dev_shm_gives_none(world, monkey
     r = world.rank
     n = MIB
     region = world.shared_array(8 * n)
-    # Shared memory on one rank, private on the other: a mismatch naming both, not a hang.
     x = region[:4 * n].view(np.float32) if r == 0 else np.zeros(n, np.float32)
-    with pytest.raises(CollectiveMismatchError) as e:
-        comm.allreduce(x, "sum")
-    assert "shared array" in str(e.value) and "private memory" in str(e.value), str(e.value)
-    # Different pieces of the rows: a mismatch too, naming the offsets.
     y = region[4 * r:4 * r + 4 * n].view(np.float32)
-    with pytest.raises(CollectiveMismatchError, match="at byte 0.*at byte 4"):
-        comm.allreduce(y, "sum")
+    if world.local_size > 1:
+        # Shared memory on one rank, private on the other: a mismatch naming both, not a hang.
+        with pytest.raises(CollectiveMismatchError) as e:
+            comm.allreduce(x, "sum")
+        assert "shared array" in str(e.value) and "private memory" in str(e.value), str(e.value)
+        # Different pieces of the rows: a mismatch too, naming the offsets.
+        with pytest.raises(CollectiveMismatchError, match="at byte 0.*at byte 4"):
+            comm.allreduce(y, "sum")
+    else:  # nodes of one rank (--mpi-cluster 2x1): shared arrays take private memory's paths
+        for v in (x, y):
+            v[:] = r + 1
+            comm.allreduce(v, "sum")
+            assert v[0] == v[-1] == 3
     z = region[:4 * n].view(np.float32)  # the group is still usable
     z[:] = 1
     comm.allreduce(z, "sum")
@@ -144,3 +150,39 @@ def test_mismatches_raise_everywhere_and_a_full_dev_shm_gives_none(world, monkey
 
 def test_one_process_has_no_shared_array():
     assert comm.Group(None).shared_array(MIB) is None
+
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120, one_node=True)
+def test_nodes_of_one_rank_reduce_shared_buckets_as_private_memory(mpi_comm):
+    # A node's only rank has no one to share its row with: the in-place path would only add
+    # chunked crossings (4 nodes x 1 over 10gbit: 1.2-2x a private bucket's time from 1 to 16
+    # MiB), so shared arrays take private memory's whole-group paths there (NOTE [algorithm
+    # selection] 6 in comm/select.py), and DistributedGradients' buckets with them.
+    from terrapipe.engine.gradients import DistributedGradients
+
+    g = comm.Group(mpi_comm.Dup(), 60.0, node_size=1)
+    assert (g.nnodes, g.local_size) == (2, 1)
+    log = g.record_algorithms()
+    region = g.shared_array(8 * MIB)
+    for n in (256 * KIB, MIB, 2 * MIB - 1):  # across SHARED_MIN_BYTES, the one-shot's limit, the ring
+        x = region[:4 * n].view(np.float32)
+        x[:] = np.arange(n) % 7 + g.rank
+        del log[:]
+        comm.allreduce(x, "sum", group=g)
+        np.testing.assert_array_equal(x, (np.arange(n) % 7) * 2 + 1)
+        assert [a for _, a, _ in log] != ["shared"], (n, log)
+    g.release_shared(region)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 1024)
+    grads = DistributedGradients(model, group=g, bucket_mb=1.0)
+    assert grads.shared
+    del log[:]
+    x = torch.full((4, 512), float(g.rank + 1))
+    model(x).sum().backward()
+    grads.synchronize()
+    # d(sum)/dW = the batch's sum of x: rank r's is 4(r + 1), averaged over 2 ranks: 6
+    torch.testing.assert_close(model.weight.grad, torch.full((1024, 512), 6.0))
+    assert log and all(a != "shared" for _, a, _ in log), log
+    grads.remove()
+    g.close()

@@ -70,13 +70,17 @@ def test_training_trace_has_loader_comm_and_engine_rows_on_every_rank(mpi_comm):
             assert {"read", "kernel"} <= per_sample and per_sample & {"decode region", "decode"}
             # comm: each bucket's allreduce on the comm thread, with its phases, issue to completion
             on_comm = {e["name"] for e in mine if e["tid"] in comm_threads and e["ph"] == "X"}
-            # small buckets take the one-shot on one node (across nodes: the leaders' exchange);
+            # small buckets take the one-shot (across nodes: the one-shot across nodes);
             # the 3 MiB one agrees, then is reduced in place in the node-shared array the buckets
-            # live in, in one pass (NOTE [shared arrays] 3 in comm/algorithms/shared.py)
+            # live in, in one pass (NOTE [shared arrays] 3 in comm/algorithms/shared.py), where
+            # the node has several ranks
             small = ("one-shot (agreement + reduce)" if comm.world().nnodes == 1
-                     else "allreduce across nodes")
+                     else "one-shot across nodes (agreement + reduce)")
             assert {"jit_allreduce", small, "agreement"} <= on_comm, on_comm
-            assert {"reduce (shared)", "wait for peers"} <= on_comm, on_comm
+            if comm.world().local_size > 1:
+                assert {"reduce (shared)", "wait for peers"} <= on_comm, on_comm
+            else:  # nodes of one rank: a ring of the whole group (NOTE [algorithm selection] 6)
+                assert "ring allreduce" in on_comm, on_comm
             begins = sorted(e["id"] for e in mine if e["ph"] == "b")
             assert begins and begins == sorted(e["id"] for e in mine if e["ph"] == "e")
             # engine

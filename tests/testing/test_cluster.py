@@ -278,10 +278,10 @@ def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp
         (r, f"node{r // per_node}", [r % per_node, per_node], nodes, True, tiers) for r in range(4)], \
         p.stderr[-3000:]
     # 2x2: private arrays from 2 MiB single-copy on each machine (NOTE [single-copy allreduce] 7);
-    # 4x1: the ring below 1 MiB, Gloo's own from there (NOTE [algorithm selection] 2)
+    # 4x1: every reduction around the ring of the four (NOTE [algorithm selection] 2)
     paths = ([["allreduce", "segment"], ["allreduce", "single_copy"], ["broadcast", "gloo"],
               ["reduce", "segment"]] if per_node > 1
-             else [["allreduce", "gloo"], ["allreduce", "tcp"], ["broadcast", "gloo"], ["reduce", "tcp"]])
+             else [["allreduce", "tcp"], ["broadcast", "gloo"], ["reduce", "tcp"]])
     assert all(d["paths"] == paths for d in reports), reports
     # [size, nnodes, local_size, joined by rings] of the whole world, q % 2 and q // 2
     splits = ([[4, 2, 2, True], [2, 2, 1, True], [2, 1, 2, False]] if per_node > 1
