@@ -12,7 +12,8 @@ from terrapipe.comm.transports.board import Board
 from terrapipe.kernels import oneshot
 
 
-@pytest.mark.mpi(ranks=(2,), timeout=120)
+# the one-shot of one node (across nodes the one-shot across nodes runs instead)
+@pytest.mark.mpi(ranks=(2,), timeout=120, one_node=True)
 def test_a_rank_that_waited_compiles_nothing_after_the_meeting(mpi_comm, monkeypatch):
     # Regression: in the one-shot allreduce only the rank that arrived early and waited runs
     # oneshot.finish, which was compiled at its first call, after the meeting: on a cold cache
