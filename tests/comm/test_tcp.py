@@ -255,3 +255,40 @@ def test_a_wait_on_the_far_peer_marks_this_rank_waiting_while_it_lasts(mpi_comm)
     if mpi_comm.Get_rank() == 0:
         assert marks[:1] == [True] and marks[-1] is False, marks
     t.close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_receive_wakes_once_its_bytes_are_there_not_at_every_piece(mpi_comm):
+    # NOTE [a ring over TCP] 7: rank 1 sends a 1 MiB transfer in 16 pieces 5 ms apart; rank 0,
+    # waiting for all of it, sleeps in select until the rest has arrived (waking at every piece
+    # it took 16 selects and more), then gets the bytes whole; a peer closing mid-transfer still
+    # wakes it at once.
+    t = TcpTransport(mpi_comm, timeout=60, members=[0, 1], hosts=["node0", "node1"])
+    ring = t.ring_comm
+    piece = 64 << 10
+    data = np.arange(16 * piece, dtype=np.uint8)
+    if mpi_comm.Get_rank() == 1:
+        mpi_comm.Barrier()
+        for k in range(16):
+            t.wait(ring.Isend(data[k * piece:(k + 1) * piece], 0), "sending", 0)
+            time.sleep(0.005)
+        t.wait(ring.Isend(data[:piece], 0), "sending", 0)  # a quarter of the next transfer,
+        time.sleep(0.3)
+        t.close()  # then it dies
+        mpi_comm.Barrier()
+        return
+    selects = []
+    select = ring._sel.select
+    ring._sel.select = lambda timeout=None: selects.append(timeout) or select(timeout)
+    got = np.zeros_like(data)
+    req = ring.Irecv(got, 1)
+    mpi_comm.Barrier()
+    t.wait(req, "receiving", 1)
+    np.testing.assert_array_equal(got, data)
+    assert len(selects) <= 4, f"{len(selects)} wakes for one transfer"
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="rank 1 on node1"):
+        t.wait(ring.Irecv(np.zeros(4 * piece, np.uint8), 1), "receiving", 1)
+    assert time.monotonic() - start < 5, "a stream closed mid-transfer is waited out"
+    mpi_comm.Barrier()
+    t.close()
