@@ -260,8 +260,8 @@ def test_a_wait_on_the_far_peer_marks_this_rank_waiting_while_it_lasts(mpi_comm)
 @pytest.mark.mpi(ranks=(2,), timeout=120)
 def test_a_receive_wakes_once_its_bytes_are_there_not_at_every_piece(mpi_comm):
     # NOTE [a ring over TCP] 7: rank 1 sends a 1 MiB transfer in 16 pieces 5 ms apart; rank 0,
-    # waiting for all of it, sleeps in select until the rest has arrived (waking at every piece
-    # it took 16 selects and more), then gets the bytes whole; a peer closing mid-transfer still
+    # waiting for all of it, sleeps in select until 256 KiB more have arrived (waking at every
+    # piece it took 16 selects), then gets the bytes whole; a peer closing mid-transfer still
     # wakes it at once.
     t = TcpTransport(mpi_comm, timeout=60, members=[0, 1], hosts=["node0", "node1"])
     ring = t.ring_comm
@@ -285,7 +285,7 @@ def test_a_receive_wakes_once_its_bytes_are_there_not_at_every_piece(mpi_comm):
     mpi_comm.Barrier()
     t.wait(req, "receiving", 1)
     np.testing.assert_array_equal(got, data)
-    assert len(selects) <= 4, f"{len(selects)} wakes for one transfer"
+    assert len(selects) <= 6, f"{len(selects)} wakes for one transfer"
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="rank 1 on node1"):
         t.wait(ring.Irecv(np.zeros(4 * piece, np.uint8), 1), "receiving", 1)

@@ -35,15 +35,15 @@ NOTE [a ring over TCP]
        ping-pong over these streams took 28 us, this ring's allreduce of 4 KiB 25 us, and Gloo's
        between the same two ranks 1.9 ms; at 256 KiB 2.19 ms both ways, Gloo's 3.26 (NOTE
        [machines over Gloo] 7 in comm/group.py has what that made of a whole allreduce).
-    7. A wait for a receive asks the kernel to wake it only once the rest of the awaited
-       transfer has arrived, up to a chunk (``SO_RCVLOWAT``; the kernel caps it at half the
-       receive buffer, and a stream the peer closed wakes it at once), not at every segment
-       of it that lands. The ring reduces a chunk only once the whole of it is there, so
-       nothing is lost by sleeping until then, and each wake costs a few tens of
-       microseconds of Python. At 4 nodes x 1 over 1gbit (Intel Xeon, 2 cores, 2026-11-28), a
-       16 MiB allreduce took 37 ms of CPU per rank waking on every arrival, 24.5 with 256 KiB
-       gathered a wake and 19 with a whole chunk, the same wall time (211-214 ms, the links'
-       bound); Gloo's own took 19.5 in the run of ``allreduce_cluster_4x1_1gbit_2026-11-28.json``.
+    7. A wait for a receive asks the kernel to wake it only once 256 KiB more of the awaited
+       transfer (or the rest of it) has arrived (``SO_RCVLOWAT``; the kernel caps it at half
+       the receive buffer, and a stream the peer closed wakes it at once), not at every
+       segment that lands: each wake costs a few tens of microseconds of Python. At 4 nodes x
+       1 over 1gbit (Intel Xeon, 2 cores, 2026-11-28), a 16 MiB allreduce took 37 ms of CPU
+       per rank waking at every arrival and 24.5 with 256 KiB a wake, at the same wall time
+       (211-214 ms, the links' bound). A whole chunk (1 MiB) a wake took 19 ms of CPU but
+       2-5% more wall time at 4 and 8 MiB, where a segment is one chunk: the copy out of the
+       kernel then waits for the chunk's last byte instead of following its arrival.
        Where the kernel does not cap it (before Linux 4.19) a receive larger than the buffer
        would wake only at the wait's nap (``_NAP_S``): slow, never stuck.
 """
@@ -74,8 +74,8 @@ __all__ = ["TcpTransport", "TcpRing"]
 
 _NAP_S = 0.05  # the longest one select() sleeps before the wait's failure check runs again
 # The most bytes a wait for a receive asks the kernel to gather before it wakes (SO_RCVLOWAT,
-# NOTE [a ring over TCP] 7): the ring's chunk.
-_LOWAT_BYTES = 1 << 20
+# NOTE [a ring over TCP] 7): a quarter of the ring's chunk.
+_LOWAT_BYTES = 256 << 10
 
 
 class _Closed(Exception):
