@@ -236,9 +236,15 @@ def _flat_over_mpi(g, r: Request) -> str | None:  # 3
     return _ring_or_mpi(g, r) if g.mpi is not None and (g.force_mpi or not g.uniform) else None
 
 
+def _shared_may_take(g, nbytes: int) -> bool:  # 6
+    """Whether an allreduce of ``nbytes`` in place on a shared array goes by the shared
+    algorithm (the latency path declines those, comm/select.py ``allreduce_small``)."""
+    return nbytes >= shared.SHARED_MIN_BYTES and g.local_size > 1 and not g.force_mpi
+
+
 def _in_shared_array(g, r: Request) -> str | None:  # 6
-    fits = r.shared is not None and r.coll == "allreduce" and r.nbytes >= shared.SHARED_MIN_BYTES
-    return "shared" if fits and not g.force_mpi and g.local_size > 1 else None
+    fits = r.shared is not None and r.coll == "allreduce" and _shared_may_take(g, r.nbytes)
+    return "shared" if fits else None
 
 
 def _large_private(g, r: Request) -> str | None:  # 7
@@ -538,7 +544,7 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
     executor = g.executor
     if not plan or executor.pending or not x.flags.c_contiguous:
         return False
-    if not ckind and x.nbytes >= shared.SHARED_MIN_BYTES and g.shm.locate(x) is not None:
+    if not ckind and _shared_may_take(g, x.nbytes) and g.shm.locate(x) is not None:
         return False  # the shared algorithm's, sync or async alike (NOTE [algorithm selection] 6)
     call, as16, request, algorithm = plan
     flat = x if x.ndim == 1 else x.reshape(-1)
@@ -567,7 +573,7 @@ def small_lane(g, x: np.ndarray, op: int):
     comm/algorithms/oneshot_nodes.py), so this is what the smallest allreduces pay per call."""
     key = (x.dtype, x.shape, op, "allreduce", 0, g.pinned.get("allreduce") if g.pinned else None)
     plan = g.small_plans.get(key)
-    if not plan or plan[1] or x.nbytes >= shared.SHARED_MIN_BYTES or not x.flags.writeable:
+    if not plan or plan[1] or _shared_may_take(g, x.nbytes) or not x.flags.writeable:
         return None
     call = plan[0]
     how, run, executor = call.in_place(x.reshape(-1)), call.run, g.executor

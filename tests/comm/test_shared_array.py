@@ -186,3 +186,30 @@ def test_nodes_of_one_rank_reduce_shared_buckets_as_private_memory(mpi_comm):
     assert log and all(a != "shared" for _, a, _ in log), log
     grads.remove()
     g.close()
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True)
+def test_nodes_of_one_rank_take_shared_pieces_by_the_latency_path(mpi_comm, monkeypatch):
+    # Sync allreduces of a shared piece the shared algorithm would not take go by the latency
+    # path, as private memory does, not the general path's hand-off to the group's thread (at 4
+    # nodes x 1 over 10gbit a 1 MiB gradient bucket took 3.1-3.3 ms that way, a private one
+    # 2.1-2.4: allreduce_cluster_4x1_10gbit_2026-11-28_3.json). Four nodes: the one-shot across
+    # nodes takes up to 2 MiB there (two take only 64 KiB, below SHARED_MIN_BYTES).
+    from terrapipe.comm import select
+
+    g = comm.Group(mpi_comm.Dup(), 60.0, node_size=1)
+    assert (g.nnodes, g.local_size) == (4, 1)
+    region = g.shared_array(4 * MIB)
+    general = []
+    views = select.allreduce_views
+    monkeypatch.setattr(select, "allreduce_views", lambda *a, **k: general.append(1) or views(*a, **k))
+    x = region[:MIB].view(np.float32)  # 1 MiB
+    for k in range(3):
+        x[:] = k + g.rank
+        comm.allreduce(x, "sum", group=g)
+        comm.jit_allreduce(torch.from_numpy(x), "sum", group=g)
+        assert x[0] == x[-1] == 4 * (4 * k + 6), k
+    assert general == [], f"{len(general)} calls took the general path"
+    monkeypatch.undo()
+    g.release_shared(region)
+    g.close()
