@@ -4,7 +4,7 @@
     python -m benchmarks.allreduce --cluster 2x2 --link 1gbit [--max-mib 64]   # as root
 
 Launches ``mpiexec -n N`` itself. Every rank runs, per message size (float32, 4 KiB ..
-``--max-mib``), interleaved, each round starting with the next case, each operand refilled
+``--max-mib``), interleaved, each round in its own order, each operand refilled
 (through NumPy) right before its sample: ``comm.jit_allreduce`` of a gradient bucket (a torch
 tensor in the node-shared array DistributedGradients allocates its buckets in, reduced in place:
 NOTE [shared arrays] in comm/algorithms/shared.py), of a private bucket (NumPy's memory, 2 MiB pages: the
@@ -57,6 +57,7 @@ from .common import (
     link_bits_per_second,
     rank_sweep_args,
     report_from_rank0,
+    round_order,
     run_ranks,
     save,
     sweep_plot,
@@ -193,9 +194,9 @@ def _worker(max_mib: int, rounds: int, algorithms: bool = False, cluster: bool =
             fn()  # warm-up (compilation, connections, page faults)
         names = list(fns)
         for k in range(rounds):
-            # Each round starts with another case: none always follows the same neighbour (Gloo's
-            # threads winding down, MPICH's own state) or always goes first.
-            for name in names[k % len(names):] + names[:k % len(names)]:
+            # No case always follows the same neighbour (Gloo's threads winding down, MPICH's own
+            # state) or always goes first: each round in its own order (common.round_order).
+            for name in round_order(names, k):
                 fn = fns[name]
                 # Through NumPy for tensors too: torch's fill_ runs on its OpenMP threads, which go
                 # on spinning on a core beside whatever is timed next.

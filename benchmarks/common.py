@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -239,11 +240,24 @@ def run_under_torchrun(module: str, nodes: int, per_node: int, link: str, worker
         return json.loads(out.read_text())
 
 
+def round_order(cases, k: int) -> list:
+    """The order of round ``k`` of interleaved ``cases``: a permutation drawn from ``k`` alone, so
+    the same on every rank and every run. A rotation (round k starting with case k) left every
+    case behind the same neighbour in every round but the one it started: with a dozen cases,
+    ``jit_allreduce`` of benchmarks.allreduce always ran right after Gloo's groups, whose
+    threads were still winding down (1 MiB at 4 nodes x 1: 3.8 ms, a private bucket 2.8, and
+    equal in a probe without Gloo). Here each case follows each other one about as often, and
+    goes first about once in len(cases) rounds."""
+    order = list(cases)
+    random.Random(k).shuffle(order)
+    return order
+
+
 def interleave_ranks(step: Callable[[str], None], cases: tuple[str, ...], rounds: int, steps: int,
                      mpi, around: Callable[[str], object] | None = None) -> dict[str, list[float]]:
     """Seconds per ``step(case)`` across the ranks of ``mpi``: each round runs ``steps`` of every
-    case in turn (round k starting with case k mod n), all ranks starting together; a sample is
-    the slowest rank's mean.
+    case in turn (in :func:`round_order`), all ranks starting together; a sample is the slowest
+    rank's mean.
     ``around(case)``: a context manager entered before each case's steps and left after them,
     outside the timed region (set-up and tear-down of a case)."""
     import contextlib
@@ -252,9 +266,9 @@ def interleave_ranks(step: Callable[[str], None], cases: tuple[str, ...], rounds
 
     samples: dict[str, list[float]] = {c: [] for c in cases}
     for k in range(rounds):
-        # Each round starts with the next case: none always follows the same neighbour (another
-        # case's threads winding down, DDP's Gloo among them) or always goes first.
-        for c in cases[k % len(cases):] + cases[:k % len(cases)]:
+        # No case always follows the same neighbour (another case's threads winding down, DDP's
+        # Gloo among them) or always goes first.
+        for c in round_order(cases, k):
             with around(c) if around is not None else contextlib.nullcontext():
                 mpi.Barrier()
                 start = time.perf_counter()

@@ -6,7 +6,7 @@ Gloo's own, through the same group, and torch.distributed's all_reduce alone.
 Starts an emulated cluster (``terrapipe.testing.cluster``) and one torchrun per node. Every
 rank's ``comm.init`` makes a group over Gloo that keeps each machine's shared memory (NOTE
 [machines over Gloo] in terrapipe/comm/group.py). Per message size (float32, 4 KiB .. 16 MiB),
-interleaved, each round starting with the next case: ``comm.allreduce`` pinned to the
+interleaved, each round in its own order (``common.round_order``): ``comm.allreduce`` pinned to the
 hierarchical segment (what it selects there), pinned to Gloo's own allreduce (what the group did
 before it had shared memory: both pay the group's signature agreement over Gloo), and
 ``torch.distributed.all_reduce`` on the default group (Gloo's, no agreement). A sample is the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import format_table, link_bits_per_second, run_under_torchrun, save
+from .common import format_table, link_bits_per_second, round_order, run_under_torchrun, save
 
 CASES = ("segment", "gloo (same group)", "dist.all_reduce")
 
@@ -57,7 +57,7 @@ def _worker(out: str, rounds: int, max_mib: int) -> None:
                 comm.allreduce(a, "sum")
 
         for k in range(rounds + 1):  # round 0 warms up (connections, compilation, page faults)
-            for case in CASES[k % len(CASES):] + CASES[:k % len(CASES)]:
+            for case in round_order(CASES, k):
                 g.use_algorithm("allreduce", {"segment": "segment", "gloo (same group)": "gloo"}.get(case))
                 a.fill(1.0)
                 comm.barrier()

@@ -5,8 +5,8 @@ and Gloo, side by side.
     python -m benchmarks.link_latency --link 1gbit [--nodes 2] [--rounds 7]   # as root
 
 Starts ``--nodes`` emulated nodes of one rank each (``terrapipe.testing.cluster``) under
-torchrun. Per size (4 KiB .. 1 MiB of float32), interleaved, each round starting with the next
-case:
+torchrun. Per size (4 KiB .. 1 MiB of float32), interleaved, each round in its own order
+(``common.round_order``):
 
 - ``ping-pong`` (2 nodes only): a round trip of the message over one of the ring's TCP streams
   (rank 0 sends, rank 1 sends it back): the link's floor for an exchange.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import format_table, run_under_torchrun, save
+from .common import format_table, round_order, run_under_torchrun, save
 
 CASES = ("ping-pong", "tcp as selected", "tcp allgather", "tcp ring", "gloo allreduce")
 
@@ -70,7 +70,7 @@ def _worker(out: str, rounds: int) -> None:
                 ring.allreduce_array(a, kreduce.SUM, 0, "allreduce")
 
         for k in range(rounds + 1):  # round 0 warms up
-            for case in cases[k % len(cases):] + cases[:k % len(cases)]:
+            for case in round_order(cases, k):
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(reps):
