@@ -29,10 +29,11 @@ NOTE [algorithm selection]
        comm/transports/tcp.py), where Gloo's own is a ring of every rank; with one per machine,
        the whole message around one such ring (``tcp``): every rank is a node, so there is no
        hierarchy to gain, but the ring's steps pipelined by chunk (NOTE [ring schedule] 2 in
-       comm/algorithms/ring.py) keep pace with Gloo's own or lead it. At 4 nodes x 1 under
-       torchrun (2-core Xeon, 2026-11-28), interleaved through the same group, per-round median
-       of Gloo's time over ours: over 10gbit 2.1x at 1 MiB, 1.08x at 4, 1.09x at 16, 1.02x at
-       64; over 1gbit 1.04x at 1 MiB and level from 4 (both at the links' bound). At 2 nodes x
+       comm/algorithms/ring.py) keep pace with Gloo's own. At 4 nodes x 1 under torchrun
+       (2-core Xeon, 2026-11-28, ``python -m benchmarks.ddp_machines``), Gloo's time over ours:
+       over 1gbit 3.4x at 4 KiB, 1.43x at 256 KiB, 0.99-1.02x from 1 MiB (the links' bound);
+       over 10gbit 1.35x at 1 MiB, 0.94x at 4, 1.06x at 16
+       (``ddp_machines_4x1_{1,10}gbit_2026-11-28_2.json``). At 2 nodes x
        2 under torchrun, pinned and interleaved (``python -m benchmarks.gloo_machines``):
        1.5-10x Gloo's own through the same group from 16 MiB down to 4 KiB over 1gbit links,
        1.4-10x over 2.5gbit.
@@ -55,10 +56,12 @@ NOTE [algorithm selection]
        copies: there they take a ring over the whole group from ``ring_bytes``, MPI's own
        below (at 4 nodes x 1 over 1gbit, 16 MiB: the segment's way 56% of the links' bound, the
        ring alone about 95%): the ring of the group's ``bulk`` TCP streams where it has them
-       (``tcp``), else our ring over MPI. Interleaved at 4 nodes x 1 (2-core Xeon, 2026-11-28),
-       the TCP ring against the ring over MPI: over 10gbit, where the cores set the pace, level
-       at 4 MiB, 1.28x at 8 MiB and 1.2-1.3x at 16 and 64 MiB; over 1gbit level (both at about
-       93% of the links' bound). The other collectives are MPI's own.
+       (``tcp``), else our ring over MPI. Interleaved at 4 nodes x 1 (2-core Xeon, 2026-11-28,
+       ``allreduce_cluster_4x1_10gbit_2026-11-28{,_2,_3,_4,_5}.json``), the TCP ring against
+       the ring over MPI: over 10gbit, where the cores set the pace, level at 4 MiB,
+       1.19-1.45x at 16 MiB and 1.23-1.37x at 64 MiB in each of five runs; over 1gbit level
+       (both at 92-95% of the links' bound), with a fifth of the CPU (16 MiB: 21 ms a rank
+       against 106). The other collectives are MPI's own.
     5. On one node, an allreduce of at most ``oneshot.limit`` bytes is the one-shot: one
        barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
        (2 MiB messages at 2 ranks, 1 MiB at 4: ``oneshot.ONESHOT_READ_BYTES``), where it beats
