@@ -70,9 +70,10 @@ NOTE [algorithm selection]
        [shared arrays] in comm/algorithms/shared.py) takes the shared algorithm from
        ``shared.SHARED_MIN_BYTES`` (512 KiB), before the one-shot, sync (the latency path
        declines it) or async alike; except on nodes of one rank each, where no peer shares the
-       row: there it is private memory in effect and takes 4's whole-group paths (at 4 nodes
-       x 1 over 10gbit the shared path's chunked crossings took 1.2-2x a private bucket's time
-       from 1 to 16 MiB: allreduce_cluster_4x1_10gbit_2026-11-27_{4,5,6}.json).
+       row: there it is private memory in effect and takes 4's whole-group paths, the latency
+       path included (at 4 nodes x 1 over 10gbit the shared path's chunked crossings took
+       1.1-2.7x a private bucket's time from 1 to 16 MiB:
+       allreduce_cluster_4x1_10gbit_2026-11-27_{4,5,6}.json).
     7. On one node (across nodes: 4), an allreduce of private host memory from
        ``single_copy.MIN_BYTES`` (2 MiB) goes single-copy where the kernel lets the node's
        ranks read each other's memory (NOTE [single-copy allreduce] in

@@ -156,7 +156,7 @@ def test_one_process_has_no_shared_array():
 @pytest.mark.mpi(ranks=(2,), timeout=120, one_node=True)
 def test_nodes_of_one_rank_reduce_shared_buckets_as_private_memory(mpi_comm):
     # A node's only rank has no one to share its row with: the in-place path would only add
-    # chunked crossings (4 nodes x 1 over 10gbit: 1.2-2x a private bucket's time from 1 to 16
+    # chunked crossings (4 nodes x 1 over 10gbit: 1.1-2.7x a private bucket's time from 1 to 16
     # MiB), so shared arrays take private memory's whole-group paths there (NOTE [algorithm
     # selection] 6 in comm/select.py), and DistributedGradients' buckets with them.
     from terrapipe.engine.gradients import DistributedGradients

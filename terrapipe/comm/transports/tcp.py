@@ -46,6 +46,12 @@ NOTE [a ring over TCP]
        kernel then waits for the chunk's last byte instead of following its arrival.
        Where the kernel does not cap it (before Linux 4.19) a receive larger than the buffer
        would wake only at the wait's nap (``_NAP_S``): slow, never stuck.
+
+Why one module: the two streams (:class:`TcpRing`: requests, progress, the wake threshold) and
+the transport over them (:class:`TcpTransport`: waits with their timeout and blame, the
+collectives, the background thread, abort and close) are one state machine on the same two
+sockets; NOTE [a ring over TCP]'s clauses cite both, and split, a reader would follow every
+wait across two files.
 """
 
 from __future__ import annotations
