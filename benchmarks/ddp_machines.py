@@ -14,7 +14,9 @@ each round starting with the next backend:
   user's script and DDP's reducer call); a sample is the slowest rank's time per call.
 - A DDP training step (forward, backward with its bucketed allreduces, SGD) of an MLP whose
   gradients are ``--model-mib`` MiB, on each backend, and the same step under ``no_sync()``
-  (no communication: the floor). A sample is the slowest rank's mean step time.
+  (no communication: the floor); these three in each round's own order (``common.round_order``:
+  rotating three, the floor always ran right after Gloo's step). A sample is the slowest
+  rank's mean step time.
 
 Reported: medians, the median per-round ratio gloo / terrapipe, and for the allreduces each
 backend's share of the link's bound (a ring between nodes sends and receives 2(N-1)/N of the
@@ -31,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import format_table, link_bits_per_second, run_under_torchrun, save
+from .common import format_table, link_bits_per_second, round_order, run_under_torchrun, save
 
 BACKENDS = ("terrapipe", "gloo")
 
@@ -96,7 +98,7 @@ def _worker(out: str, rounds: int, max_mib: int, model_mib: int, steps: int) -> 
 
     cases = (*BACKENDS, "no_sync")
     for k in range(rounds + 1):
-        for case in cases[k % 3:] + cases[:k % 3]:
+        for case in round_order(cases, k):  # no_sync not always right after Gloo
             dist.barrier(group=groups["gloo"])
             start = time.perf_counter()
             for _ in range(steps):
