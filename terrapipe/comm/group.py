@@ -197,8 +197,8 @@ class Group:
         # on every rank (nodes, their rank counts), so one-node groups pay no start-up collective.
         # On nodes of one rank each the streams make one ring of the whole group, which carries
         # large allreduces whole (NOTE [algorithm selection] 4 in comm/select.py).
-        tiered = cross_mpi is not None and self.uniform
-        if tiered and mpi_comm.allreduce(int(_bulk_over_tcp()), op=MPI.MIN):
+        across_nodes = cross_mpi is not None and self.uniform
+        if across_nodes and mpi_comm.allreduce(int(_bulk_over_tcp()), op=MPI.MIN):
             from .transports.tcp import TcpTransport
 
             try:
