@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from numba import njit
 
-from terrapipe.kernels.rng import fill_uniform, philox4x64, randint, random_u64, uniform
+from terrapipe.kernels.rng import _mulhilo, fill_uniform, philox4x64, randint, random_u64, uniform
 
 U64 = st.integers(0, 2**64 - 1)
 
@@ -63,3 +63,15 @@ def test_randint_range_and_coverage(low, span):
     _randints(11, 4000, low, low + span, out)
     assert out.min() >= low and out.max() < low + span
     assert len(np.unique(out)) == span  # 4000 draws hit every value of a small range
+
+
+@njit
+def _mulhilo_of(a, b):
+    return _mulhilo(a, b)
+
+
+@given(a=U64, b=U64)
+def test_mulhilo_is_the_128_bit_product(a, b):
+    # The intrinsic behind every Philox round: its halves against Python's exact integers.
+    hi, lo = _mulhilo_of(np.uint64(a), np.uint64(b))
+    assert (int(hi) << 64) | int(lo) == a * b
