@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import llvmlite.ir as ir
 
-__all__ = ["c64", "for_range", "splat", "at", "transpose", "transpose_words"]
+__all__ = ["c64", "for_range", "splat", "at", "lanes_at", "transpose", "transpose_words"]
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 
@@ -54,6 +54,15 @@ def splat(b: ir.IRBuilder, value: ir.Value, lanes: int) -> ir.Value:
 def at(b: ir.IRBuilder, base: ir.Value, byte_offset: ir.Value, ty: ir.Type) -> ir.Value:
     """Pointer to a ``ty`` at ``base + byte_offset``."""
     return b.bitcast(b.gep(base, [byte_offset]), ty.as_pointer())
+
+
+def lanes_at(b: ir.IRBuilder, base: ir.Value, indices: ir.Value) -> ir.Value:
+    """``<R x T*>``: ``&base[indices[k]]`` in lane k, for a ``T*`` base and ``<R x iN>`` indices:
+    one ``getelementptr`` of the splat base by the vector index, the form in which x86's backend
+    sees a uniform base and narrow indices and emits ``vpgatherdd`` (the same pointers made by
+    integer adds reach it as 64-bit addresses: two ``vpgatherqd`` per 16 lanes)."""
+    return b.gep(splat(b, base, indices.type.count), [indices], inbounds=True,
+                 source_etype=base.type.pointee)
 
 
 def transpose(b: ir.IRBuilder, rows: list[ir.Value]) -> list[ir.Value]:

@@ -227,6 +227,15 @@ def test_the_16_bit_passes_multiply_16_bit_lanes(cpu, lanes, reg):
     assert re.search(rf"vpmulhuw\s+%{reg}", asm)
 
 
+@pytest.mark.parametrize("cpu", ["skylake-avx512", "icelake-server", "znver4"])
+def test_the_float32_lut_is_gathered_by_32_bit_indices(cpu):
+    """NOTE [a kernel generated ...] 7: one vpgatherdd per output row of 16 levels. The same
+    pointers built by integer adds compiled to two 64-bit-index vpgatherqd per row (none of
+    these) with the index arithmetic in 64-bit lanes."""
+    asm = resample_ir.assembly(cpu, 16, narrow=True)
+    assert re.search(r"vpgatherdd\s+\(%\w+,%zmm\d+,4\), %zmm", asm)
+
+
 def test_this_cpu_runs_at_its_own_width():
     lanes = resample_ir.vector_lanes()
     regs = _vector_registers(resample_ir.assembly())
