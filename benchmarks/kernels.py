@@ -244,6 +244,14 @@ def run(mib: int = 256, rounds: int = 7, photos: Path | None = None, samples: in
     print("Per-call kernels (500x375 RGB source, 224x224 output; photo: per real photograph, "
           "one RandomResizedCrop box each):")
     print(format_table(["kernel", "us median", "us min", "us max", "calls/s"], img_rows))
+    # The CPU the generated kernels were compiled for: this one's, or Numba's target where
+    # NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set one (resample_ir.target), e.g. AVX2 code timed on
+    # an AVX-512 machine.
+    from numba.core import config as numba_config
+
+    target = {"cpu": resample_ir.target()[0],
+              "features": "this machine's" if numba_config.CPU_FEATURES is None else
+              f"NUMBA_CPU_FEATURES={numba_config.CPU_FEATURES}"}
     if photo_info:
         med = {r["case"]: r["median"] for r in records if r["unit"] == "s/call"}
         chain = "photo: crop+resize+flip+normalize->CHW f32 "
@@ -253,12 +261,14 @@ def run(mib: int = 256, rounds: int = 7, photos: Path | None = None, samples: in
         print(f"\nper sample, ours / Pillow: chain {photo_info['chain_ours_over_pillow']:.2f}, "
               f"resampling alone {photo_info['resize_ours_over_pillow']:.2f} (below 1: ours is faster); "
               f"vector lanes: {resample_ir.vector_lanes()} x int32, "
-              f"{'16-bit' if resample_ir.narrow_default() else 'exact 32-bit'} arithmetic")
+              f"{'16-bit' if resample_ir.narrow_default() else 'exact 32-bit'} arithmetic, "
+              f"compiled for {target['cpu']}"
+              f"{'' if numba_config.CPU_FEATURES is None else ' (features: NUMBA_CPU_FEATURES)'}")
     import PIL
 
     # Pillow-SIMD installs under Pillow's name: its version ("...post..") tells the two apart.
     return {"mib": mib, "rounds": rounds, "copy_gbs": copy_bw, "vector_lanes": resample_ir.vector_lanes(),
-            "narrow_arithmetic": resample_ir.narrow_default(),
+            "narrow_arithmetic": resample_ir.narrow_default(), "kernel_target": target,
             "image_library": f"Pillow {PIL.__version__}", **photo_info, "records": records}
 
 

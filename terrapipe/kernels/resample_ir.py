@@ -29,8 +29,8 @@ NOTE [a kernel generated for the machine at hand]
    The loops over output pixels and taps stay runtime loops.
 5. Ownership: every pointer is the caller's; the kernel writes only ``block`` (scratch) and
    ``out``, and keeps nothing between calls.
-6. The 16-bit arithmetic (``narrow``), the default with AVX-512BW and with AVX2 but on AMD's
-   AVX2-only cores (:func:`narrow_default`). On Intel cores an int32 multiply (``vpmulld``) is
+6. The 16-bit arithmetic (``narrow``), the default with AVX2 and with AVX-512BW
+   (:func:`narrow_default`). On Intel cores an int32 multiply (``vpmulld``) is
    two micro-ops on one port, so clause 2's vertical pass ran 8 products a cycle at best;
    ``vpmulhuw`` is one micro-op for 16 (ymm) or 32 (zmm).
    - Weights are Q15 (:func:`narrow_weights`: rounded, then settled
@@ -48,10 +48,13 @@ NOTE [a kernel generated for the machine at hand]
      one more vector ending at the span's end, over columns already done.
    - The horizontal pass reads channels in pairs: channel c + 1's R rows follow channel c's.
    - Measured on an Intel Xeon (AVX-512), per photograph: 16 lanes 1.5x and 8 lanes 1.4x
-     faster than the exact arithmetic at the same width. On AMD's Zen 1-3 the exact arithmetic
-     stays the default: there an int32 multiply is cheap, an earlier 16-bit attempt (pairs of
-     rows through ``vpmaddwd``) lost, and this one is not yet measured; ``python -m
-     benchmarks.kernels --photos DIR`` times both arithmetics on the machine at hand.
+     faster than the exact arithmetic at the same width. On AMD, where an int32 multiply is
+     cheap (and an earlier 16-bit attempt, pairs of rows through ``vpmaddwd``, had lost on a
+     Zen 3), it still wins: on a Zen 4 (``python -m benchmarks.kernels --photos DIR``, both
+     arithmetics interleaved, 200 photographs) 130 against 145 us at 16 lanes, and with AVX2
+     code (8 lanes, compiled for ``znver3`` through ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``:
+     :func:`target`) 134 against 180 us. Zen 1-3 kept the exact arithmetic until then; a Zen 3
+     itself is not measured. The benchmark times both arithmetics on the machine at hand.
      ``narrow=True`` or ``False`` runs at any width.
 7. With the 16-bit passes, a lut of 4-byte entries (float32 normalization) is applied after the
    byte transpose of clause 3's identity path: each output row's R levels index the channel's
@@ -64,6 +67,17 @@ NOTE [a kernel generated for the machine at hand]
    arithmetic in 64-bit lanes (found on a Zen 4 under LLVM 22, where the lut's cost was
    60-80 us a sample; the best of 31 interleaved rounds there went from 234 to 222 us, 270 to
    249 with the flip, the medians within the machine's noise).
+8. The vertical pass reads its block's 16-30 source rows side by side, a few bytes of each per
+   step, and a source that is not in cache (a photograph decoded a while ago, a set larger than
+   the caches) comes in as that many streams at once, which the hardware prefetchers follow
+   poorly: on a Zen 4, 200 photographs, the pass took ~100 us of a sample's ~130 against ~17 us
+   with the same work on 4 photographs (warm). So each step whose columns begin a 64-byte line
+   prefetches, for every source row of the block, the line :data:`PREFETCH_BYTES` ahead: one
+   ``prefetcht0`` a row and line, all rows' misses in flight together. Interleaved on the Zen 4
+   (21 rounds, ours / Pillow-SIMD per round): 16 lanes 0.95 -> 0.77; AVX2 code (8 lanes, a
+   ``znver3`` target) 1.21 -> 1.04 exact, 1.16 -> 0.91 in 16 bits. 128 bytes ahead beat 64, 192,
+   256, 384, 512 and 1024; on 4 photographs it costs nothing (0.743 / 0.739). A prefetch past the
+   row's end reads nothing and faults nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +88,7 @@ import threading
 import llvmlite.binding as llvm
 import llvmlite.ir as ir
 from numba import njit, types
+from numba.core import config as numba_config
 from numba.extending import intrinsic
 
 from .llvm_ir import at as _at
@@ -85,8 +100,12 @@ from .llvm_ir import transpose as _transpose
 from .llvm_ir import transpose_words as _transpose_words
 from .object_cache import ObjectCache
 
-__all__ = ["N_PARAMS", "vector_lanes", "narrow_default", "narrow_weights", "kernel", "emit", "assembly",
-           "call_kernel"]
+__all__ = ["N_PARAMS", "target", "vector_lanes", "narrow_default", "narrow_weights", "kernel", "emit",
+           "assembly", "call_kernel"]
+
+# How far ahead of the columns at hand the vertical pass prefetches its source rows (NOTE
+# [...] 8).
+PREFETCH_BYTES = 128
 
 # The narrow arithmetic's fixed point (NOTE [...] 6): Q15 weights, 7 fractional bits after the
 # vertical pass, 6 after the horizontal (the exact one's are image's, NOTE [...] 2).
@@ -103,11 +122,22 @@ _ARGS = ("params", "src", "ybounds", "yweights", "xbounds", "xweights", "block",
 _FNTY = ir.FunctionType(ir.VoidType(), [_P8] * len(_ARGS))
 
 
+def target() -> tuple[str, str]:
+    """(LLVM CPU name, feature string) the kernels are compiled for: Numba's own target, so
+    ``NUMBA_CPU_NAME`` and ``NUMBA_CPU_FEATURES`` (read by ``numba.config``, with Numba's
+    meaning: the features default to this machine's, or to none for ``generic``) move these
+    kernels and Numba's together, e.g. to one cache that a cluster's oldest CPU can run, or to
+    time AVX2 code on an AVX-512 machine; else this machine's CPU and features."""
+    cpu = numba_config.CPU_NAME or llvm.get_host_cpu_name()
+    features = numba_config.CPU_FEATURES
+    return cpu, llvm.get_host_cpu_features().flatten() if features is None else features
+
+
 def vector_lanes(features: str | None = None) -> int:
     """int32 lanes of the widest vector registers that ``features`` (LLVM's ``+avx2,...``
-    string; default: this CPU's) offer: 16 with AVX-512 (F and BW), 8 with AVX2, else 4."""
+    string; default: :func:`target`'s) offer: 16 with AVX-512 (F and BW), 8 with AVX2, else 4."""
     if features is None:
-        return _host_lanes()
+        return _target_lanes()
     have = {f[1:] for f in features.split(",") if f.startswith("+")}
     if {"avx512f", "avx512bw"} <= have:
         return 16
@@ -116,18 +146,13 @@ def vector_lanes(features: str | None = None) -> int:
     return 4
 
 
-def narrow_default(features: str | None = None, cpu: str | None = None) -> bool:
-    """Whether a CPU (LLVM's ``features`` string and ``cpu`` name; default: this one's)
-    resamples in 16-bit arithmetic by default (NOTE [...] 6): with AVX-512BW, and with AVX2
-    but on AMD's AVX2-only cores (``znver1``-``znver3``), where the exact arithmetic is kept."""
+def narrow_default(features: str | None = None) -> bool:
+    """Whether a CPU (LLVM's ``features`` string; default: :func:`target`'s) resamples in 16-bit
+    arithmetic by default (NOTE [...] 6): with AVX2 or AVX-512BW, Intel's cores and AMD's alike."""
     if features is None:
-        features = llvm.get_host_cpu_features().flatten()
-    if cpu is None:
-        cpu = llvm.get_host_cpu_name()
+        features = target()[1]
     have = {f[1:] for f in features.split(",") if f.startswith("+")}
-    if {"avx512f", "avx512bw"} <= have:
-        return True
-    return "avx2" in have and cpu not in ("znver1", "znver2", "znver3")
+    return "avx2" in have or {"avx512f", "avx512bw"} <= have
 
 
 @njit(nogil=True, cache=True)
@@ -161,8 +186,8 @@ def narrow_weights(bounds, weights, bits):
 
 
 @functools.cache
-def _host_lanes() -> int:
-    return vector_lanes(llvm.get_host_cpu_features().flatten())
+def _target_lanes() -> int:
+    return vector_lanes(target()[1])
 
 
 def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift: int,
@@ -245,6 +270,8 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
             vptr, _I32, ir.VectorType(ir.IntType(1), R), ir.VectorType(_I32, R)]),
             f"llvm.masked.gather.v{R}i32.v{R}p0")
     reverse = ir.Constant(ir.VectorType(_I32, R), list(range(R - 1, -1, -1)))
+    prefetch = ir.Function(module, ir.FunctionType(ir.VoidType(), [_P8, _I32, _I32, _I32]),
+                           "llvm.prefetch.p0")
 
     with _for(b, _c64(0), out_h, R) as o0:
         left = b.sub(out_h, o0)
@@ -281,9 +308,22 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
             slot = b.add(b.mul(t, _c64(R)), _c64(r))
             return b.load(b.gep(toff, [slot])), b.load(b.gep(tw, [slot]))
 
+        # NOTE [...] 8: the block's source rows, PREFETCH_BYTES ahead of the columns at hand.
+        first_row = ymins[0]
+        end_row = b.add(ymins[R - 1], K)
+        end_row = b.select(b.icmp_signed(">", end_row, src_h), src_h, end_row)
+
+        def prefetch_ahead(j, step):  # once per 64-byte line of the columns [j, j + step)
+            with b.if_then(b.icmp_signed("<", b.and_(j, _c64(63)), _c64(step))):
+                ahead = b.add(b.add(j0, j), _c64(PREFETCH_BYTES))
+                with _for(b, first_row, end_row) as y:
+                    b.call(prefetch, [b.gep(src, [b.add(b.mul(y, src_row), ahead)]),
+                                      ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+
         def vertical_exact():
             # Vertical pass, R columns at a time: R row vectors, transposed into R column vectors.
             with _for(b, _c64(0), span_full, R) as j:
+                prefetch_ahead(j, R)
                 for acc in vaccs:
                     b.store(vround, acc)
                 with _for(b, _c64(0), K) as t:
@@ -319,6 +359,7 @@ def emit(lanes: int, stride: int, channels: int, esize: int, vshift: int, hshift
             hi_half = ir.Constant(ir.VectorType(_I32, R), list(range(R, R2)))
 
             def step(j):  # source columns [j, j + 2R) of the block's R rows, into the block
+                prefetch_ahead(j, R2)
                 for acc, init in zip(vaccs2, inits, strict=True):
                     b.store(init, acc)
                 with _for(b, _c64(0), K) as t:
@@ -526,11 +567,11 @@ def _shifts() -> tuple[int, int]:
 
 def kernel(stride: int, channels: int, esize: int, lanes: int | None = None,
            identity: bool = False, narrow: bool = False) -> int:
-    """Address of this CPU's compiled kernel for (source bytes per pixel, output channels,
-    output element size, whether the lut is uint8's identity, 16-bit arithmetic) at ``lanes`` (default
-    :func:`vector_lanes`; any power of two runs on any CPU, LLVM splitting what is wider than
-    its registers), compiled on first use
-    (NOTE [a kernel generated ...] 4) or loaded from the object cache. Thread-safe."""
+    """Address of the kernel compiled for :func:`target`'s CPU, for (source bytes per pixel,
+    output channels, output element size, whether the lut is uint8's identity, 16-bit
+    arithmetic) at ``lanes`` (default :func:`vector_lanes`; any power of two runs on any CPU,
+    LLVM splitting what is wider than its registers), compiled on first use (NOTE [a kernel
+    generated ...] 4) or loaded from the object cache. Thread-safe."""
     lanes = vector_lanes() if lanes is None else lanes
     key = (stride, channels, esize, lanes, identity, narrow)
     address = _compiled.get(key)
@@ -540,7 +581,7 @@ def kernel(stride: int, channels: int, esize: int, lanes: int | None = None,
         if key not in _compiled:
             name = (f"tp_resample_r{lanes}_s{stride}_c{channels}_e{esize}{'_id' if identity else ''}"
                     f"{'_n16' if narrow else ''}")
-            cpu, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten()
+            cpu, features = target()
             tm = _target_machine(cpu, features, True)
             text = emit(lanes, stride, channels, esize, *_shifts(), name, identity, narrow)
             cache = ObjectCache(text, cpu, features)
@@ -564,7 +605,7 @@ def assembly(cpu: str | None = None, lanes: int | None = None, stride: int = 4,
     and its lanes) at ``lanes`` int32 lanes: to check the vector width a machine would run at,
     from any machine (NOTE [a kernel generated ...] 1)."""
     if cpu is None:
-        tm = _target_machine(llvm.get_host_cpu_name(), llvm.get_host_cpu_features().flatten(), False)
+        tm = _target_machine(*target(), False)
         lanes = vector_lanes() if lanes is None else lanes
     else:
         if lanes is None:
