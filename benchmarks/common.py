@@ -143,12 +143,19 @@ def gpu() -> dict[str, object] | None:
             "cuda": torch.version.cuda}
 
 
+# Variables that change what a run measures, named in its command when set: Numba's target CPU
+# (which the generated kernels follow too, kernels/resample_ir.target) and the JPEG path.
+_MEASURED_ENV = ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "TERRAPIPE_JPEG")
+
+
 def command() -> str:
-    """The command line that reproduces this run (``python -m benchmarks.<name> ...``)."""
+    """The command line that reproduces this run (``python -m benchmarks.<name> ...``), led by
+    the variables of ``_MEASURED_ENV`` that are set."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
-    return shlex.join(head + sys.argv[1:])
+    env = [f"{k}={os.environ[k]}" for k in _MEASURED_ENV if k in os.environ]
+    return " ".join(env + [shlex.join(head + sys.argv[1:])])
 
 
 def save(name: str, payload: dict, plot: Callable[[], object] | None = None) -> list[Path]:
