@@ -144,8 +144,8 @@ def gpu() -> dict[str, object] | None:
 
 
 # Variables that change what a run measures, named in its command when set: Numba's target CPU
-# (which the generated kernels follow too, kernels/resample_ir.target) and the JPEG path.
-_MEASURED_ENV = ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "TERRAPIPE_JPEG")
+# (which the generated kernels follow too, kernels/resample_ir.target) and the loader's paths.
+_MEASURED_ENV = ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "TERRAPIPE_JPEG", "TERRAPIPE_COMPILED_FILL")
 
 
 def command() -> str:

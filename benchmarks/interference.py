@@ -13,6 +13,9 @@ The cases alternate in every round:
 
 * alone: the step, with no loader;
 * threaded: ``FastLoader(workers="thread")``, one batch taken before each step;
+* per-sample: the same, with each sample read, decoded and resampled from Python, as before
+  a chunk of files went through one compiled call (``TERRAPIPE_COMPILED_FILL=0`` while it is
+  made; NOTE [one compiled call per chunk] in terrapipe/pipeline/compiled_fill.py);
 * isolated: ``FastLoader(workers="process")``: the same pool in a worker process;
 * dataloader: ``torch.utils.data.DataLoader(num_workers=N, persistent_workers=True)`` with the
   torchvision-equivalent transforms;
@@ -26,6 +29,7 @@ trainer's way"): isolated <= 1.25x at >= 0.85 of the threaded loader's img/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -40,7 +44,7 @@ from .common import endless_epochs, format_table, save
 from .data import make_image_folder
 from .loader import DEFAULT_DATA, MEAN, STD, _photo_folder, _TorchDataset, _torchvision_transform
 
-LOADERS = ("threaded", "isolated", "dataloader")
+LOADERS = ("threaded", "per-sample", "isolated", "dataloader")
 
 
 def _lower_priority(_worker_id: int) -> None:
@@ -99,6 +103,20 @@ def _sample(batches, step, steps: int, batch: int) -> tuple[float, float]:
     return (statistics.median(times) if times else float("nan")), batch * steps / wall
 
 
+@contextlib.contextmanager
+def _setting(name: str, value: str):
+    """``name=value`` in the environment while a case's loader is made (settings are read then)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def run(args) -> dict:
     torch.set_num_threads(1)  # the step's ops are tiny: no intra-op pool spinning on the loader's cores
     data = _photo_folder(args.photos) if args.photos else args.data
@@ -108,8 +126,11 @@ def run(args) -> dict:
     transforms = [RandomResizedCrop(224), RandomHorizontalFlip(), Normalize(MEAN, STD)]
     kw = dict(batch_size=args.batch, shuffle=True, num_threads=args.threads, yield_cpu=True)
     transform, baseline_kind = _torchvision_transform()
+    with _setting("TERRAPIPE_COMPILED_FILL", "0"):
+        per_sample = FastLoader(ds, transforms, workers="thread", **kw)
     loaders = {
         "threaded": FastLoader(ds, transforms, workers="thread", **kw),
+        "per-sample": per_sample,
         "isolated": FastLoader(ds, transforms, workers="process", **kw),
         "dataloader": torch.utils.data.DataLoader(
             _TorchDataset(ds.samples, transform), batch_size=args.batch, shuffle=True,

@@ -142,6 +142,15 @@ class _Subset:
     def describe(self, i: int) -> str:
         return self.ds.describe(self.order[i])
 
+    def file_table(self):
+        # The files at ``order``: FastLoader reads them a chunk per compiled call, as it does
+        # an ImageFolder's (NOTE [one compiled call per chunk] in pipeline/compiled_fill.py).
+        table = self.ds.file_table()
+        if table is None:
+            return None
+        paths, labels = table
+        return [paths[i] for i in self.order], [labels[i] for i in self.order]
+
 
 def _shards_of(data: Path, picked: list[tuple[str, int]], n_shards: int = 16) -> list[str]:
     """``picked`` packed into ``n_shards`` tar shards (cached: rebuilt only if the list changes)."""

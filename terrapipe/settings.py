@@ -128,6 +128,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_JPEG", "choice", "turbo",
             "`pillow`: decode every JPEG with Pillow instead of the libjpeg-turbo region decoder",
             "pipeline", ("turbo", "pillow")),
+    Setting("TERRAPIPE_COMPILED_FILL", "flag", True,
+            "`0`: loader threads read, decode and resample sample by sample in Python, not a chunk "
+            "of files in one compiled call (to compare, or to rule it out)", "pipeline"),
     Setting("TERRAPIPE_CACHE", "path", "",
             "Folder for terrapipe's caches (tar shard indexes); default `$XDG_CACHE_HOME/terrapipe`",
             "pipeline"),

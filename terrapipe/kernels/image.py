@@ -41,6 +41,7 @@ __all__ = [
     "region_taps",
     "resize_crop_bilinear",
     "resize_crop_bilinear_region",
+    "resize_region_at",
     "hflip",
     "hwc_to_chw",
     "normalize_lut",
@@ -204,7 +205,7 @@ def resize_crop_bilinear_region(
     identity = lut.dtype == np.uint8 and _is_identity(lut, channels)
     narrow = bool(params[resample_ir.P_NARROW])
     address = resample_ir.kernel(src.shape[2], channels, out.itemsize, lanes, identity, narrow)
-    _resize_region(address, lanes, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block,
+    resize_region_at(address, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block,
                    xbounds, xweights, ybounds, yweights, params)
 
 
@@ -252,11 +253,16 @@ def _pixels_contiguous(src: np.ndarray) -> bool:
 
 
 @njit(nogil=True, cache=True)
-def _resize_region(
-    address, lanes, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block, xbounds, xweights,
+def resize_region_at(
+    address, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block, xbounds, xweights,
     ybounds, yweights, params
 ):
-    # The filter's taps (Numba), then the two passes at the CPU's vector width (resample_ir).
+    """:func:`resize_crop_bilinear_region`'s work without its checks, for compiled callers that
+    made them once (a batch's rows filled in one call): the filter's taps, then the two passes
+    of the kernel at ``address`` (``resample_ir.kernel`` for this source's bytes per pixel, the
+    output's channels and element size, the lut's identity and ``params``' lanes and
+    arithmetic). Arguments as there; the scratch must cover the region (ValueError otherwise).
+    Writes ``out`` and the scratch only."""
     in_h, _, stride = src.shape
     out_h = out.shape[1]
     out_w = out.shape[2]
@@ -269,7 +275,7 @@ def _resize_region(
         resample_ir.narrow_weights(ybounds, yweights, PRECISION_BITS)
         resample_ir.narrow_weights(xbounds, xweights, _HBITS)
     span = (col_last - col_first) * stride
-    if span * lanes > block.shape[0]:
+    if span * params[resample_ir.P_LANES] > block.shape[0]:
         raise ValueError("resize_crop_bilinear: scratch is too small for this box")
     params[resample_ir.P_SRC_ROW] = src.strides[0]
     params[resample_ir.P_SRC_H] = in_h

@@ -1,6 +1,6 @@
 """terrapipe.pipeline: FastLoader, its sources and transforms (imports kernels, never comm)."""
 
-from . import roi_jpeg
+from . import compiled_fill, roi_jpeg
 from .loader import FastLoader, SampleError
 from .order import epoch_indices
 from .shards import ShardError, TarShards, write_shards
@@ -9,6 +9,7 @@ from .transforms import CenterCrop, Normalize, RandomHorizontalFlip, RandomResiz
 
 __all__ = [
     "roi_jpeg",
+    "compiled_fill",
     "FastLoader",
     "SampleError",
     "epoch_indices",

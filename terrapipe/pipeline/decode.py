@@ -19,9 +19,10 @@ import io
 import math
 
 import numpy as np
+from numba import njit
 from PIL import Image
 
-__all__ = ["open_image", "draft_scale", "scale_box", "draft_box", "pixels"]
+__all__ = ["open_image", "draft_scale", "draft_denominator", "scale_box", "scaled_box", "draft_box", "pixels"]
 
 
 class _ArrowArray(ctypes.Structure):
@@ -73,8 +74,14 @@ def draft_scale(w: int, h: int, box: tuple[float, float, float, float], out_hw: 
     """The DCT scale denominator (1, 2, 4 or 8) for a ``w x h`` JPEG: the largest at which
     ``box`` still covers ``out_hw`` (the choice Pillow's ``draft`` makes when asked for that
     size). The scaled image is ``ceil(w / denom) x ceil(h / denom)``."""
-    oh, ow = out_hw
-    bw, bh = box[2] - box[0], box[3] - box[1]
+    return draft_denominator(int(w), int(h), float(box[2] - box[0]), float(box[3] - box[1]),
+                             int(out_hw[0]), int(out_hw[1]))
+
+
+@njit(cache=True)
+def draft_denominator(w, h, bw, bh, oh, ow):
+    """:func:`draft_scale` for a box ``bw x bh`` (floats) and output ``oh x ow``, compiled:
+    the one rule, for Python callers and for the batch fill (pipeline/compiled_fill.py)."""
     need_w, need_h = math.ceil(w * ow / bw), math.ceil(h * oh / bh)
     if need_w >= w or need_h >= h:
         return 1
@@ -88,8 +95,15 @@ def draft_scale(w: int, h: int, box: tuple[float, float, float, float], out_hw: 
 def scale_box(box: tuple[float, float, float, float], w: int, h: int, sw: int,
               sh: int) -> tuple[float, float, float, float]:
     """``box`` in a ``w x h`` image, mapped onto the same image scaled to ``sw x sh``."""
+    return scaled_box(float(box[0]), float(box[1]), float(box[2]), float(box[3]), int(w), int(h),
+                      int(sw), int(sh))
+
+
+@njit(cache=True)
+def scaled_box(x0, y0, x1, y1, w, h, sw, sh):
+    """:func:`scale_box` of the box ``(x0, y0, x1, y1)`` (floats), compiled."""
     sx, sy = sw / w, sh / h
-    return (box[0] * sx, box[1] * sy, min(box[2] * sx, sw), min(box[3] * sy, sh))
+    return x0 * sx, y0 * sy, min(x1 * sx, float(sw)), min(y1 * sy, float(sh))
 
 
 def draft_box(im: Image.Image, box: tuple[float, float, float, float],

@@ -24,12 +24,14 @@ import importlib.machinery
 import math
 from pathlib import Path
 
+import llvmlite.binding as llvm
 import numpy as np
+from numba import njit
 
 from .. import settings
-from .decode import draft_scale, scale_box
+from .decode import draft_denominator, scaled_box
 
-__all__ = ["available", "enabled", "RoiDecoder"]
+__all__ = ["available", "enabled", "register_symbols", "region_of", "RoiDecoder"]
 
 # Margin in pixels around the filter's support: at an interior edge of a cropped region,
 # libjpeg's chroma upsampling lacks its neighbour, so the outermost decoded pixel may differ
@@ -70,6 +72,23 @@ def _load() -> ctypes.CDLL | None:
 _LIB = _load()
 
 
+_registered = False
+
+
+def register_symbols() -> bool:
+    """Put the shim's entry points in the process's symbol table, by name, so compiled code
+    (pipeline/compiled_fill.py, cached on disk by Numba) calls them as it calls libc. Idempotent;
+    False where the shim is not available."""
+    global _registered
+    if _LIB is None:
+        return False
+    if not _registered:
+        for name in ("tp_jpeg_header", "tp_jpeg_decode"):
+            llvm.add_symbol(name, ctypes.cast(getattr(_LIB, name), ctypes.c_void_p).value)
+        _registered = True
+    return True
+
+
 def available() -> bool:
     """Whether the libjpeg-turbo shim is built and loads."""
     return _LIB is not None
@@ -78,6 +97,26 @@ def available() -> bool:
 def enabled() -> bool:
     """Whether JPEGs are decoded by the shim: available and not ``TERRAPIPE_JPEG=pillow``."""
     return _LIB is not None and settings.get("TERRAPIPE_JPEG") != "pillow"
+
+
+@njit(cache=True)
+def region_of(w, h, bx0, by0, bx1, by1, oh, ow):
+    """What decoding the box ``(bx0, by0, bx1, by1)`` of a ``w x h`` JPEG for an ``oh x ow``
+    output asks of libjpeg: ``(denom, sw, sh, box..., x0, y0, x1, y1)``: the DCT scale (the
+    draft rule), the scaled image's size, the box in it, and the rows and columns the
+    resampling filter reads there with the margin (_MARGIN) around them. One rule for
+    :meth:`RoiDecoder.decode` and for the batch fill (pipeline/compiled_fill.py)."""
+    denom = draft_denominator(w, h, bx1 - bx0, by1 - by0, oh, ow)
+    sw, sh = -(-w // denom), -(-h // denom)
+    if denom > 1:
+        bx0, by0, bx1, by1 = scaled_box(bx0, by0, bx1, by1, w, h, sw, sh)
+    sup_x = max((bx1 - bx0) / ow, 1.0)
+    sup_y = max((by1 - by0) / oh, 1.0)
+    x0 = max(0, math.floor(bx0 - sup_x) - _MARGIN)
+    x1 = min(sw, math.ceil(bx1 + sup_x) + _MARGIN)
+    y0 = max(0, math.floor(by0 - sup_y) - _MARGIN)
+    y1 = min(sh, math.ceil(by1 + sup_y) + _MARGIN)
+    return denom, sw, sh, bx0, by0, bx1, by1, x0, y0, x1, y1
 
 
 class RoiDecoder:
@@ -101,6 +140,23 @@ class RoiDecoder:
         if handle:
             self._lib.tp_jpeg_free(handle)
 
+    @property
+    def handle(self) -> int:
+        """The libjpeg handle's address, for compiled callers on this decoder's thread."""
+        return self._handle
+
+    @property
+    def pixel_buffer(self) -> np.ndarray:
+        """The uint8 buffer :meth:`decode` writes regions into (grown as regions need, up to
+        _KEEP_BYTES), for compiled callers on this decoder's thread."""
+        return self._buf
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow :attr:`pixel_buffer` to at least ``nbytes`` (at most _KEEP_BYTES)."""
+        nbytes = min(int(nbytes), _KEEP_BYTES)
+        if self._buf.size < nbytes:
+            self._buf = np.empty(nbytes, np.uint8)
+
     def header(self, payload: bytes | bytearray | memoryview) -> tuple[int, int] | None:
         """(width, height) of a JPEG libjpeg can decode to RGB, else None (use Pillow)."""
         if not isinstance(payload, bytes):
@@ -121,21 +177,16 @@ class RoiDecoder:
         if self._payload is None:
             raise RuntimeError("RoiDecoder.decode without a successful header()")
         w, h = self._w.value, self._h.value
-        denom = draft_scale(w, h, box, out_hw)
-        sw, sh = -(-w // denom), -(-h // denom)
-        if denom > 1:
-            box = scale_box(box, w, h, sw, sh)
-        oh, ow = out_hw
-        sup_x = max((box[2] - box[0]) / ow, 1.0)
-        sup_y = max((box[3] - box[1]) / oh, 1.0)
-        x0 = max(0, math.floor(box[0] - sup_x) - _MARGIN)
-        x1 = min(sw, math.ceil(box[2] + sup_x) + _MARGIN)
-        y0 = max(0, math.floor(box[1] - sup_y) - _MARGIN)
-        y1 = min(sh, math.ceil(box[3] + sup_y) + _MARGIN)
+        denom, sw, sh, bx0, by0, bx1, by1, x0, y0, x1, y1 = region_of(
+            w, h, float(box[0]), float(box[1]), float(box[2]), float(box[3]), int(out_hw[0]),
+            int(out_hw[1]))
+        box = (bx0, by0, bx1, by1)
         need = sw * 4 * (y1 - y0)  # libjpeg widens columns to whole iMCUs, never past the width
         buf = self._buf
         if buf.size < need:
-            buf = np.empty(need, np.uint8)
+            # Half again past the region at hand (within _KEEP_BYTES): a run of regions a little
+            # larger each does not reallocate every time.
+            buf = np.empty(max(need, min(buf.size * 3 // 2, _KEEP_BYTES)), np.uint8)
             if need <= _KEEP_BYTES:
                 self._buf = buf
         rc = self._lib.tp_jpeg_decode(self._handle, denom, x0, y0, x1, y1, buf.ctypes.data, buf.size,

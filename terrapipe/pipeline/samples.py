@@ -8,17 +8,27 @@ code on the same inputs (sample index, seed, epoch) writes the same bytes wherev
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 
 from .. import timeline
 from ..kernels import image as kimage
-from . import decode, roi_jpeg
+from . import compiled_fill, decode, roi_jpeg
 from .sources import Source
 from .transforms import Plan
 
 __all__ = ["SampleError", "SampleWriter"]
+
+# The compiled fill's file buffer starts at this size and grows to the largest file a thread
+# has read whole; the most samples one fill call takes (a chunk: workers.CHUNK is 8).
+_FILE_START = 1 << 20
+_MAX_CHUNK = 64
+# The region a thread's buffers cover before any sample has grown them (pixels, RGBX): a
+# photograph of ImageNet's size and most crops of larger ones, at their draft scale.
+_FIRST_REGION = (640, 640)
+_NO_TIMES = np.zeros((0, 4), np.int64)
 
 
 class SampleError(RuntimeError):
@@ -33,12 +43,17 @@ class SampleError(RuntimeError):
 
 
 class _Scratch(threading.local):
-    """Each worker thread's own decoder and resize scratch, grown to the largest source seen."""
+    """Each worker thread's own decoder and resize scratch, grown to the largest source seen,
+    and for the compiled fill its file buffer (grown to the largest file) and small arrays."""
 
     def __init__(self) -> None:
         self.key: tuple[int, ...] = ()
         self.bufs: tuple[np.ndarray, ...] = ()
         self.jpeg: roi_jpeg.RoiDecoder | None = None
+        self.filebuf = np.empty(_FILE_START, np.uint8)
+        self.ints = np.zeros(4, np.int32)
+        self.clock = np.zeros(2, np.int64)
+        self.status = np.zeros(_MAX_CHUNK, np.int32)
 
     def roi_decoder(self) -> roi_jpeg.RoiDecoder:
         if self.jpeg is None:
@@ -48,6 +63,12 @@ class _Scratch(threading.local):
     def get(self, h: int, w: int, out_h: int, out_w: int, c: int) -> tuple[np.ndarray, ...]:
         k = self.key
         if not k or h > k[0] or w > k[1] or (out_h, out_w, c) != k[2:]:
+            # Grown by half again past the source at hand, so a run of sources a little larger
+            # each does not reallocate (nor send the compiled fill back here) every time.
+            if k and h > k[0]:
+                h = max(h, k[0] * 3 // 2)
+            if k and w > k[1]:
+                w = max(w, k[1] * 3 // 2)
             h, w = max(h, k[0] if k else 0), max(w, k[1] if k else 0)
             self.bufs = kimage.alloc_resize_scratch(h, w, out_h, out_w, c)
             self.key = (h, w, out_h, out_w, c)
@@ -74,6 +95,14 @@ class SampleWriter:
         self._skip_lock = threading.Lock()
         self._scratch = _Scratch()
         self._roi = roi_jpeg.enabled()
+        # NOTE [one compiled call per chunk] in pipeline/compiled_fill.py: where every sample is
+        # a file the compiled fill can read and the plan's box rule is one it draws.
+        self._files: compiled_fill.FileTable | None = None
+        table = getattr(dataset, "file_table", lambda: None)()
+        if table is not None and plan.box_kind in compiled_fill.BOX_KINDS and compiled_fill.available():
+            self._files = compiled_fill.FileTable(*table)
+            self._box_args = np.asarray(plan.box_args, np.float64)
+            self._address = 0  # the kernel, found at the first compiled call (it compiles there)
 
     def decode_into(self, index: int, out: np.ndarray, seed: int, epoch: int) -> int:
         """Sample ``index``, augmented as (seed, epoch) draw it, into ``out`` (C, H, W) of the
@@ -130,9 +159,12 @@ class SampleWriter:
              epoch: int) -> None:
         """Rows ``row0 ..`` of ``images`` (N, C, H, W) and ``labels`` (N,) int64 from ``indices``.
         Raises :class:`SampleError` naming the sample under on_error="raise"."""
+        left = range(len(indices))
+        if self._files is not None and len(indices) <= _MAX_CHUNK and images.dtype == self.lut.dtype:
+            left = self._fill_compiled(images, labels, row0, np.asarray(indices, np.int64), seed, epoch)
         n = len(self.dataset)
-        for k, index in enumerate(indices):
-            index = int(index)
+        for k in left:
+            index = int(indices[k])
             try:
                 labels[row0 + k] = self.decode_into(index, images[row0 + k], seed, epoch)
             except Exception as exc:
@@ -151,3 +183,46 @@ class SampleWriter:
                         continue
                 else:
                     raise err from exc
+
+    def _fill_compiled(self, images: np.ndarray, labels: np.ndarray, row0: int, indices: np.ndarray,
+                       seed: int, epoch: int) -> list[int]:
+        """The chunk in one compiled call (NOTE [one compiled call per chunk]); returns the
+        positions it left to the per-sample path."""
+        sc = self._scratch
+        plan = self.plan
+        oh, ow = plan.out_hw
+        dec = sc.roi_decoder()
+        key = sc.key
+        cap_h, cap_w = (key[0], key[1]) if key and key[4] == 4 else _FIRST_REGION
+        bufs = sc.get(cap_h, cap_w, oh, ow, 4)
+        cap_h, cap_w = sc.key[0], sc.key[1]
+        dec.reserve(4 * cap_h * cap_w)
+        if not self._address:
+            self._address = compiled_fill.kernel_address(images.shape[1], self.lut, bufs[-1])
+        files = self._files
+        status = sc.status[:len(indices)]
+        rec = timeline.enabled()
+        times = np.zeros((len(indices), 4), np.int64) if rec else _NO_TIMES
+        compiled_fill.fill_rows(dec.handle, files.names, files.starts, files.labels, indices, images, labels,
+                                row0, plan.box_kind, self._box_args, plan.flip_p, seed, epoch, self._address,
+                                self.lut, sc.filebuf, dec.pixel_buffer, cap_h, cap_w, *bufs, sc.ints,
+                                sc.clock, status, times)
+        if rec:
+            offset = timeline.clock_offset()
+            for k in np.flatnonzero(status == compiled_fill.OK):
+                t0, t1, t2, t3 = (int(v) + offset for v in times[k])
+                args = {"index": int(indices[k])}
+                timeline.record("loader", "read", t0, t1, args=args)
+                timeline.record("loader", "decode region", t1, t2)
+                timeline.record("loader", "kernel", t2, t3)
+        left = [int(k) for k in np.flatnonzero(status != compiled_fill.OK)]
+        for k in left:
+            if status[k] == compiled_fill.BIG_FILE:  # the next chunk reads such a file itself
+                path = self.dataset.describe(int(indices[k]))
+                try:
+                    size = os.stat(path).st_size
+                except OSError:
+                    continue
+                if size >= sc.filebuf.size:
+                    sc.filebuf = np.empty(max(size + 1, 2 * sc.filebuf.size), np.uint8)
+        return left

@@ -93,6 +93,15 @@ class ImageFolder:
     def describe(self, i: int) -> str:
         return self.samples[i][0]
 
+    def file_table(self) -> tuple[list[str], list[int]] | None:
+        """(paths, labels) of every sample when sample i's bytes are the whole file at
+        ``paths[i]``, as :meth:`read` reads them; None for a subclass that reads otherwise. The
+        loader's threads then read a chunk of files in one compiled call (NOTE [one compiled call
+        per chunk] in pipeline/compiled_fill.py)."""
+        if type(self).read is not ImageFolder.read or type(self).__len__ is not ImageFolder.__len__:
+            return None
+        return [p for p, _ in self.samples], [label for _, label in self.samples]
+
 
 class ArrayDataset:
     """In-memory uint8 images: one stacked (N, H, W, C) array or a list of (H, W[, C]) arrays of

@@ -37,11 +37,18 @@ __all__ = [
     "SampleSpec",
     "Plan",
     "compile_plan",
+    "BOX_WHOLE",
+    "BOX_RANDOM_RESIZED_CROP",
+    "BOX_RESIZE_CENTER_CROP",
 ]
 
 # op ids: independent random streams per kind of draw.
 _OP_CROP = 1
 _OP_FLIP = 2
+
+# The box rules a plan may name (Plan.box_kind), for compiled callers that draw the box
+# themselves (pipeline/compiled_fill.py); each rule's parameters go in Plan.box_args.
+BOX_WHOLE, BOX_RANDOM_RESIZED_CROP, BOX_RESIZE_CENTER_CROP = 0, 1, 2
 
 # stages, in the order a chain must follow
 _GEOMETRY, _FLIP, _NORMALIZE = 0, 1, 2
@@ -68,6 +75,8 @@ class _Draft:
     """What the transforms declared so far (mutable while compiling, frozen into a Plan)."""
 
     box: BoxFn | None = None
+    box_kind: int = BOX_WHOLE
+    box_args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     resize: int = 0  # shorter side a CenterCrop applies first (Resize)
     unfinished: str = ""  # the error to raise if the chain ends here
     flip_p: float = 0.0
@@ -116,6 +125,8 @@ class RandomResizedCrop(Transform):
         if draft.box is not None or draft.resize:
             raise ValueError("transforms: RandomResizedCrop cannot follow another geometry")
         draft.box = self.box
+        draft.box_kind = BOX_RANDOM_RESIZED_CROP
+        draft.box_args = (self.scale[0], self.scale[1], *self._logr)
         return dataclasses.replace(spec, out_hw=self.size)
 
 
@@ -157,6 +168,8 @@ class CenterCrop(Transform):
         crop = CenterCrop(self.size)  # the compiled copy carries the Resize; self stays reusable
         crop._resize = draft.resize
         draft.box, draft.unfinished = crop.box, ""
+        draft.box_kind = BOX_RESIZE_CENTER_CROP
+        draft.box_args = (float(draft.resize), float(self.size[0]), float(self.size[1]), 0.0)
         return dataclasses.replace(spec, out_hw=self.size)
 
 
@@ -218,7 +231,8 @@ class Plan:
     out_hw: (H, W) of every output sample, or None for "source size" (no geometry: the loader
     makes a copy with the size it finds, :meth:`with_size`); lut: (C, 256) table of the kernel's
     output dtype (uint8 identity without Normalize); torch_dtype: the yielded image dtype;
-    norm: per-channel (mean, std) in [0, 1] units, or None.
+    norm: per-channel (mean, std) in [0, 1] units, or None; box_kind, box_args: the rule
+    ``box_fn`` follows (``BOX_*``) and its parameters, for compiled callers.
     """
 
     out_hw: tuple[int, int] | None
@@ -228,6 +242,8 @@ class Plan:
     lut: np.ndarray
     torch_dtype: torch.dtype
     norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    box_kind: int = BOX_WHOLE
+    box_args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def box(self, w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, ...]:
         """Crop box (x0, y0, x1, y1) in source pixels for sample ``index`` (drawn before decode)."""
@@ -257,4 +273,4 @@ def compile_plan(transforms: Sequence[Transform], channels: int = 3) -> Plan:
         raise ValueError(draft.unfinished)
     lut = draft.lut if draft.lut is not None else image.identity_lut(channels)
     return Plan(spec.out_hw, channels, draft.box or _whole_image, draft.flip_p, lut, spec.dtype,
-                draft.norm)
+                draft.norm, draft.box_kind, draft.box_args)

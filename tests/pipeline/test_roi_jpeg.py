@@ -163,6 +163,9 @@ def test_loader_bytes_are_the_same_with_pillow_decoding(jpeg_folder, monkeypatch
         return got
 
     monkeypatch.setattr(roi_jpeg.RoiDecoder, "decode", counting_decode)
+    # The per-sample path, whose decode() calls are counted here (the compiled fill calls the
+    # shim itself: tests/pipeline/test_compiled_fill.py compares it with this path).
+    monkeypatch.setenv("TERRAPIPE_COMPILED_FILL", "0")
     ours = epochs(FastLoader(ds, transforms, batch_size=8, shuffle=True, num_threads=3))
     # Every JPEG but the CMYK one went through the shim (the PNG never reaches decode()), in
     # both epochs; at the second's end the loader had also begun the first batches of a third
