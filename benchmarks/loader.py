@@ -146,10 +146,7 @@ class _Subset:
         # The files at ``order``: FastLoader reads them a chunk per compiled call, as it does
         # an ImageFolder's (NOTE [one compiled call per chunk] in pipeline/compiled_fill.py).
         table = self.ds.file_table()
-        if table is None:
-            return None
-        paths, labels = table
-        return [paths[i] for i in self.order], [labels[i] for i in self.order]
+        return None if table is None else table.take(self.order)
 
 
 def _shards_of(data: Path, picked: list[tuple[str, int]], n_shards: int = 16) -> list[str]:

@@ -9,9 +9,10 @@ NOTE [one compiled call per chunk]
        them. Each retake can queue a thread that launches a training step's kernels behind the
        loader's threads (NOTE [scalar draws keep the GIL] in kernels/rng.py); here a chunk of
        ``CHUNK`` samples takes it once.
-    2. What it takes: samples whose bytes are a whole file the loader can name (a source's
-       :meth:`~terrapipe.pipeline.sources.ImageFolder.file_table`, for sources that read files
-       as they are), a geometry whose box rule is one of :data:`BOX_KINDS` (the plan's
+    2. What it takes: samples whose bytes are a file, or a range of one, that the loader can
+       name (a source's ``file_table()``: :meth:`~terrapipe.pipeline.sources.ImageFolder.file_table`,
+       :meth:`~terrapipe.pipeline.shards.TarShards.file_table`, for sources that read them as
+       they are), a geometry whose box rule is one of :data:`BOX_KINDS` (the plan's
        ``box_kind``), and the shim. Everything else, and every sample this call declines, runs
        the per-sample path, which raises or skips as it always did: a file that cannot be
        opened or read whole into the thread's buffer, a payload the shim declines (not a JPEG,
@@ -100,17 +101,42 @@ def available() -> bool:
 
 
 class FileTable:
-    """The files of a source, for compiled reads: ``names`` (uint8, each path as the OS spells
-    it, NUL-terminated, back to back), ``starts`` (int64 (n,), where sample i's path begins) and
-    ``labels`` (int64 (n,)). Built once per loader; read-only after."""
+    """Where a source's samples lie, for compiled reads: sample i is ``sizes[i]`` bytes at
+    ``offsets[i]`` of file ``file_of[i]`` (a size of -1: the whole file), labelled
+    ``labels[i]``. ``names`` (uint8) holds each file's path as the OS spells it, NUL-terminated,
+    back to back, file f's from ``starts[f]``; ``paths`` the same as str. Without ``file_of``,
+    sample i is the whole file ``paths[i]``. Built once per loader; read-only after."""
 
-    def __init__(self, paths: list[str], labels: list[int]) -> None:
+    def __init__(self, paths: list[str], labels, file_of=None, offsets=None, sizes=None) -> None:
         encoded = [os.fsencode(p) + b"\0" for p in paths]
+        self.paths = list(paths)
         self.starts = np.zeros(len(encoded), np.int64)
         if encoded:
             np.cumsum([len(e) for e in encoded[:-1]], out=self.starts[1:])
         self.names = np.frombuffer(b"".join(encoded), np.uint8)
         self.labels = np.asarray(labels, np.int64)
+        n = len(self.labels)
+        self.file_of = np.arange(n, dtype=np.int64) if file_of is None else np.asarray(file_of, np.int64)
+        self.offsets = np.zeros(n, np.int64) if offsets is None else np.asarray(offsets, np.int64)
+        self.sizes = np.full(n, -1, np.int64) if sizes is None else np.asarray(sizes, np.int64)
+        if not (len(self.file_of) == len(self.offsets) == len(self.sizes) == n):
+            raise ValueError(f"FileTable: {n} labels but {len(self.file_of)} files, {len(self.offsets)} "
+                             f"offsets and {len(self.sizes)} sizes")
+
+    def take(self, order) -> FileTable:
+        """The samples at ``order``, in that order (a subset or a permutation of the source)."""
+        order = np.asarray(order, np.int64)
+        table = FileTable.__new__(FileTable)
+        table.paths, table.starts, table.names = self.paths, self.starts, self.names
+        for name in ("labels", "file_of", "offsets", "sizes"):
+            setattr(table, name, getattr(self, name)[order])
+        return table
+
+    def size_of(self, i: int) -> int:
+        """Sample i's bytes: its member's size, or its file's as the file system has it now."""
+        if self.sizes[i] >= 0:
+            return int(self.sizes[i])
+        return os.stat(self.paths[self.file_of[i]]).st_size
 
 
 @njit(nogil=True, cache=True)
@@ -120,24 +146,31 @@ def _now(clock):
 
 
 @njit(nogil=True, cache=True)
-def _read_file(names, start, buf, probe):
-    """The file whose path is at ``names[start:]`` into ``buf``: its size; -1 when it cannot be
-    opened or read; -2 when it is larger than ``buf``. probe: uint8 scratch of one byte."""
+def _read_file(names, start, offset, size, buf, probe):
+    """Sample bytes into ``buf``: ``size`` bytes at ``offset`` of the file whose path is at
+    ``names[start:]``, or the whole file for a size of -1. Returns the bytes read; -1 when the
+    file cannot be opened or read, or holds fewer than ``size`` bytes there; -2 when they do not
+    fit in ``buf``. probe: uint8 scratch of one byte."""
+    cap = buf.shape[0]
+    if size > cap:
+        return -2
     fd = _open(names.ctypes.data + start, _O_RDONLY)
     if fd < 0:
         return -1
+    want = cap if size < 0 else size
     got = 0
-    cap = buf.shape[0]
-    while True:
-        if got == cap:  # one byte more tells a file that fills the buffer from a larger one
-            more = _pread(fd, probe.ctypes.data, 1, got)
-            _close(fd)
-            return got if more == 0 else (-1 if more < 0 else -2)
-        n = _pread(fd, buf.ctypes.data + got, cap - got, got)
+    while got < want:
+        n = _pread(fd, buf.ctypes.data + got, want - got, offset + got)
         if n <= 0:
             _close(fd)
-            return got if n == 0 else -1
+            return got if n == 0 and size < 0 else -1
         got += n
+    if size < 0:  # the buffer is full: one byte more tells a file that fits it from a larger one
+        more = _pread(fd, probe.ctypes.data, 1, offset + got)
+        _close(fd)
+        return got if more == 0 else (-1 if more < 0 else -2)
+    _close(fd)
+    return got
 
 
 @njit(nogil=True, cache=True)
@@ -151,15 +184,15 @@ def _box(kind, args, w, h, seed, epoch, index):
 
 
 @njit(nogil=True, cache=True)
-def fill_rows(handle, names, starts, labels_of, indices, images, labels, row0, box_kind, box_args, flip_p,
-              seed, epoch, address, lut, filebuf, region, cap_h, cap_w, block, xbounds, xweights, ybounds,
-              yweights, params, ints, clock, status, times):
+def fill_rows(handle, names, starts, file_of, offsets, sizes, labels_of, indices, images, labels, row0,
+              box_kind, box_args, flip_p, seed, epoch, address, lut, filebuf, region, cap_h, cap_w, block,
+              xbounds, xweights, ybounds, yweights, params, ints, clock, status, times):
     """Rows ``row0 + k`` of ``images`` (N, C, H, W) and ``labels`` (N,) int64 from samples
     ``indices[k]`` (NOTE [one compiled call per chunk]); ``status[k]`` (int32) says whether row
     k was written (OK) or why it is left to the per-sample path.
 
-    handle: the thread's shim handle (RoiDecoder.handle); names/starts/labels_of: a
-    :class:`FileTable`'s; box_kind, box_args (float64 (4,)), flip_p: the plan's; address: the
+    handle: the thread's shim handle (RoiDecoder.handle); names, starts, file_of, offsets, sizes,
+    labels_of: a :class:`FileTable`'s; box_kind, box_args (float64 (4,)), flip_p: the plan's; address: the
     resample kernel (:func:`kernel_address`); lut: (C, 256) of ``images``' dtype; filebuf: uint8,
     a file's bytes; region: uint8, the decoded region (RoiDecoder.pixel_buffer); block ..
     params: the resize scratch, covering regions up to ``cap_h x cap_w`` pixels; ints: int32
@@ -171,7 +204,7 @@ def fill_rows(handle, names, starts, labels_of, indices, images, labels, row0, b
         index = indices[k]
         if record:
             times[k, 0] = _now(clock)
-        got = _read_file(names, starts[index], filebuf, probe)
+        got = _read_file(names, starts[file_of[index]], offsets[index], sizes[index], filebuf, probe)
         if got < 0:
             status[k] = BIG_FILE if got == -2 else UNREAD
             continue

@@ -8,7 +8,6 @@ code on the same inputs (sample index, seed, epoch) writes the same bytes wherev
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -100,7 +99,7 @@ class SampleWriter:
         self._files: compiled_fill.FileTable | None = None
         table = getattr(dataset, "file_table", lambda: None)()
         if table is not None and plan.box_kind in compiled_fill.BOX_KINDS and compiled_fill.available():
-            self._files = compiled_fill.FileTable(*table)
+            self._files = table
             self._box_args = np.asarray(plan.box_args, np.float64)
             self._address = 0  # the kernel, found at the first compiled call (it compiles there)
 
@@ -203,10 +202,10 @@ class SampleWriter:
         status = sc.status[:len(indices)]
         rec = timeline.enabled()
         times = np.zeros((len(indices), 4), np.int64) if rec else _NO_TIMES
-        compiled_fill.fill_rows(dec.handle, files.names, files.starts, files.labels, indices, images, labels,
-                                row0, plan.box_kind, self._box_args, plan.flip_p, seed, epoch, self._address,
-                                self.lut, sc.filebuf, dec.pixel_buffer, cap_h, cap_w, *bufs, sc.ints,
-                                sc.clock, status, times)
+        compiled_fill.fill_rows(dec.handle, files.names, files.starts, files.file_of, files.offsets,
+                                files.sizes, files.labels, indices, images, labels, row0, plan.box_kind,
+                                self._box_args, plan.flip_p, seed, epoch, self._address, self.lut, sc.filebuf,
+                                dec.pixel_buffer, cap_h, cap_w, *bufs, sc.ints, sc.clock, status, times)
         if rec:
             offset = timeline.clock_offset()
             for k in np.flatnonzero(status == compiled_fill.OK):
@@ -218,9 +217,8 @@ class SampleWriter:
         left = [int(k) for k in np.flatnonzero(status != compiled_fill.OK)]
         for k in left:
             if status[k] == compiled_fill.BIG_FILE:  # the next chunk reads such a file itself
-                path = self.dataset.describe(int(indices[k]))
                 try:
-                    size = os.stat(path).st_size
+                    size = files.size_of(int(indices[k]))
                 except OSError:
                     continue
                 if size >= sc.filebuf.size:

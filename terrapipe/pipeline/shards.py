@@ -46,6 +46,7 @@ import numpy as np
 from braceexpand import braceexpand
 
 from .. import settings
+from .compiled_fill import FileTable
 
 __all__ = ["TarShards", "ShardError", "expand_urls", "write_shards", "IMAGE_EXTS"]
 
@@ -371,6 +372,15 @@ class TarShards:
 
     def describe(self, i: int) -> str:
         return f"{self.shards[int(self._shard_of[i])]}:{self._member(i)}"
+
+    def file_table(self) -> FileTable | None:
+        """Where the samples lie (sample i: ``sizes[i]`` bytes at ``offsets[i]`` of its shard),
+        as :meth:`read` reads them; None for a subclass that reads otherwise. The loader's
+        threads then read a chunk of members in one compiled call (NOTE [one compiled call per
+        chunk] in pipeline/compiled_fill.py)."""
+        if type(self).read is not TarShards.read or type(self).__len__ is not TarShards.__len__:
+            return None
+        return FileTable([str(s) for s in self.shards], self.labels, self._shard_of, self.offsets, self.sizes)
 
     def close(self) -> None:
         """Close the shards' file descriptors (reading again reopens them)."""

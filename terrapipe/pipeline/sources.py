@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .compiled_fill import FileTable
+
 __all__ = ["Source", "ImageFolder", "ArrayDataset", "TorchDataset", "IMG_EXTENSIONS"]
 
 # torchvision's list, so ImageFolder sees the same files.
@@ -93,14 +95,14 @@ class ImageFolder:
     def describe(self, i: int) -> str:
         return self.samples[i][0]
 
-    def file_table(self) -> tuple[list[str], list[int]] | None:
-        """(paths, labels) of every sample when sample i's bytes are the whole file at
-        ``paths[i]``, as :meth:`read` reads them; None for a subclass that reads otherwise. The
-        loader's threads then read a chunk of files in one compiled call (NOTE [one compiled call
-        per chunk] in pipeline/compiled_fill.py)."""
+    def file_table(self) -> FileTable | None:
+        """Where the samples lie (sample i: the whole file ``samples[i][0]``), as :meth:`read`
+        reads them; None for a subclass that reads otherwise. The loader's threads then read a
+        chunk of files in one compiled call (NOTE [one compiled call per chunk] in
+        pipeline/compiled_fill.py)."""
         if type(self).read is not ImageFolder.read or type(self).__len__ is not ImageFolder.__len__:
             return None
-        return [p for p, _ in self.samples], [label for _, label in self.samples]
+        return FileTable([p for p, _ in self.samples], [label for _, label in self.samples])
 
 
 class ArrayDataset:

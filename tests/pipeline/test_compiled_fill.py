@@ -20,7 +20,9 @@ from terrapipe.pipeline import (
     RandomResizedCrop,
     Resize,
     SampleError,
+    TarShards,
     compiled_fill,
+    write_shards,
 )
 from terrapipe.pipeline.transforms import compile_plan
 
@@ -168,3 +170,29 @@ def test_only_sources_that_read_whole_files_are_compiled(mixed_folder):
     plan = compile_plan([RandomResizedCrop(32)]).with_size((32, 32))
     assert samples.SampleWriter(ImageFolder(mixed_folder), plan, plan.lut, "raise")._files is not None
     assert samples.SampleWriter(Decrypting(mixed_folder), plan, plan.lut, "raise")._files is None
+
+
+def test_tar_shards_are_read_by_range_the_same_way(mixed_folder, tmp_path, monkeypatch, statuses):
+    folder = ImageFolder(mixed_folder)
+    shards = TarShards(write_shards(folder.samples, tmp_path / "shards", samples_per_shard=6))
+    assert shards.file_table() is not None
+    transforms, kw = TRANSFORMS["rrc-flip-f32"]
+    ours = _epochs(shards, transforms, **kw)
+    assert statuses.count(compiled_fill.OK) >= len(shards)
+    monkeypatch.setenv("TERRAPIPE_COMPILED_FILL", "0")
+    ref = _epochs(shards, transforms, **kw)
+    _same(ours, ref)
+    # The same as the folder's: shards in the folder's order hold the same samples.
+    _same(ours, _epochs(folder, transforms, **kw))
+
+
+def test_a_shard_cut_short_since_indexing_is_named_as_before(mixed_folder, tmp_path, statuses):
+    folder = ImageFolder(mixed_folder)
+    paths = write_shards(folder.samples, tmp_path / "cut", samples_per_shard=100)
+    shards = TarShards(paths)
+    last = len(shards) - 1
+    with open(paths[0], "r+b") as f:  # the last member loses its tail
+        f.truncate(int(shards.offsets[last]) + int(shards.sizes[last]) // 2)
+    with pytest.raises(SampleError, match="truncated"):
+        _epochs(shards, [RandomResizedCrop(32)], epochs=1, on_error="raise")
+    assert compiled_fill.UNREAD in statuses
