@@ -41,6 +41,7 @@ __all__ = [
     "region_taps",
     "resize_crop_bilinear",
     "resize_crop_bilinear_region",
+    "resize_kernel",
     "resize_region_at",
     "hflip",
     "hwc_to_chw",
@@ -200,13 +201,19 @@ def resize_crop_bilinear_region(
     if out.shape[0] > src.shape[2] or lut.shape[0] < out.shape[0] or lut.shape[1] != 256:
         raise ValueError(f"resize_crop_bilinear: {out.shape[0]} output channels from a source of "
                          f"{src.shape[2]} bytes per pixel and a lut of shape {lut.shape}")
-    lanes = int(params[resample_ir.P_LANES])
-    channels = out.shape[0]
-    identity = lut.dtype == np.uint8 and _is_identity(lut, channels)
-    narrow = bool(params[resample_ir.P_NARROW])
-    address = resample_ir.kernel(src.shape[2], channels, out.itemsize, lanes, identity, narrow)
+    address = resize_kernel(src.shape[2], out.shape[0], lut, params)
     resize_region_at(address, src, ox, oy, img_w, img_h, x0, y0, x1, y1, out, lut, flip, block,
-                   xbounds, xweights, ybounds, yweights, params)
+                     xbounds, xweights, ybounds, yweights, params)
+
+
+def resize_kernel(stride: int, channels: int, lut: np.ndarray, params: np.ndarray) -> int:
+    """Address of the resampling passes (``resample_ir.kernel``) for ``stride`` source bytes
+    per pixel into ``channels`` planes of ``lut``'s dtype, the lut's identity, and the lanes and
+    arithmetic of a scratch's ``params``: what :func:`resize_region_at` is handed, by
+    :func:`resize_crop_bilinear_region` or by a compiled caller."""
+    identity = lut.dtype == np.uint8 and _is_identity(lut, channels)
+    return resample_ir.kernel(stride, channels, lut.itemsize, int(params[resample_ir.P_LANES]), identity,
+                              bool(params[resample_ir.P_NARROW]))
 
 
 @njit(nogil=True, cache=True)

@@ -44,21 +44,21 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import settings
-from ..kernels import geometry, image, resample_ir, rng
+from ..kernels import geometry, image, rng
 from . import roi_jpeg
 from .transforms import _OP_CROP, _OP_FLIP, BOX_RANDOM_RESIZED_CROP, BOX_RESIZE_CENTER_CROP, BOX_WHOLE
 
 __all__ = ["OK", "UNREAD", "BIG_FILE", "DECLINED", "BIG_REGION", "BOX_KINDS", "FileTable", "available",
-           "fill_rows", "kernel_address"]
+           "fill_rows"]
 
 # status[k] of a sample (NOTE [one compiled call per chunk] 2): written, or why it was left
 # to the per-sample path: the file could not be opened or read, it is larger than the thread's
 # file buffer, the shim declined it, or its region is larger than the thread's resize scratch.
 OK, UNREAD, BIG_FILE, DECLINED, BIG_REGION = 0, 1, 2, 3, 4
 
-# The plan's box rules (Plan.box_kind) and the op ids of its draws: transforms.py's own.
+# The plan's box rules (Plan.box_kind) this call draws; the op ids of its draws are
+# transforms.py's own (_OP_CROP, _OP_FLIP).
 BOX_KINDS = (BOX_WHOLE, BOX_RANDOM_RESIZED_CROP, BOX_RESIZE_CENTER_CROP)
-OP_CROP, OP_FLIP = _OP_CROP, _OP_FLIP
 
 _O_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
@@ -177,7 +177,7 @@ def _read_file(names, start, offset, size, buf, probe):
 def _box(kind, args, w, h, seed, epoch, index):
     if kind == BOX_RANDOM_RESIZED_CROP:
         return geometry.random_resized_crop_box(w, h, args[0], args[1], args[2], args[3], seed, epoch, index,
-                                                OP_CROP)
+                                                _OP_CROP)
     if kind == BOX_RESIZE_CENTER_CROP:
         return geometry.resize_center_crop_box(w, h, int(args[0]), int(args[1]), int(args[2]))
     return 0.0, 0.0, float(w), float(h)
@@ -193,7 +193,7 @@ def fill_rows(handle, names, starts, file_of, offsets, sizes, labels_of, indices
 
     handle: the thread's shim handle (RoiDecoder.handle); names, starts, file_of, offsets, sizes,
     labels_of: a :class:`FileTable`'s; box_kind, box_args (float64 (4,)), flip_p: the plan's; address: the
-    resample kernel (:func:`kernel_address`); lut: (C, 256) of ``images``' dtype; filebuf: uint8,
+    resample kernel (``kernels.image.resize_kernel``); lut: (C, 256) of ``images``' dtype; filebuf: uint8,
     a file's bytes; region: uint8, the decoded region (RoiDecoder.pixel_buffer); block ..
     params: the resize scratch, covering regions up to ``cap_h x cap_w`` pixels; ints: int32
     (4,); clock: int64 (2,); times: int64 (n, 4), or (0, 4) to record nothing."""
@@ -234,19 +234,10 @@ def fill_rows(handle, names, starts, file_of, offsets, sizes, labels_of, indices
         pixels = region[:rw * 4 * rows].reshape((rows, rw, 4))
         if record:
             times[k, 2] = _now(clock)
-        flip = flip_p > 0 and rng.uniform(seed, epoch, index, OP_FLIP, 0) < flip_p
+        flip = flip_p > 0 and rng.uniform(seed, epoch, index, _OP_FLIP, 0) < flip_p
         image.resize_region_at(address, pixels, ox, y0, sw, sh, bx0, by0, bx1, by1, images[row0 + k], lut,
                                flip, block, xbounds, xweights, ybounds, yweights, params)
         labels[row0 + k] = labels_of[index]
         status[k] = OK
         if record:
             times[k, 3] = _now(clock)
-
-
-def kernel_address(channels: int, lut: np.ndarray, params: np.ndarray) -> int:
-    """The resample kernel :func:`fill_rows` calls: 4-byte (RGBX) pixels into ``channels``
-    planes of ``lut``'s dtype, at the lanes and arithmetic of the scratch's ``params`` (what
-    :func:`terrapipe.kernels.image.resize_crop_bilinear_region` picks for the same call)."""
-    identity = lut.dtype == np.uint8 and bool(np.array_equal(lut[:channels], image.identity_lut(channels)))
-    return resample_ir.kernel(4, channels, lut.itemsize, int(params[resample_ir.P_LANES]), identity,
-                              bool(params[resample_ir.P_NARROW]))

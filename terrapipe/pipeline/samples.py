@@ -197,7 +197,7 @@ class SampleWriter:
         cap_h, cap_w = sc.key[0], sc.key[1]
         dec.reserve(4 * cap_h * cap_w)
         if not self._address:
-            self._address = compiled_fill.kernel_address(images.shape[1], self.lut, bufs[-1])
+            self._address = kimage.resize_kernel(4, images.shape[1], self.lut, bufs[-1])
         files = self._files
         status = sc.status[:len(indices)]
         rec = timeline.enabled()
