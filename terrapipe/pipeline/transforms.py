@@ -37,6 +37,7 @@ __all__ = [
     "SampleSpec",
     "Plan",
     "compile_plan",
+    "BOX_UNNAMED",
     "BOX_WHOLE",
     "BOX_RANDOM_RESIZED_CROP",
     "BOX_RESIZE_CENTER_CROP",
@@ -47,8 +48,10 @@ _OP_CROP = 1
 _OP_FLIP = 2
 
 # The box rules a plan may name (Plan.box_kind), for compiled callers that draw the box
-# themselves (pipeline/compiled_fill.py); each rule's parameters go in Plan.box_args.
-BOX_WHOLE, BOX_RANDOM_RESIZED_CROP, BOX_RESIZE_CENTER_CROP = 0, 1, 2
+# themselves (pipeline/compiled_fill.py); each rule's parameters go in Plan.box_args. A
+# geometry that names none leaves BOX_UNNAMED: its box_fn only draws it, and compiled callers
+# leave such plans to the per-sample path.
+BOX_UNNAMED, BOX_WHOLE, BOX_RANDOM_RESIZED_CROP, BOX_RESIZE_CENTER_CROP = -1, 0, 1, 2
 
 # stages, in the order a chain must follow
 _GEOMETRY, _FLIP, _NORMALIZE = 0, 1, 2
@@ -75,7 +78,7 @@ class _Draft:
     """What the transforms declared so far (mutable while compiling, frozen into a Plan)."""
 
     box: BoxFn | None = None
-    box_kind: int = BOX_WHOLE
+    box_kind: int = BOX_UNNAMED
     box_args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     resize: int = 0  # shorter side a CenterCrop applies first (Resize)
     unfinished: str = ""  # the error to raise if the chain ends here
@@ -242,7 +245,7 @@ class Plan:
     lut: np.ndarray
     torch_dtype: torch.dtype
     norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
-    box_kind: int = BOX_WHOLE
+    box_kind: int = BOX_UNNAMED
     box_args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def box(self, w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, ...]:
@@ -272,5 +275,7 @@ def compile_plan(transforms: Sequence[Transform], channels: int = 3) -> Plan:
     if draft.unfinished:
         raise ValueError(draft.unfinished)
     lut = draft.lut if draft.lut is not None else image.identity_lut(channels)
+    # No geometry: the whole image, a rule compiled callers draw too; else the geometry's own.
+    box_kind = BOX_WHOLE if draft.box is None else draft.box_kind
     return Plan(spec.out_hw, channels, draft.box or _whole_image, draft.flip_p, lut, spec.dtype,
-                draft.norm, draft.box_kind, draft.box_args)
+                draft.norm, box_kind, draft.box_args)

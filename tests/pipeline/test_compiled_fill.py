@@ -2,6 +2,7 @@
 as the per-sample path for every sample, whatever the compiled call leaves to it (a file that
 grows its buffers, one the shim declines, one that cannot be read), and the same errors."""
 
+import dataclasses
 import io
 import os
 
@@ -196,3 +197,21 @@ def test_a_shard_cut_short_since_indexing_is_named_as_before(mixed_folder, tmp_p
     with pytest.raises(SampleError, match="truncated"):
         _epochs(shards, [RandomResizedCrop(32)], epochs=1, on_error="raise")
     assert compiled_fill.UNREAD in statuses
+
+
+def test_a_geometry_that_names_no_box_rule_is_left_to_the_per_sample_path(mixed_folder):
+    # A geometry of the user's own that sets only its box function: the compiled fill must not
+    # draw some other rule's box for it (the plan's rule was the whole image's by default).
+    from terrapipe.pipeline.transforms import BOX_UNNAMED, BOX_WHOLE, Transform
+
+    class Corner(Transform):
+        stage = RandomResizedCrop.stage
+
+        def declare(self, spec, draft):
+            draft.box = lambda w, h, seed, epoch, index: (0.0, 0.0, w / 2, h / 2)
+            return dataclasses.replace(spec, out_hw=(32, 32))
+
+    plan = compile_plan([Corner()])
+    assert plan.box_kind == BOX_UNNAMED and plan.box_kind not in compiled_fill.BOX_KINDS
+    assert samples.SampleWriter(ImageFolder(mixed_folder), plan, plan.lut, "raise")._files is None
+    assert compile_plan([Normalize(MEAN, STD)]).box_kind == BOX_WHOLE
