@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from terrapipe.comm import CollectiveTimeoutError, CommError
+from terrapipe.comm.transports import tcp_native
 from terrapipe.comm.transports.tcp import TcpTransport
 from terrapipe.kernels import reduce as kreduce
 
@@ -257,38 +258,45 @@ def test_a_wait_on_the_far_peer_marks_this_rank_waiting_while_it_lasts(mpi_comm)
     t.close()
 
 
+def _receive_only(nbytes: int):
+    """A schedule of one receive of ``nbytes`` into the message, nothing sent (NOTE [a ring's
+    schedule in compiled code] 2 in comm/transports/tcp_native.py)."""
+    recvs = np.zeros((1, tcp_native.N_R), np.int64)
+    recvs[0, tcp_native.R_BYTES] = nbytes
+    recvs[0, tcp_native.R_AFTER_SEND] = -1
+    return np.zeros((0, 2), np.int64), recvs, 0
+
+
 @pytest.mark.mpi(ranks=(2,), timeout=120)
 def test_a_receive_wakes_once_its_bytes_are_there_not_at_every_piece(mpi_comm):
     # NOTE [a ring over TCP] 7: rank 1 sends a 1 MiB transfer in 16 pieces 5 ms apart; rank 0,
-    # waiting for all of it, sleeps in select until 256 KiB more have arrived (waking at every
-    # piece it took 16 selects), then gets the bytes whole; a peer closing mid-transfer still
+    # waiting for all of it, sleeps in poll until 256 KiB more have arrived (waking at every
+    # piece it took 16 polls), then gets the bytes whole; a peer closing mid-transfer still
     # wakes it at once.
     t = TcpTransport(mpi_comm, timeout=60, members=[0, 1], hosts=["node0", "node1"])
     ring = t.ring_comm
     piece = 64 << 10
     data = np.arange(16 * piece, dtype=np.uint8)
     if mpi_comm.Get_rank() == 1:
+        ring.right.setblocking(True)
         mpi_comm.Barrier()
         for k in range(16):
-            t.wait(ring.Isend(data[k * piece:(k + 1) * piece], 0), "sending", 0)
+            ring.right.sendall(data[k * piece:(k + 1) * piece])
             time.sleep(0.005)
-        t.wait(ring.Isend(data[:piece], 0), "sending", 0)  # a quarter of the next transfer,
+        ring.right.sendall(data[:piece])  # a quarter of the next transfer,
         time.sleep(0.3)
         t.close()  # then it dies
         mpi_comm.Barrier()
         return
-    selects = []
-    select = ring._sel.select
-    ring._sel.select = lambda timeout=None: selects.append(timeout) or select(timeout)
     got = np.zeros_like(data)
-    req = ring.Irecv(got, 1)
     mpi_comm.Barrier()
-    t.wait(req, "receiving", 1)
+    t._run(_receive_only(got.nbytes), got, "receiving")
     np.testing.assert_array_equal(got, data)
-    assert len(selects) <= 6, f"{len(selects)} wakes for one transfer"
+    polls = int(ring.st[tcp_native.S_POLLS])
+    assert polls <= 6, f"{polls} wakes for one transfer"
     start = time.monotonic()
     with pytest.raises(CollectiveTimeoutError, match="rank 1 on node1"):
-        t.wait(ring.Irecv(np.zeros(4 * piece, np.uint8), 1), "receiving", 1)
+        t._run(_receive_only(4 * piece), np.zeros(4 * piece, np.uint8), "receiving")
     assert time.monotonic() - start < 5, "a stream closed mid-transfer is waited out"
     mpi_comm.Barrier()
     t.close()

@@ -7,15 +7,16 @@ NOTE [a ring over TCP]
        verified as NOTE [connecting ranks] in comm/sockets.py says: a stream to the right that
        this rank only writes, one from the left that it only reads, so each stream has one
        writer and one reader.
-    2. Transfers are requests as MPI's are (:meth:`TcpRing.Isend`, :meth:`TcpRing.Irecv`),
-       matched in the order they were posted: a stream keeps its bytes in order, so no tag is
-       needed. Every wait drives every pending request of both streams (non-blocking sockets,
-       a selector), so a rank waiting for its left neighbour keeps writing to its right one and
-       no two ranks wait on each other's sends.
-    3. So the ring of comm/algorithms/ring.py runs over it unchanged. Its done messages carry no
-       bytes and complete at once, which is right here: a send is complete once the kernel holds
-       its bytes, and the kernel delivers them without this process (NOTE [MPI progress] is
-       MPI's alone).
+    2. Transfers are schedules, not requests: the sends in the order they go down the stream
+       to the right, the receives in the order they come up from the left (a stream keeps its
+       bytes in order, so no tag is needed), run by one compiled call that writes the one and
+       reads the other as each allows (NOTE [a ring's schedule in compiled code] in
+       transports/tcp_native.py), so a rank waiting for its left neighbour keeps writing to its
+       right one and no two ranks wait on each other's sends.
+    3. The ring allreduce is NOTE [ring schedule] of comm/algorithms/ring.py, chunk for chunk,
+       as such a schedule (``tcp_native.ring_schedule``). It needs no done messages: a send is
+       complete once the kernel holds its bytes, and the kernel delivers them without this
+       process (NOTE [MPI progress] is MPI's alone).
     4. Below ``ring_bytes`` an allreduce is an allgather of the whole buffer around the ring and
        one reduction of the rows in rank order, 16-bit floats in float32 rounded once: one
        transfer per step where the ring takes two, and every rank adds in the same order, so
@@ -24,12 +25,11 @@ NOTE [a ring over TCP]
        ring's. Over 1gbit at 4 nodes x 1 (Intel Xeon, 2026-11-27,
        ``link_latency_4x1_1gbit_2026-11-27.json``) the allgather took 404 us at 4 KiB where the
        ring took 1026, and 1641 us at 64 KiB where the ring took 1043: hence 32 KiB.
-    5. A wait sleeps in the selector (``select`` with the time left), not on the core. One that
-       passes the timeout raises CollectiveTimeoutError naming the peer it waits for (its left
-       neighbour for a receive, its right one for a send), after telling ``on_lost`` (NOTE [a
-       peer lost across nodes] in transports/board.py); a stream the peer closed (its process
-       died, its machine went away) raises at once, naming that peer. The transport is then
-       unusable, as the group is.
+    5. A wait sleeps in ``poll``, not on the core. One that passes the timeout raises
+       CollectiveTimeoutError naming the peer it waits for (its left neighbour while a receive
+       is due, else its right one), after telling ``on_lost`` (NOTE [a peer lost across nodes]
+       in transports/board.py); a stream the peer closed (its process died, its machine went
+       away) raises at once, naming that peer. The transport is then unusable, as the group is.
     6. Why not Gloo, which such a group also has: between two machines of the emulated cluster
        over 1gbit (Intel Xeon, 2026-11-27, ``link_latency_2x1_1gbit_2026-11-27.json``) a 4 KiB
        ping-pong over these streams took 28 us, this ring's allreduce of 4 KiB 25 us, and Gloo's
@@ -38,20 +38,20 @@ NOTE [a ring over TCP]
     7. A wait for a receive asks the kernel to wake it only once 256 KiB more of the awaited
        transfer (or the rest of it) has arrived (``SO_RCVLOWAT``; the kernel caps it at half
        the receive buffer, and a stream the peer closed wakes it at once), not at every
-       segment that lands: each wake costs a few tens of microseconds of Python. At 4 nodes x
+       segment that lands: each wake cost a few tens of microseconds of Python. At 4 nodes x
        1 over 1gbit (Intel Xeon, 2 cores, 2026-11-28), a 16 MiB allreduce took 37 ms of CPU
        per rank waking at every arrival and 24.5 with 256 KiB a wake, at the same wall time
        (211-214 ms, the links' bound). A whole chunk (1 MiB) a wake took 19 ms of CPU but
        2-5% more wall time at 4 and 8 MiB, where a segment is one chunk: the copy out of the
        kernel then waits for the chunk's last byte instead of following its arrival.
        Where the kernel does not cap it (before Linux 4.19) a receive larger than the buffer
-       would wake only at the wait's nap (``_NAP_S``): slow, never stuck.
+       would wake only at the wait's nap (``_NAP_NS``): slow, never stuck.
 
-Why one module: the two streams (:class:`TcpRing`: requests, progress, the wake threshold) and
-the transport over them (:class:`TcpTransport`: waits with their timeout and blame, the
-collectives, the background thread, abort and close) are one state machine on the same two
-sockets; NOTE [a ring over TCP]'s clauses cite both, and split, a reader would follow every
-wait across two files.
+Why one module: the two streams (:class:`TcpRing`: the sockets and the state of the schedule
+they run) and the transport over them (:class:`TcpTransport`: schedules with their timeout and
+blame, the collectives, the background thread, abort and close) are one state machine on the
+same two sockets; NOTE [a ring over TCP]'s clauses cite both. The compiled loop is
+transports/tcp_native.py's.
 """
 
 from __future__ import annotations
@@ -59,165 +59,72 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import selectors
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
 
-from ... import settings
+from ... import settings, timeline
 from ...kernels import reduce as kreduce
 from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat
 from ..sockets import connect_ranks
-from ..wait import wait_until
+from . import tcp_native
 
 __all__ = ["TcpTransport", "TcpRing"]
 
-_NAP_S = 0.05  # the longest one select() sleeps before the wait's failure check runs again
+_NAP_NS = 50_000_000  # the longest a compiled wait sleeps before its failure check runs again
 # The most bytes a wait for a receive asks the kernel to gather before it wakes (SO_RCVLOWAT,
 # NOTE [a ring over TCP] 7): a quarter of the ring's chunk.
 _LOWAT_BYTES = 256 << 10
 
 
-class _Closed(Exception):
-    def __init__(self, peer: int, why: str) -> None:
-        super().__init__(why)
-        self.peer, self.why = peer, why
-
-
-class _Request:
-    """One transfer on a stream: ``view`` (bytes), how far it has got. MPI's ``Test`` name."""
-
-    __slots__ = ("view", "done_bytes")
-
-    def __init__(self, arr: np.ndarray) -> None:
-        if not arr.flags.c_contiguous:
-            raise CommError(f"tcp ring: a transfer needs a C-contiguous array, got strides {arr.strides}")
-        self.view = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else None
-        self.done_bytes = 0
-
-    @property
-    def done(self) -> bool:
-        return self.view is None or self.done_bytes == self.view.nbytes
-
-    def Test(self) -> bool:  # noqa: N802 (mpi4py's name: comm/algorithms/ring.py polls it)
-        return self.done
-
-
 class TcpRing:
-    """The two streams of NOTE [a ring over TCP] 1 and their pending requests, with mpi4py's
-    names for what comm/algorithms/ring.py calls (``Get_rank``, ``Get_size``, ``Isend`` to the
-    right neighbour, ``Irecv`` from the left one). ``right``, ``left``: connected sockets."""
+    """The two streams of NOTE [a ring over TCP] 1 (``right``, ``left``: connected sockets,
+    made non-blocking here) and the state of the schedule they run (NOTE [a ring's schedule in
+    compiled code] in comm/transports/tcp_native.py); :meth:`run` drives one schedule, from
+    Python only between compiled calls."""
 
     def __init__(self, rank: int, size: int, right: socket.socket, left: socket.socket) -> None:
         self.rank, self.size = rank, size
         self.right, self.left = right, left
-        self._sends: deque[_Request] = deque()
-        self._recvs: deque[_Request] = deque()
-        self._sel = selectors.DefaultSelector()
-        self.closed: _Closed | None = None
-        self._events: dict[socket.socket, int] = {}
-        self._lowat = 1  # the left stream's SO_RCVLOWAT as last set
         right.setblocking(False)
         left.setblocking(False)
+        self.st, self._cells, self._clock = tcp_native.new_state()
+        # Compiled (or loaded from Numba's cache) now, with the streams, not inside the first
+        # collective's wait, where its seconds would count against the peers' timeout.
+        self.run(tcp_native.allgather_schedule(0, size, rank), np.empty(0, np.uint8), np.empty(0, np.uint8),
+                 time.monotonic_ns)
 
-    def Get_rank(self) -> int:  # noqa: N802
-        return self.rank
+    def run(self, schedule, base: np.ndarray, spare: np.ndarray, until_ns, reduce=None) -> int:
+        """Run ``schedule`` ((sends, recvs, first) from tcp_native) over ``base`` (the message,
+        C-contiguous; offsets in its bytes) with ``spare`` (uint8, the reduce-scatter's
+        receives) until it is done (DONE) or fails (CLOSED_LEFT, CLOSED_RIGHT, STALLED, the
+        errno in ``st``). ``until_ns()``: the time (CLOCK_MONOTONIC ns) of the next look from
+        Python, or None when the wait has run out (then PENDING). ``reduce(i)``: reduces
+        receive i from ``spare`` into ``base`` (REDUCE)."""
+        sends, recvs, first = schedule
+        st = self.st
+        tcp_native.start(st, first)
+        right, left = self.right.fileno(), self.left.fileno()
+        at, spare_at = base.ctypes.data, spare.ctypes.data
+        while True:
+            until = until_ns()
+            if until is None:
+                return tcp_native.PENDING
+            code = tcp_native.advance(st, sends, recvs, right, left, at, spare_at, _LOWAT_BYTES, until,
+                                      self._cells, self._clock)
+            if code == tcp_native.REDUCE:
+                reduce(int(st[tcp_native.S_RECEIVED]))
+            elif code != tcp_native.PENDING:
+                return code
 
-    def Get_size(self) -> int:  # noqa: N802
-        return self.size
-
-    def Isend(self, arr: np.ndarray, dest: int, tag: int = 0) -> _Request:  # noqa: N802
-        """Queue ``arr`` (the caller keeps it unchanged until done) for the right neighbour."""
-        if dest != (self.rank + 1) % self.size:
-            raise CommError(f"tcp ring: rank {self.rank} sends only to its right neighbour, not {dest}")
-        req = _Request(arr)
-        if not req.done:
-            self._sends.append(req)
-            self.progress(0.0)
-        return req
-
-    def Irecv(self, arr: np.ndarray, source: int, tag: int = 0) -> _Request:  # noqa: N802
-        """Queue ``arr`` (written by the waits until done) for the left neighbour's next bytes."""
-        if source != (self.rank - 1) % self.size:
-            raise CommError(f"tcp ring: rank {self.rank} receives only from its left neighbour, not {source}")
-        req = _Request(arr)
-        if not req.done:
-            self._recvs.append(req)
-            self.progress(0.0)
-        return req
-
-    def _want(self, s: socket.socket, events: int) -> None:
-        had = self._events.get(s, 0)
-        if events == had:
-            return
-        if not had:
-            self._sel.register(s, events)
-        elif not events:
-            self._sel.unregister(s)
-        else:
-            self._sel.modify(s, events)
-        self._events[s] = events
-
-    def _send_some(self) -> None:
-        while self._sends:
-            req = self._sends[0]
-            try:
-                n = self.right.send(req.view[req.done_bytes:])
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                raise _Closed((self.rank + 1) % self.size, f"sending: {e}") from e
-            req.done_bytes += n
-            if not req.done:
-                return
-            self._sends.popleft()
-
-    def _recv_some(self) -> None:
-        while self._recvs:
-            req = self._recvs[0]
-            try:
-                n = self.left.recv_into(req.view[req.done_bytes:])
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                raise _Closed((self.rank - 1) % self.size, f"receiving: {e}") from e
-            if n == 0:
-                raise _Closed((self.rank - 1) % self.size, "receiving: the connection closed")
-            req.done_bytes += n
-            if not req.done:
-                return
-            self._recvs.popleft()
-
-    def progress(self, wait_s: float) -> None:
-        """Move what the streams take now; with ``wait_s`` > 0 first sleep up to that long in
-        ``select`` for one of them to be ready (NOTE [a ring over TCP] 2, 5). A stream that
-        failed is kept in ``closed`` (the peer, why) and nothing moves any more."""
-        if self.closed is not None:
-            return
-        try:
-            self._send_some()
-            self._recv_some()
-            if wait_s <= 0 or not (self._sends or self._recvs):
-                return
-            self._want(self.right, selectors.EVENT_WRITE if self._sends else 0)
-            self._want(self.left, selectors.EVENT_READ if self._recvs else 0)
-            if self._recvs:  # NOTE [a ring over TCP] 7
-                head = self._recvs[0]
-                lowat = max(1, min(head.view.nbytes - head.done_bytes, _LOWAT_BYTES))
-                if lowat != self._lowat:
-                    self.left.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-                    self._lowat = lowat
-            if self._sel.select(wait_s):
-                self._send_some()
-                self._recv_some()
-        except _Closed as e:
-            self.closed = e
+    def waiting_on_left(self, recvs: np.ndarray) -> bool:
+        """Whether the schedule just run still waits for a receive (else only for sends)."""
+        return int(self.st[tcp_native.S_RECEIVED]) < recvs.shape[0]
 
     def shutdown(self) -> None:
         """End both streams now (a wait on them wakes and fails); another thread may be waiting."""
@@ -226,7 +133,6 @@ class TcpRing:
                 s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        self._sel.close()
         for s in (self.right, self.left):
             with contextlib.suppress(OSError):
                 s.close()
@@ -252,8 +158,7 @@ class TcpTransport:
         self.on_waiting: Callable[[bool], None] = lambda waiting: None
         self.ring_bytes = settings.get("TERRAPIPE_TCP_RING_BYTES")
         self.chunk_bytes = 1 << 20
-        self.ring_scratch = np.empty(2 * self.chunk_bytes, np.uint8)
-        self.done_sends: list = []
+        self.ring_scratch = np.empty(self.chunk_bytes, np.uint8)  # a reduce-scatter's chunk as it arrives
         self._rows = np.empty(0, np.uint8)  # the small allreduce's gathered rows, grown on demand
         self._acc = np.empty(kreduce.TILE, np.float32)
         self.failed: str | None = None
@@ -275,35 +180,40 @@ class TcpTransport:
         where = f" on {self.hosts[peer]}" if self.hosts is not None else ""
         return f"rank {self.members[peer]}{where}"
 
-    # -- waiting ----------------------------------------------------------------------------------
-    def wait(self, req: _Request, what: str, peer: int) -> None:
-        """Drive the streams until ``req`` is done (NOTE [a ring over TCP] 2, 5), or raise
-        CollectiveTimeoutError naming ``peer`` (this ring's rank the request depends on)."""
+    # -- running a schedule -------------------------------------------------------------------
+    def _run(self, schedule, base: np.ndarray, what: str, reduce=None) -> None:
+        """Run ``schedule`` over ``base`` (NOTE [a ring's schedule in compiled code] in
+        comm/transports/tcp_native.py), marked waiting afar while it lasts; raise
+        CollectiveTimeoutError naming the peer waited for (its left neighbour while a receive is
+        due, else its right one: NOTE [a ring over TCP] 5) after the timeout or at once when a
+        stream closed, CommError where this rank ended the streams."""
         if self.failed is not None:
             raise CommError(f"{what}: the TCP ring is unusable after an earlier failure ({self.failed})")
         ring = self.ring_comm
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic_ns() + int(self.timeout * 1e9)
 
-        def nap() -> bool:
-            ring.progress(min(_NAP_S, max(0.0, deadline - time.monotonic())))
-            return req.done or ring.closed is not None
+        def until_ns():
+            now = time.monotonic_ns()
+            return None if now >= deadline else min(deadline, now + _NAP_NS)
 
-        def failure(timed_out: bool) -> Exception | None:
-            if not timed_out:
-                return None
-            return self._fail(what, peer, f"Timed out after {self.timeout:g}s")
-
-        def done() -> bool:
-            ring.progress(0.0)
-            return req.done or ring.closed is not None
-
-        if not done():
-            with self.afar():  # as MpiTransport.wait_all marks itself, whoever called the wait
-                wait_until(done, self.timeout, failure, nap=nap, sleep_after=0.0)
-        if ring.closed is not None and not req.done:
-            if self._aborted is not None:  # this rank ended the streams: no peer is to blame
-                raise CommError(f"{what}: ended on this rank ({self._aborted})")
-            raise self._fail(what, ring.closed.peer, f"a connection closed ({ring.closed.why})")
+        with self.afar():  # as MpiTransport.wait_all marks itself, whoever called it
+            code = ring.run(schedule, base, self.ring_scratch, until_ns, reduce)
+        if code == tcp_native.DONE:
+            return
+        left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        if code == tcp_native.PENDING:
+            peer = left if ring.waiting_on_left(schedule[1]) else right
+            raise self._fail(what, peer, f"Timed out after {self.timeout:g}s")
+        if self._aborted is not None:  # this rank ended the streams: no peer is to blame
+            raise CommError(f"{what}: ended on this rank ({self._aborted})")
+        if code == tcp_native.STALLED:
+            self.failed = f"{what}: a schedule that waits on nothing"
+            raise CommError(self.failed)
+        errno = int(ring.st[tcp_native.S_ERRNO])
+        why = os.strerror(errno) if errno else "the connection closed"
+        if code == tcp_native.CLOSED_LEFT:
+            raise self._fail(what, left, f"a connection closed (receiving: {why})")
+        raise self._fail(what, right, f"a connection closed (sending: {why})")
 
     def _fail(self, what: str, peer: int, cause: str) -> CollectiveTimeoutError:
         late = self.members[peer]
@@ -340,24 +250,17 @@ class TcpTransport:
         out[r] = flat
         if p == 1:
             return
-        ring = self.ring_comm
-        right, left = (r + 1) % p, (r - 1) % p
-        for s in range(p - 1):
-            send = ring.Isend(out[(r - s) % p], right)
-            recv = ring.Irecv(out[(r - s - 1) % p], left)
-            self.wait(recv, "allgather between machines (receiving)", left)
-            self.wait(send, "allgather between machines (sending)", right)
+        self._run(tcp_native.allgather_schedule(out[0].nbytes, p, r), out, "allgather between machines")
 
     def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
         """In place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``): op over every rank's
-        ``buf`` (``avg`` sums; the caller divides). From ``ring_bytes`` the ring of
-        comm/algorithms/ring.py, below it NOTE [a ring over TCP] 4."""
+        ``buf`` (``avg`` sums; the caller divides). From ``ring_bytes`` the ring (NOTE [ring
+        schedule] in comm/algorithms/ring.py, run by tcp_native), below it NOTE [a ring over
+        TCP] 4."""
         if self.size == 1 or buf.size == 0:
             return
         if buf.nbytes >= self.ring_bytes:
-            from ..algorithms import ring
-
-            ring.allreduce_array(self, buf, op, kind, what)
+            self._ring_allreduce(buf, op, kind, what)
             return
         if self._rows.nbytes < self.size * buf.nbytes:
             self._rows = np.empty(self.size * buf.nbytes, np.uint8)
@@ -368,6 +271,26 @@ class TcpTransport:
             kreduce.reduce_many_16(buf, rows, rop, 0, buf.shape[0], kind, self._acc)
         else:
             kreduce.reduce_rows_into(buf, rows, rop, 0, buf.shape[0])
+
+    def _ring_allreduce(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
+        """The ring over the streams: the reduce-scatter's chunks reduced as they arrive (in the
+        order the left neighbour's partial and this rank's copy stand in the ring), the
+        all-gather's received in place."""
+        isz = buf.itemsize
+        schedule = tcp_native.ring_schedule(buf.shape[0], isz, self.size, self.rank,
+                                            max(1, self.chunk_bytes // isz))
+        recvs = schedule[1]
+        spare = self.ring_scratch.view(buf.dtype)
+
+        def reduce(i: int) -> None:
+            a, m = int(recvs[i, tcp_native.R_OFFSET]) // isz, int(recvs[i, tcp_native.R_BYTES]) // isz
+            if kind:
+                kreduce.reduce_16(buf[a:a + m], spare, op, 0, m, kind)
+            else:
+                kreduce.reduce_native(buf[a:a + m], spare, op, 0, m)
+
+        with timeline.span("comm", "ring allreduce"):
+            self._run(schedule, buf, f"{what}: ring allreduce between machines", reduce)
 
     def agree(self, coll: str, sig: np.ndarray, check) -> None:
         """The signature agreement of a group whose only ring this is (NOTE [machines over

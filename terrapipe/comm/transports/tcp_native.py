@@ -1,0 +1,273 @@
+"""libc's socket calls from compiled code: a whole schedule of transfers on the TCP ring's two
+streams (comm/transports/tcp.py) in one compiled call, without the GIL, Python only where a
+chunk is to be reduced or a wait has run long.
+
+NOTE [a ring's schedule in compiled code]
+    1. Why. Driving the streams from Python cost a few tens of microseconds of interpreter per
+       wake (a ``select``, a ``send`` or ``recv_into`` per request, the requests' bookkeeping),
+       and held the GIL the whole time, against the thread of the rank that works on the next
+       part of the message meanwhile (NOTE [overlap across nodes] in
+       comm/algorithms/segment.py). Where ranks outnumber cores (two emulated machines of two
+       ranks on two cores) every rank's CPU is the others' wall time: over 10gbit, a 64 MiB
+       allreduce took 49 ms of CPU per rank, 20 of them in user space.
+    2. What. A schedule is two tables (:func:`ring_schedule`, :func:`allgather_schedule`): the
+       sends, in the order they go down the stream to the right (byte offset from the message's
+       base, length), and the receives, in the order they come up the stream from the left
+       (offset; length; whether it lands in the caller's spare buffer, for the caller to reduce
+       into the message there; how many sends may go once it is in; which send must have gone
+       before it is read).
+       A stream keeps its bytes in order, so that is all the matching there is: no tags, no
+       requests (NOTE [a ring over TCP] 2 in comm/transports/tcp.py).
+    3. How. :func:`advance` writes what the stream to the right takes and reads what the one
+       from the left holds, both non-blocking, and sleeps in ``poll`` on what it waits for,
+       until the schedule is done. A receive into the spare buffer that is complete hands back
+       to the caller (REDUCE, the receive's index in ``st``), who reduces it and calls again;
+       it is compiled once, in bytes, not once per dtype (its reductions are the caller's
+       kernels): a first run compiles it once per process, on every rank at once.
+    4. Nothing in compiled code decides to give up. Past ``until_ns`` (the caller's nap) it
+       returns PENDING with its place in ``st``, and the caller, in Python, asks whether the
+       timeout passed (and names the peer waited for: its left neighbour while a receive is
+       due, else its right one) before calling it again. A stream that fails or that the peer
+       closed returns CLOSED_LEFT or CLOSED_RIGHT with the errno in ``st`` (0 for an orderly
+       close): the caller names that peer. A shutdown from another thread (an abort) wakes the
+       ``poll`` and ends the call the same way.
+    5. A receive waits for its bytes in ``poll`` with ``SO_RCVLOWAT`` set to what it still lacks,
+       at most ``lowat`` bytes (NOTE [a ring over TCP] 7): the kernel wakes the call once that
+       much has arrived, not at every segment. The option is set only where it changes (its
+       last value in ``st``, which lives as long as the streams).
+    6. A receive that lands where this rank sent from earlier in the schedule (the ring's
+       all-gather, in place over a segment it sent during the reduce-scatter) is read only once
+       that send has gone (NOTE [ring schedule] 3 in comm/algorithms/ring.py): a send is done
+       once the kernel holds its bytes, so the bytes it sent cannot be overwritten in its
+       buffer.
+
+Why one module: the libc functions bound by name, the tables' layout and the compiled loop that
+reads them are one contract (the columns of the tables, the slots of ``st``); the transport
+that owns the streams and raises the errors is comm/transports/tcp.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from ..message import segments
+
+__all__ = ["advance", "start", "ring_schedule", "allgather_schedule", "new_state", "DONE", "PENDING",
+           "REDUCE", "CLOSED_LEFT", "CLOSED_RIGHT", "STALLED", "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS",
+           "R_OFFSET", "R_BYTES", "R_REDUCE", "R_RELEASES", "R_AFTER_SEND", "N_ST"]
+
+DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED = range(6)
+
+# st's slots (int64): the send under way (its index) and its bytes sent, the receive under way
+# and its bytes received, how many sends may go, whether receive S_RECEIVED was handed back to
+# be reduced (REDUCE), the errno of a failed stream, the polls this schedule slept in (for
+# tests), then, kept across schedules, the left stream's SO_RCVLOWAT as last set (clause 5).
+S_SENT, S_SENT_BYTES, S_RECEIVED, S_RECEIVED_BYTES, S_MAY_SEND, S_HANDED, S_ERRNO, S_POLLS, S_LOWAT, N_ST = \
+    range(10)
+_PER_SCHEDULE = S_LOWAT  # slots [0, S_LOWAT) start over with each schedule
+
+# The receives' columns: offset, bytes, whether it lands in the caller's spare buffer for the
+# caller to reduce into the message at that offset (REDUCE), the sends that may go once it is
+# in (a count from the first), the send that must have gone before it is read (-1: none).
+R_OFFSET, R_BYTES, R_REDUCE, R_RELEASES, R_AFTER_SEND, N_R = range(6)
+
+_EAGAIN, _EINTR = 11, 4  # Linux's (EWOULDBLOCK is EAGAIN there)
+_MSG_NOSIGNAL = 0x4000  # a closed stream fails the send with EPIPE, not the process with SIGPIPE
+_POLLIN, _POLLOUT = 0x1, 0x4
+_SOL_SOCKET, _SO_RCVLOWAT = 1, 18
+_CLOCK_MONOTONIC = 1  # time.monotonic_ns reads the same clock
+
+_send = types.ExternalFunction("send", types.intp(types.intc, types.uintp, types.uintp, types.intc))
+_recv = types.ExternalFunction("recv", types.intp(types.intc, types.uintp, types.uintp, types.intc))
+_poll = types.ExternalFunction("poll", types.intc(types.uintp, types.uint64, types.intc))
+_setsockopt = types.ExternalFunction("setsockopt", types.intc(types.intc, types.intc, types.intc, types.uintp,
+                                                              types.uint32))
+_errno_location = types.ExternalFunction("__errno_location", types.uintp())
+_clock_gettime = types.ExternalFunction("clock_gettime", types.intc(types.intc, types.uintp))
+
+
+@intrinsic
+def _load_i32(typingctx, address):
+    """The int32 at integer ``address`` (errno, through ``__errno_location``)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+        return builder.load(ptr)
+
+    return types.int32(address), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _errno():
+    return _load_i32(_errno_location())
+
+
+def new_state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A pair of streams' ``st`` (int64, N_ST), ``cells`` (int32 scratch: two ``pollfd`` and the
+    socket option's value) and ``clock`` (int64 scratch: a ``timespec``), for :func:`advance`."""
+    return np.zeros(N_ST, np.int64), np.zeros(8, np.int32), np.zeros(2, np.int64)
+
+
+@njit(nogil=True, cache=True)
+def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, clock):
+    """Run the schedule (``sends``: (n, 2) int64, offset and bytes; ``recvs``: (m, N_R) int64,
+    NOTE [a ring's schedule in compiled code] 2) on the non-blocking sockets ``right`` (written)
+    and ``left`` (read), offsets from address ``base`` (the spare buffer's at address
+    ``spare``). Returns DONE; REDUCE (receive ``st[S_RECEIVED]`` is in the spare buffer: reduce
+    it and call again); PENDING (``until_ns``, CLOCK_MONOTONIC, passed: call again to go on);
+    CLOSED_LEFT / CLOSED_RIGHT (that stream failed or closed, errno in ``st[S_ERRNO]``); STALLED
+    (the schedule waits on nothing it can reach: a bad table). ``st``: from :func:`new_state`,
+    readied for each schedule by :func:`start`; ``lowat``: the most bytes a wait
+    for a receive gathers before it wakes (clause 5). The caller keeps every buffer alive and
+    unchanged but by this call until it returns DONE or fails."""
+    n_sends, n_recvs = sends.shape[0], recvs.shape[0]
+    if st[S_HANDED]:  # the caller reduced the receive handed back: it is in
+        i = st[S_RECEIVED]
+        st[S_MAY_SEND] = recvs[i, R_RELEASES]
+        st[S_RECEIVED] = i + 1
+        st[S_RECEIVED_BYTES] = 0
+        st[S_HANDED] = 0
+    while True:
+        moved = False
+        while st[S_SENT] < st[S_MAY_SEND]:
+            j = st[S_SENT]
+            done = st[S_SENT_BYTES]
+            left_bytes = sends[j, 1] - done
+            n = _send(right, base + sends[j, 0] + done, left_bytes, _MSG_NOSIGNAL)
+            if n < 0:
+                e = _errno()
+                if e == _EAGAIN or e == _EINTR:
+                    break
+                st[S_ERRNO] = e
+                return CLOSED_RIGHT
+            moved = moved or n > 0
+            if n < left_bytes:
+                st[S_SENT_BYTES] = done + n
+                break
+            st[S_SENT] = j + 1
+            st[S_SENT_BYTES] = 0
+        while st[S_RECEIVED] < n_recvs:
+            i = st[S_RECEIVED]
+            if recvs[i, R_AFTER_SEND] >= st[S_SENT]:  # clause 6
+                break
+            done = st[S_RECEIVED_BYTES]
+            left_bytes = recvs[i, R_BYTES] - done
+            at = spare if recvs[i, R_REDUCE] else base + recvs[i, R_OFFSET]
+            n = _recv(left, at + done, left_bytes, 0)
+            if n == 0 and left_bytes > 0:
+                st[S_ERRNO] = 0
+                return CLOSED_LEFT
+            if n < 0:
+                e = _errno()
+                if e == _EAGAIN or e == _EINTR:
+                    break
+                st[S_ERRNO] = e
+                return CLOSED_LEFT
+            moved = True
+            if n < left_bytes:
+                st[S_RECEIVED_BYTES] = done + n
+                break
+            if recvs[i, R_REDUCE]:
+                st[S_RECEIVED_BYTES] = done + n
+                st[S_HANDED] = 1
+                return REDUCE
+            st[S_MAY_SEND] = recvs[i, R_RELEASES]
+            st[S_RECEIVED] = i + 1
+            st[S_RECEIVED_BYTES] = 0
+        if st[S_SENT] >= n_sends and st[S_RECEIVED] >= n_recvs:
+            return DONE
+        if moved:
+            continue
+        # Nothing moved: sleep on what this rank waits for (clause 3), never past until_ns.
+        nfds = 0
+        if st[S_SENT] < st[S_MAY_SEND]:
+            cells[0] = right
+            cells[1] = _POLLOUT
+            nfds = 1
+        i = st[S_RECEIVED]
+        if i < n_recvs and recvs[i, R_AFTER_SEND] < st[S_SENT]:
+            want = min(recvs[i, R_BYTES] - st[S_RECEIVED_BYTES], lowat)
+            if want != st[S_LOWAT]:  # clause 5
+                cells[4] = want
+                if _setsockopt(left, _SOL_SOCKET, _SO_RCVLOWAT, cells.ctypes.data + 16, 4) == 0:
+                    st[S_LOWAT] = want
+            cells[2 * nfds] = left
+            cells[2 * nfds + 1] = _POLLIN
+            nfds += 1
+        if nfds == 0:
+            return STALLED
+        _clock_gettime(_CLOCK_MONOTONIC, clock.ctypes.data)
+        now = clock[0] * 1_000_000_000 + clock[1]
+        if now >= until_ns:
+            return PENDING
+        st[S_POLLS] += 1
+        _poll(cells.ctypes.data, nfds, max(1, (until_ns - now + 999_999) // 1_000_000))
+
+
+def start(st: np.ndarray, first: int) -> None:
+    """Ready ``st`` for a new schedule whose ``first`` sends may go before anything is
+    received (the schedule's third item); the streams' slot is kept (NOTE [a ring's schedule
+    in compiled code] 5)."""
+    st[:_PER_SCHEDULE] = 0
+    st[S_MAY_SEND] = first
+
+
+@functools.lru_cache(maxsize=64)
+def ring_schedule(n: int, itemsize: int, p: int, r: int, chunk: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The ring allreduce's schedule (NOTE [ring schedule] 1-3 in comm/algorithms/ring.py) for
+    rank ``r`` of ``p`` over ``n`` elements of ``itemsize`` bytes, in chunks of ``chunk``
+    elements: (sends, recvs, first) as :func:`advance` and :func:`start` read them, the tables
+    read-only (cached per shape).
+
+    Step t sends segment (r - t) mod p and receives (r - t - 1) mod p, which step t + 1 sends:
+    chunk k of step t + 1 may go once chunk k of step t is in (and, reducing, reduced). The
+    reduce-scatter's receives go to the spare buffer, the caller reducing each; the
+    all-gather's land in place, each after the send that read its bytes (clause 6)."""
+    parts = segments(n, p)
+    steps = 2 * (p - 1)
+
+    def chunks(t: int) -> list[tuple[int, int]]:
+        a, b = parts[(r - t) % p]
+        return [(c, min(c + chunk, b)) for c in range(a, b, chunk)]
+
+    first = chunks(0)
+    sends = [(a * itemsize, (b - a) * itemsize) for a, b in first]
+    recvs = []
+    made = {}  # (step, chunk) -> the index of its send
+    for k in range(len(first)):
+        made[(0, k)] = k
+    for t in range(steps):
+        for k, (a, b) in enumerate(chunks(t + 1)):
+            reduce = t < p - 1
+            after = -1 if reduce else made[(t + 1 - p, k)]
+            if t + 1 < steps:
+                made[(t + 1, k)] = len(sends)
+                sends.append((a * itemsize, (b - a) * itemsize))
+            recvs.append((a * itemsize, (b - a) * itemsize, int(reduce), len(sends), after))
+    return _frozen(sends, 2), _frozen(recvs, N_R), len(first)
+
+
+@functools.lru_cache(maxsize=64)
+def allgather_schedule(row_bytes: int, p: int, r: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The allgather around the ring of rows of ``row_bytes`` (row q of the output at q *
+    ``row_bytes`` from its base) for rank ``r`` of ``p``: at step s it forwards row (r - s)
+    mod p, which it received at step s - 1 (its own at step 0), and receives row (r - s - 1)
+    mod p. (sends, recvs, first) as :func:`ring_schedule`'s."""
+    if row_bytes == 0:
+        return _frozen([], 2), _frozen([], N_R), 0
+    sends = [(((r - s) % p) * row_bytes, row_bytes) for s in range(p - 1)]
+    recvs = [(((r - s - 1) % p) * row_bytes, row_bytes, 0, min(s + 2, p - 1), -1) for s in range(p - 1)]
+    return _frozen(sends, 2), _frozen(recvs, N_R), 1
+
+
+def _frozen(rows: list, cols: int) -> np.ndarray:
+    out = np.array(rows, np.int64).reshape(-1, cols)
+    out.flags.writeable = False
+    return out
