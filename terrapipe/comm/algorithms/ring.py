@@ -68,7 +68,7 @@ import numpy as np
 from ... import timeline
 from ...kernels import reduce as kreduce
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
-from ..transports.mpi import CHUNK_BYTES, MpiTransport
+from ..transports.mpi import CHUNK_BYTES
 
 __all__ = ["RING_TAG", "DONE_TAG", "allreduce", "allreduce_array", "ring_allreduce", "segments"]
 
@@ -97,11 +97,8 @@ def allreduce(mpi, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: i
 def allreduce_array(mpi, buf: np.ndarray, op: int, kind: int, what: str) -> None:
     """:func:`ring_allreduce` over MpiTransport ``mpi``'s ring communicator, with its timeout,
     done messages, scratch and tuned chunk size: in place on ``buf``, summing for ``avg``."""
-    # The TCP transport's wait drives its own sockets and naps on them (NOTE [a ring over TCP]
-    # in comm/transports/tcp.py): tests between yields are MPI's.
-    polls = {"polls": RING_POLLS} if isinstance(mpi, MpiTransport) else {}
     ring_allreduce(mpi.ring_comm, buf, op, kind,
-                   lambda req, w, peer: mpi.wait(req, f"{what}: {w}", peer, **polls), mpi.done_sends,
+                   lambda req, w, peer: mpi.wait(req, f"{what}: {w}", peer, polls=RING_POLLS), mpi.done_sends,
                    mpi.ring_scratch, mpi.chunk_bytes)
 
 

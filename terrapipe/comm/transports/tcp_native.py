@@ -105,8 +105,20 @@ def _load_i32(typingctx, address):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _errno():
-    return _load_i32(_errno_location())
+def _failure():
+    """errno after a send or receive returned -1, or 0 where it only would have blocked (or a
+    signal interrupted it): try again once ``poll`` says so."""
+    e = _load_i32(_errno_location())
+    return 0 if e == _EAGAIN or e == _EINTR else e
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _received(st, recvs, i):
+    """Receive ``i`` is in (and reduced, if the caller reduces it): the sends it releases may go,
+    and the next receive is under way."""
+    st[S_MAY_SEND] = recvs[i, R_RELEASES]
+    st[S_RECEIVED] = i + 1
+    st[S_RECEIVED_BYTES] = 0
 
 
 def new_state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -129,10 +141,7 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
     unchanged but by this call until it returns DONE or fails."""
     n_sends, n_recvs = sends.shape[0], recvs.shape[0]
     if st[S_HANDED]:  # the caller reduced the receive handed back: it is in
-        i = st[S_RECEIVED]
-        st[S_MAY_SEND] = recvs[i, R_RELEASES]
-        st[S_RECEIVED] = i + 1
-        st[S_RECEIVED_BYTES] = 0
+        _received(st, recvs, st[S_RECEIVED])
         st[S_HANDED] = 0
     while True:
         moved = False
@@ -142,10 +151,9 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
             left_bytes = sends[j, 1] - done
             n = _send(right, base + sends[j, 0] + done, left_bytes, _MSG_NOSIGNAL)
             if n < 0:
-                e = _errno()
-                if e == _EAGAIN or e == _EINTR:
+                st[S_ERRNO] = _failure()
+                if st[S_ERRNO] == 0:
                     break
-                st[S_ERRNO] = e
                 return CLOSED_RIGHT
             moved = moved or n > 0
             if n < left_bytes:
@@ -165,10 +173,9 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
                 st[S_ERRNO] = 0
                 return CLOSED_LEFT
             if n < 0:
-                e = _errno()
-                if e == _EAGAIN or e == _EINTR:
+                st[S_ERRNO] = _failure()
+                if st[S_ERRNO] == 0:
                     break
-                st[S_ERRNO] = e
                 return CLOSED_LEFT
             moved = True
             if n < left_bytes:
@@ -178,9 +185,7 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
                 st[S_RECEIVED_BYTES] = done + n
                 st[S_HANDED] = 1
                 return REDUCE
-            st[S_MAY_SEND] = recvs[i, R_RELEASES]
-            st[S_RECEIVED] = i + 1
-            st[S_RECEIVED_BYTES] = 0
+            _received(st, recvs, i)
         if st[S_SENT] >= n_sends and st[S_RECEIVED] >= n_recvs:
             return DONE
         if moved:
