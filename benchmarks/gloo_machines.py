@@ -1,18 +1,21 @@
-"""Allreduce of a torchrun job across machines: terrapipe's hierarchical path over Gloo against
-Gloo's own, through the same group, and torch.distributed's all_reduce alone.
+"""Allreduce of a torchrun job across machines: terrapipe's paths over Gloo against Gloo's own,
+through the same group, and torch.distributed's all_reduce alone.
 
     python -m benchmarks.gloo_machines --cluster 2x2 --link 1gbit [--rounds 7]   # as root
 
 Starts an emulated cluster (``terrapipe.testing.cluster``) and one torchrun per node. Every
 rank's ``comm.init`` makes a group over Gloo that keeps each machine's shared memory (NOTE
 [machines over Gloo] in terrapipe/comm/group.py). Per message size (float32, 4 KiB .. 16 MiB),
-interleaved, each round in its own order (``common.round_order``): ``comm.allreduce`` pinned to the
-hierarchical segment (what it selects there), pinned to Gloo's own allreduce (what the group did
-before it had shared memory: both pay the group's signature agreement over Gloo), and
-``torch.distributed.all_reduce`` on the default group (Gloo's, no agreement). A sample is the
-slowest rank's time per call over a batch. Reported: medians, the median per-round ratio of
-Gloo's own through the group to the segment, and each case's share of the link's bound (a ring
-between nodes sends and receives 2(N-1)/N of the data over each node's link).
+interleaved, each round in its own order (``common.round_order``): ``comm.allreduce`` as it
+selects (the one-shot across nodes up to a row half, 2 MiB at two ranks a machine, then
+single-copy or the segment: NOTE [machines over Gloo] 3), pinned to the hierarchical segment
+(what it selected at every size before the one-shot ran over the rings), pinned to Gloo's own
+allreduce (what the group did before it had shared memory; each pays the group's signature
+agreement), and ``torch.distributed.all_reduce`` on the default group (Gloo's, no agreement). A
+sample is the slowest rank's time per call over a batch. Reported: medians, the median
+per-round ratios of Gloo's own through the group and of torch's own to the selected path, and
+each case's share of the link's bound (a ring between nodes sends and receives 2(N-1)/N of the
+data over each node's link).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ import numpy as np
 
 from .common import format_table, link_bits_per_second, round_order, run_under_torchrun, save
 
-CASES = ("segment", "gloo (same group)", "dist.all_reduce")
+CASES = ("selected", "segment", "gloo (same group)", "dist.all_reduce")
+_PINNED = {"segment": "segment", "gloo (same group)": "gloo"}  # "selected": None, as comm chooses
 
 
 def _worker(out: str, rounds: int, max_mib: int) -> None:
@@ -58,7 +62,7 @@ def _worker(out: str, rounds: int, max_mib: int) -> None:
 
         for k in range(rounds + 1):  # round 0 warms up (connections, compilation, page faults)
             for case in round_order(CASES, k):
-                g.use_algorithm("allreduce", {"segment": "segment", "gloo (same group)": "gloo"}.get(case))
+                g.use_algorithm("allreduce", _PINNED.get(case))
                 a.fill(1.0)
                 comm.barrier()
                 start = time.perf_counter()
@@ -93,19 +97,22 @@ def main(argv: list[str] | None = None) -> None:
     rate = link_bits_per_second(args.link)
     med = {c: {int(b): statistics.median(v) for b, v in s.items()} for c, s in data["samples"].items()}
     rows, records = [], []
-    for b in sorted(med["segment"]):
+    def over_selected(case: str, b: int) -> float:  # the median per-round ratio
+        return statistics.median(x / y for x, y in zip(data["samples"][case][str(b)],
+                                                       data["samples"]["selected"][str(b)], strict=True))
+
+    for b in sorted(med["selected"]):
         bound = 2 * (nodes - 1) / nodes * b * 8 / rate
-        ratios = [x / y for x, y in zip(data["samples"]["gloo (same group)"][str(b)],
-                                        data["samples"]["segment"][str(b)], strict=True)]
-        ratio = statistics.median(ratios)
-        rows.append([f"{b >> 10} KiB", *(f"{1e3 * med[c][b]:.2f}" for c in CASES), f"{ratio:.2f}x",
+        ratios = {c: over_selected(c, b) for c in CASES[1:]}
+        rows.append([f"{b >> 10} KiB", *(f"{1e3 * med[c][b]:.3f}" for c in CASES),
+                     *(f"{ratios[c]:.2f}x" for c in CASES[1:]),
                      "/".join(f"{bound / med[c][b]:.0%}" for c in CASES)])
-        records.append({"bytes": b, "seconds": {c: med[c][b] for c in CASES}, "gloo_over_segment": ratio,
-                        "of_link_bound": {c: bound / med[c][b] for c in CASES},
+        records.append({"bytes": b, "seconds": {c: med[c][b] for c in CASES},
+                        "over_selected": ratios, "of_link_bound": {c: bound / med[c][b] for c in CASES},
                         "samples_s": {c: data["samples"][c][str(b)] for c in CASES}})
     print(f"\n{nodes} emulated nodes x {per_node} ranks under torchrun, {args.link} links, float32 sum in "
           f"place, median of {args.rounds} interleaved rounds (ms per call, slowest rank)")
-    print(format_table(["size", *(f"{c} ms" for c in CASES), "gloo/segment (same group)",
+    print(format_table(["size", *(f"{c} ms" for c in CASES), *(f"{c} / selected" for c in CASES[1:]),
                         "of link bound"], rows))
     for f in save(f"gloo_machines_{nodes}x{per_node}_{args.link}",
                   {"nodes": nodes, "ranks_per_node": per_node, "link": args.link, "records": records}):

@@ -22,31 +22,40 @@ NOTE [machines over Gloo]
        store. Nothing is registered with torch.distributed, so a ``torch.distributed`` backend
        can build such a group too (distributed/process_group.py, with a Gloo group of its own
        for the rest: NOTE [Gloo groups of our own] in transports/gloo.py).
-    3. Reductions (allreduce, reduce) run hierarchical (NOTE [algorithm selection] 2): each
-       machine reduces its parts in its segment, each local rank allreduces its part with its
-       peers on the other machines over its ring (``bulk`` too: a message of several chunks
-       has each part cross in the background while the machine works on the next, NOTE
-       [overlap across nodes] in comm/algorithms/segment.py), and every rank copies the result
-       out. The other collectives are Gloo's own, after the agreement (6).
+    3. Reductions (allreduce, reduce) run as they do between nodes under MPI (NOTE [algorithm
+       selection] 2): a small allreduce is the one-shot across nodes (its agreement and data
+       in one board step and one exchange around the ring, NOTE [one-shot across nodes] in
+       comm/algorithms/oneshot_nodes.py), a larger one hierarchical: each machine reduces its
+       parts in its segment, each local rank allreduces its part with its peers on the other
+       machines over its ring (``bulk`` too: a message of several chunks has each part cross
+       in the background while the machine works on the next, NOTE [overlap across nodes] in
+       comm/algorithms/segment.py), and every rank copies the result out. The other
+       collectives are Gloo's own, after the agreement (6).
     4. A local rank that fails on a far peer marks it lost on its machine's board, and marks
        itself waiting while it waits on other machines (NOTE [a peer lost across nodes] in
        transports/board.py): its machine's ranks raise naming that peer, not their neighbour.
     5. A split of such a group is one too (Horovod's ``hvd.init`` works on a split of the
        world): the ranks of each color make their segments and rings under the parent's prefix.
-    6. The signature agreement (``control``: transports/gloo.py's ``MachinesAgreement``) takes
-       two steps where a Gloo group's takes an allgather over every rank: the machine's
-       signatures meet on its board, then each local rank allgathers its machine's (local_size
-       rows) with its peers over its TCP ring: every rank then holds every rank's signature, so a
-       mismatch anywhere raises on every rank, each call described.
+    6. The signature agreement (``control``: the segment's, with the ring as its ``cross``)
+       takes two steps where a Gloo group's takes an allgather over every rank: the machine's
+       signatures meet on its board, then each local rank sends its machine's table of their
+       digests around its TCP ring (NOTE [agreement across nodes] in transports/shm.py, framed
+       as NOTE [a ring over TCP] 8 says): every rank then holds every rank's, so a mismatch
+       anywhere raises on every rank, each call described.
     7. Why TCP streams of our own between machines, where the group has Gloo: Gloo's small
        transfers take milliseconds there. At 2 nodes x 2 over emulated 1gbit links (Intel Xeon,
        2026-11-27, benchmarks.gloo_machines), a 4 KiB allreduce took 4.4 ms with Gloo groups
        between the machines and 0.80 ms over the rings (torch's own all_reduce over Gloo: 6.7),
        and 16 MiB reached 91% of the links' bound (Gloo's own: 58-63%).
-    8. Machines of one rank each (4 nodes x 1 under torchrun) have no segment to share: the
-       group's ranks form one ring of TCP streams (``cross``, also the agreement's ``control``:
-       an allgather of the signatures around it); allreduces and reduces run over it whole (the
-       ``tcp`` algorithm, NOTE [algorithm selection] 2), the other collectives are Gloo's own.
+    8. Machines of one rank each (4 nodes x 1 under torchrun) have no peer to share a segment
+       with: the group's ranks form one ring of TCP streams (``cross``), and each rank's
+       segment of one holds only its board and its rows for the agreement (6) and the one-shot
+       across nodes (3), as an MPI group's nodes of one rank do; larger allreduces and reduces
+       run around the ring whole (the ``tcp`` algorithm, NOTE [algorithm selection] 2), the
+       other collectives are Gloo's own. Before, the agreement was an allgather of whole
+       signatures around the ring and a small allreduce a second one: at 4 nodes x 1 over
+       1gbit (AMD EPYC, 2 cores, 2026-12-02) 4 KiB took 684-727 us a call, where MPI's
+       one-shot took 80-92.
 """
 
 from __future__ import annotations
@@ -316,8 +325,6 @@ class Group:
         ``prefix``) and a ring among the ranks of each local rank (2); one, a ring among them all
         (8). Collective."""
         from .store import StoreComm
-        from .transports.gloo import MachinesAgreement
-        from .transports.tcp import TcpTransport
 
         self._machines = (store, prefix, nodes)
         names = sorted(set(nodes), key=nodes.index)
@@ -327,20 +334,16 @@ class Group:
         self.uniform = len(set(collections.Counter(nodes).values())) == 1
         if not Group.spans_machines_evenly(nodes):
             return
-        if self.local_size == 1:  # 8
-            ring = StoreComm(store, f"{prefix}/ring", self.rank, self.size, self.timeout, abandon)
-            self.cross = self.control = TcpTransport(ring, self.timeout, list(range(self.size)), nodes)
-            return
         local = StoreComm(store, f"{prefix}/{names.index(nodes[self.rank])}", self.local_rank,
                           self.local_size, self.timeout, abandon)
         cores = set().union(*map(set, local.allgather(sorted(os.sched_getaffinity(0)))))
         self.oversubscribed = self.local_size > len(cores)
-        self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout)
-        members, self.cross = Group._cross_group(nodes, self.rank, store, prefix, self.timeout, abandon)
+        # 2; 8: on machines of one rank each, one ring of them all
+        _, self.cross = Group._cross_group(nodes, self.rank, store, prefix, self.timeout, abandon)
+        self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout, self.cross)
         # 4: NOTE [a peer lost across nodes] in transports/board.py
         self.cross.on_lost, self.cross.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
-        rows = [q for m in members for q in range(self.size) if nodes[q] == nodes[m]]  # 6
-        self.control = MachinesAgreement(self.shm, self.cross, rows)
+        self.control = self.shm  # 6
         self.bulk = self.cross  # 3: NOTE [overlap across nodes] in comm/algorithms/segment.py
 
     @staticmethod

@@ -11,6 +11,7 @@ import pytest
 
 from terrapipe.comm import CollectiveTimeoutError, CommError
 from terrapipe.comm.transports import tcp_native
+from terrapipe.comm.transports.board import TABLE_COLS
 from terrapipe.comm.transports.tcp import TcpTransport
 from terrapipe.kernels import reduce as kreduce
 
@@ -263,8 +264,8 @@ def _receive_only(nbytes: int):
     schedule in compiled code] 2 in comm/transports/tcp_native.py)."""
     recvs = np.zeros((1, tcp_native.N_R), np.int64)
     recvs[0, tcp_native.R_BYTES] = nbytes
-    recvs[0, tcp_native.R_AFTER_SEND] = -1
-    return np.zeros((0, 2), np.int64), recvs, 0
+    recvs[0, tcp_native.R_AFTER_SEND] = recvs[0, tcp_native.R_LEN_AT] = -1
+    return np.zeros((0, tcp_native.N_W), np.int64), recvs, 0
 
 
 @pytest.mark.mpi(ranks=(2,), timeout=120)
@@ -299,4 +300,107 @@ def test_a_receive_wakes_once_its_bytes_are_there_not_at_every_piece(mpi_comm):
         t._run(_receive_only(4 * piece), np.zeros(4 * piece, np.uint8), "receiving")
     assert time.monotonic() - start < 5, "a stream closed mid-transfer is waited out"
     mpi_comm.Barrier()
+    t.close()
+
+
+def _inbox(t: TcpTransport, rows: int, payload: int) -> tuple[np.ndarray, int]:
+    """An exchange's inbox as the segment makes one (NOTE [agreement across nodes] in
+    comm/transports/shm.py): (size, width) uint8, ``rows`` table rows and the frame row."""
+    head = (rows + t.frame_rows) * TABLE_COLS * 8
+    width = -(-(head + payload) // 64) * 64
+    inbox = np.zeros((t.size, width), np.uint8)
+    table = inbox[t.rank, :head].view(np.int64).reshape(-1, TABLE_COLS)
+    table[:] = -1
+    table[:rows, -1] = [t.rank * rows + j for j in range(rows)]  # the "group ranks" of its rows
+    return inbox, head
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_messages_of_lengths_only_their_senders_know_cross_whole_and_in_step(mpi_comm):
+    # NOTE [a ring over TCP] 8: every rank's message, of a length only it knows (a table, then
+    # 0 to 64 KiB, rank by rank and call by call, edges of the head included), reaches every
+    # rank whole, forwarded around the ring at 4; the streams stay in step across hundreds of
+    # such exchanges, an allreduce between them sees its own bytes.
+    p = mpi_comm.Get_size()
+    for name, (c, t) in _rings(mpi_comm).items():
+        rank = c.Get_rank()
+        inbox, head = _inbox(t, 2, 64 << 10)
+        room = inbox.shape[1] - head
+        words = inbox.view(np.int64)
+        rng = np.random.default_rng(5)  # the same draws on every rank: each knows every length
+        for i in range(200 if name == "world" else 40):
+            payloads = [int(x) for x in rng.choice([0, 1, 7, 8, 4096, room - 1, room], p)]
+            mine = payloads[rank]
+            words[rank, 0] = 1000 + i  # the table: this call's "digest"
+            inbox[rank, head:head + mine] = np.arange(mine, dtype=np.uint64) * (rank + 3) + i
+            counts = t._tables_only("test", inbox, head, head + mine, None, None)
+            assert counts == [head + n for n in payloads], (name, i, counts)
+            for q in range(p):
+                assert words[q, 0] == 1000 + i, (name, i, q)
+                got = inbox[q, head:head + payloads[q]]
+                want = (np.arange(payloads[q], dtype=np.uint64) * (q + 3) + i).astype(np.uint8)
+                assert np.array_equal(got, want), (name, i, q)
+            if i % 25 == 0:
+                buf = np.full(1000, rank + i, np.float32)
+                t.allreduce_array(buf, kreduce.SUM, 0, "test")
+                assert buf[0] == buf[-1] == p * i + p * (p - 1) / 2, (name, i)
+        t.close()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_tables_that_differ_raise_on_every_rank_naming_the_odd_one_and_the_ring_goes_on(mpi_comm):
+    # NOTE [a ring over TCP] 8 with NOTE [agreement across nodes] 4: one rank sends another
+    # digest and a payload where the others send none (another collective's agreement): every
+    # rank holds every table, every rank names it through the whole signatures, and the next
+    # exchange agrees.
+    from terrapipe.comm.transports.board import SIG_WORDS
+
+    c, t = _rings(mpi_comm)["world"]
+    rank, p = c.Get_rank(), c.Get_size()
+    inbox, head = _inbox(t, 1, 4096)
+    words = inbox.view(np.int64)
+    odd = p - 1
+    for _ in range(20):
+        sigs = np.full((1, SIG_WORDS), 3, np.int64)
+        sigs[0, 4] = 10 + (rank == odd)
+        words[rank, 0] = int(sigs[0, 4])  # the digest, as the segment writes it
+        payload = 4096 if rank == odd else 0
+
+        def check(every, ranks):
+            bad = [r for r, s in zip(ranks, every, strict=True) if s[4] != every[0][4]]
+            raise ValueError(f"mismatch at ranks {bad}")
+
+        with pytest.raises(ValueError, match=rf"mismatch at ranks \[{odd}\]"):
+            t.agree_tables("test", inbox, head, head + payload, check, sigs)
+        words[rank, 0] = 7
+        t.agree_tables("test", inbox, head, head, check, sigs)  # agrees: returns
+    t.close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_a_frame_no_row_holds_ends_the_ring_naming_its_sender(mpi_comm):
+    # NOTE [a ring's schedule in compiled code] 7: a stream that lost its place (here a head
+    # whose length is past the row) fails on the reader before a byte of it lands, naming the
+    # sender; the ring is ended, so the sender's next wait fails at once too.
+    t = TcpTransport(mpi_comm, timeout=30, members=[0, 1], hosts=["node0", "node1"])
+    inbox, head = _inbox(t, 1, 4096)
+    words = inbox.view(np.int64)
+    if mpi_comm.Get_rank() == 1:
+        bogus = inbox[1, :head].copy()
+        bogus.view(np.int64)[head // 8 - TABLE_COLS] = inbox.shape[1] + 64  # a length past the row
+        t.ring_comm.right.setblocking(True)
+        t.ring_comm.right.sendall(bogus)
+        mpi_comm.Barrier()
+        with pytest.raises((CollectiveTimeoutError, CommError)):
+            t.allreduce_array(np.ones(10, np.float32), kreduce.SUM, 0, "after")
+        t.close()
+        return
+    before = inbox[1].copy()
+    with pytest.raises(CommError, match="a message from rank 1 on node1 says a length no row holds"):
+        t._tables_only("test", inbox, head, head, None, None)
+    assert np.array_equal(inbox[1, head:], before[head:]), "a byte past the head landed"
+    assert words[0, head // 8 - TABLE_COLS] == head
+    mpi_comm.Barrier()
+    with pytest.raises(CommError, match="unusable"):
+        t.allreduce_array(np.ones(10, np.float32), kreduce.SUM, 0, "after")
     t.close()

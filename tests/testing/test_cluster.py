@@ -221,6 +221,23 @@ TORCHRUN = textwrap.dedent("""
             ok = False
         except comm.CollectiveMismatchError as e:
             ok &= f"rank {odd}: float64 (11,)" in str(e) and "rank 0: float64 (10,)" in str(e)
+    # NOTE [a ring over TCP] 8: a one-shot's message (table and payload) met by another
+    # collective's agreement (single copy's, a table alone) on the other machine: every rank
+    # raises, and the rings are still in step
+    try:
+        comm.allreduce(np.zeros(600_000 if r == 2 else 1000))
+        ok = False
+    except comm.CollectiveMismatchError as e:
+        ok &= "rank 2: float64 (600000,)" in str(e)
+    # NOTE [one-shot across nodes] 13: a rank late by more than the compiled call waits, each in
+    # turn: the others go on in Python from where their exchange stood
+    import time
+    for i in range(3 * n):
+        if r == i % n:
+            time.sleep(0.02)
+        y = np.full(1000, r + i, np.float32)
+        comm.allreduce(y)
+        ok &= bool(np.all(y == n * i + n * (n - 1) / 2))
     log = g.record_algorithms()
     for i in range(12):
         for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int32", "max")):
@@ -273,16 +290,19 @@ def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp
     assert p.returncode == 0, p.stderr[-3000:]
     reports = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
                      key=lambda d: d["rank"])
-    tiers = [True, "tcp", nodes] if per_node > 1 else [False, "tcp", 4]
+    tiers = [True, "tcp", nodes]  # 4x1: a segment of one rank per machine (NOTE [machines over Gloo] 8)
     assert [(d["rank"], d["host"], d["local"], d["nnodes"], d["ok"], d["tiers"]) for d in reports] == [
         (r, f"node{r // per_node}", [r % per_node, per_node], nodes, True, tiers) for r in range(4)], \
         p.stderr[-3000:]
-    # 2x2: private arrays from 2 MiB single-copy on each machine (NOTE [single-copy allreduce] 7);
-    # 4x1: every reduction around the ring of the four (NOTE [algorithm selection] 2)
-    paths = ([["allreduce", "segment"], ["allreduce", "single_copy"], ["broadcast", "gloo"],
+    # 2x2: up to a row half the one-shot across nodes over the rings (NOTE [machines over Gloo]
+    # 3), private arrays from 2 MiB single-copy on each machine (NOTE [single-copy allreduce] 7);
+    # 4x1: the one-shot up to 32 KiB, every other reduction around the ring of the four (NOTE
+    # [algorithm selection] 2)
+    paths = ([["allreduce", "oneshot_nodes"], ["allreduce", "single_copy"], ["broadcast", "gloo"],
               ["reduce", "segment"]] if per_node > 1
-             else [["allreduce", "tcp"], ["broadcast", "gloo"], ["reduce", "tcp"]])
-    assert all(d["paths"] == paths for d in reports), reports
+             else [["allreduce", "oneshot_nodes"], ["allreduce", "tcp"], ["broadcast", "gloo"],
+                   ["reduce", "tcp"]])
+    assert all(d["paths"] == paths for d in reports), [d["paths"] for d in reports]
     # [size, nnodes, local_size, joined by rings] of the whole world, q % 2 and q // 2
     splits = ([[4, 2, 2, True], [2, 2, 1, True], [2, 1, 2, False]] if per_node > 1
               else [[4, 4, 1, True], [2, 2, 1, True], [2, 2, 1, True]])
@@ -323,7 +343,7 @@ DDP_ACROSS = textwrap.dedent("""
     if r in (0, 2):
         t = torch.full((10,), float(r))
         dist.all_reduce(t, group=pair)
-        ok &= t[0].item() == 2.0 and pair.group.shm is None and pair.group.cross.name == "tcp"
+        ok &= t[0].item() == 2.0 and pair.group.local_size == 1 and pair.group.cross.name == "tcp"
     # DDP on this backend and on Gloo, the same batches: the same training, every rank's
     # weights bit-identical to the others' (the hierarchical sum is copied out alike).
     torch.manual_seed(0)
@@ -373,7 +393,9 @@ def test_ddp_on_terrapipe_under_torchrun_across_machines_has_shared_memory_on_ea
                      key=lambda d: d["rank"])
     assert [(d["rank"], d["host"], d["ok"], d["tiered"], d["local"]) for d in reports] == [
         (r, f"node{r // 2}", True, True, [r % 2, 2, 2]) for r in range(4)], p.stderr[-3000:]
-    assert all(["allreduce", "segment"] in d["paths"] for d in reports), reports
+    # up to a row half the one-shot across nodes (NOTE [machines over Gloo] 3), 12 MiB single-copy
+    assert all(["allreduce", "oneshot_nodes"] in d["paths"] and ["allreduce", "single_copy"] in d["paths"]
+               for d in reports), [d["paths"] for d in reports]
     assert all(d["served"]["terrapipe"] > 60 for d in reports), reports
     # Gloo's ring adds the four ranks' floats in another order: a rounding apart, no more.
     assert all(d["gap"] <= 1e-5 * max(1.0, d["scale"]) for d in reports), reports
@@ -411,6 +433,6 @@ def test_the_storm_under_torchrun_across_machines(tmp_path, nodes, per_node):
                         sys.executable, str(script), str(tmp_path), root],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
-    tiers = "[True, 'tcp']" if per_node > 1 else "[False, 'tcp']"
+    tiers = "[True, 'tcp']"
     assert sorted(f.read_text() for f in tmp_path.glob("rank*")) == [f"280 {tiers}"] * 4, p.stderr[-3000:]
     assert _leftovers() == []

@@ -113,6 +113,24 @@ NOTE [one-shot across nodes]
        MiB over 10gbit where the row's way took 1.41x (probes, a copy back included), but a
        rank then compiles ``_fused`` on its first call out of place too: where ranks mix the
        two ways, both compile it at once on a first run (13 s more of a cold test at 2 nodes).
+    13. Between machines without MPI (a torchrun job: NOTE [machines over Gloo] in
+       comm/group.py) the exchange runs around the TCP ring of each local rank, every message
+       framed with its length (NOTE [a ring over TCP] 8 in comm/transports/tcp.py), and steps
+       1-4 are again one compiled call (:func:`_fused_tcp`), the ring's schedule run by
+       ``tcp_native.advance`` inside it. It waits for the exchange at most ``_TCP_FUSED_NS``
+       (2 ms) and then leaves the rest to the transport in Python (``agree_tables``, which
+       goes on with the schedule where it stands: NOTE [a ring's schedule in compiled code] 8
+       in comm/transports/tcp_native.py), which marks this rank waiting afar, keeps the
+       timeout and names a lost peer; a failed stream takes the same way, to be named there.
+       Nodes of one rank have no segment there (NOTE [machines over Gloo] 8) and so no
+       one-shot. Before, such a job agreed over the ring and then ran the hierarchical
+       segment: at 2 machines x 2 over 1gbit (AMD EPYC, 2 cores, 2026-12-02; 4 KiB, median of
+       400 calls, rank 0) 239 us a call, where MPI's one-shot took 60; with the one-shot over
+       the ring, around the compiled call in Python 82 us, in one compiled call 58-65, MPI's in
+       the same hour 66-68. At 2x2 over 10gbit, pinned and interleaved, the one-shot against
+       the segment, us at 64 KiB / 256 KiB / 1 MiB / 2 MiB: 110-120 / 316-351, 343-388 /
+       534-762, 1566-1812 / 1745-2186, 3283-3793 / 3415-3446: so the limit between two
+       machines stays a row half (``ONESHOT_NODE_PAIR_BYTES``).
 
 Why one module: the limits (with the measurements that set them), the plan per signature, the
 compiled call and the Python around it are one algorithm whose clauses cite each other; split,
@@ -120,6 +138,8 @@ the limits would sit away from the steps whose cost they weigh.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 from numba import njit, types
@@ -130,7 +150,7 @@ from ...kernels import entry_point
 from ...kernels import oneshot as koneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
-from ..transports import mpi_native
+from ..transports import mpi_native, tcp_native
 from ..transports.board import ROUND_SPINS, SIG_WORDS, TABLE_COLS, YIELDS
 from ..transports.mpi import NATIVE_SPINS
 from .oneshot import ONESHOT_SPINS
@@ -251,6 +271,10 @@ def part_of(n: int, local_size: int) -> int:
     return -(-n // (16 * local_size)) * 16
 
 
+# The longest _fused_tcp waits in compiled code for the exchange before it leaves the rest to the
+# transport in Python, which marks this rank waiting afar and keeps the timeout (clause 13).
+_TCP_FUSED_NS = 2_000_000
+
 # _fused's answer when the node's ranks had not all arrived within its yields (the caller waits
 # for them in Python, then goes on with the exchange): beside the exchange's answers (0-3), for
 # MPI's error codes come back negative, and -3 is MPI_ERR_TYPE.
@@ -351,6 +375,101 @@ def _divided(dst, divisor, kind):
     _divide_in_place(dst, divisor, kind)
 
 
+@structref.register
+class _FixedTcpType(types.StructRef):
+    """Numba's type of :class:`_FixedTcp`."""
+
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class _FixedTcp(structref.StructRefProxy):
+    """:func:`_fused_tcp`'s arguments that do not change from call to call (clause 13): the
+    one-shot's arrays, as :class:`_Fixed` holds them, the inbox's words, and the TCP ring's
+    (its state, the framed schedule's tables and scratch cells: NOTE [a ring's schedule in
+    compiled code] in comm/transports/tcp_native.py), with this rank's place, the streams'
+    descriptors, the inbox's address and the frame's word. Made by :func:`_new_fixed_tcp`;
+    every array the transport's, only referenced."""
+
+
+structref.define_boxing(_FixedTcpType, _FixedTcp)
+
+
+def _make_fixed_tcp(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p, node,
+                    h0, head, frame, right, left, base, lowat, first, op, divisor, kind):
+    raise NotImplementedError("compiled code only (_new_fixed_tcp)")
+
+
+@overload(_make_fixed_tcp)
+def _make_fixed_tcp_impl(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p,
+                         node, h0, head, frame, right, left, base, lowat, first, op, divisor, kind):
+    fields = dict(rows=rows, table=table, sig=sig, scratch=scratch, acc=acc, parts=parts, words=words, st=st,
+                  sends=sends, recvs=recvs, cells=cells, clock=clock, me=me, p=p, node=node, h0=h0, head=head,
+                  frame=frame, right=right, left=left, base=base, lowat=lowat, first=first, op=op,
+                  divisor=divisor, kind=kind)
+    fixed_type = _FixedTcpType(list(fields.items()))
+
+    def impl(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p, node, h0,
+             head, frame, right, left, base, lowat, first, op, divisor, kind):
+        f = structref.new(fixed_type)
+        f.rows, f.table, f.sig, f.scratch, f.acc, f.parts = rows, table, sig, scratch, acc, parts
+        f.words, f.st, f.sends, f.recvs, f.cells, f.clock = words, st, sends, recvs, cells, clock
+        f.me, f.p, f.node, f.h0, f.head, f.frame, f.right, f.left = me, p, node, h0, head, frame, right, left
+        f.base, f.lowat, f.first, f.op, f.divisor, f.kind = base, lowat, first, op, divisor, kind
+        return f
+
+    return impl
+
+
+@njit(cache=True)
+def _new_fixed_tcp(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p, node,
+                   h0, head, frame, right, left, base, lowat, first, op, divisor, kind):
+    """A :class:`_FixedTcp` holding these (arrays by reference)."""
+    return _make_fixed_tcp(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me,
+                           p, node, h0, head, frame, right, left, base, lowat, first, op, divisor, kind)
+
+
+@njit(nogil=True, cache=True)
+def _fused_tcp(src, dst, fx, h, step, col, lo, hi, whole, until_ns):
+    """Steps 1-4 of NOTE [one-shot across nodes] in one compiled call over the TCP ring between
+    machines (clause 13): DONE, or where it stopped for the caller to go on in Python:
+    LOCAL_WAIT (as :func:`_fused`'s), DISAGREE (every table known: describe the mismatch), or
+    PENDING (the exchange under way at ``until_ns``, CLOCK_MONOTONIC, or failed: the
+    transport's exchange takes it from where it stands and names what happened). ``fx``: a
+    :class:`_FixedTcp`; the rest as for :func:`_fused`."""
+    rows, table, sig, scratch, acc, parts = fx.rows, fx.table, fx.sig, fx.scratch, fx.acc, fx.parts
+    words, me, p, node, h0, head = fx.words, fx.me, fx.p, fx.node, fx.h0, fx.head
+    op, divisor, kind = fx.op, fx.divisor, fx.kind
+    partial = parts[node, h0:h0 + hi - lo]
+    state = koneshot.oneshot_allreduce(src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch,
+                                       acc, ONESHOT_SPINS, lo)
+    if state == koneshot.WAITING:
+        if not ksync.yield_until(table[:, 0], step, ROUND_SPINS, YIELDS):
+            return LOCAL_WAIT
+        if ksync.rows_equal(table[:, col:col + SIG_WORDS]) < 0:
+            koneshot.finish(partial, rows, h + lo, op, 1, kind, scratch, acc)
+    for r in range(p):  # this node's table: each local rank's signature digest (its rank is set)
+        words[node, r * TABLE_COLS] = ksync.sig_digest(table[r, col:col + SIG_WORDS])
+    nbytes = head + (hi - lo) * parts.itemsize
+    words[node, fx.frame] = nbytes  # NOTE [a ring over TCP] 8
+    st = fx.st
+    tcp_native.start(st, fx.first)
+    code = tcp_native.advance(st, fx.sends, fx.recvs, fx.right, fx.left, fx.base, 0, fx.lowat, until_ns,
+                              fx.cells, fx.clock)
+    if code != tcp_native.DONE:
+        return mpi_native.PENDING
+    if not ksync.tables_agree(words, head // 8, TABLE_COLS, words[node, :TABLE_COLS - 1]):
+        return mpi_native.DISAGREE
+    for q in range(words.shape[0]):
+        if words[q, fx.frame] != nbytes:
+            return mpi_native.DISAGREE
+    if whole:
+        koneshot.finish(dst, parts, h0, op, divisor, kind, scratch, acc)
+    else:
+        koneshot.finish(rows[me, h + lo:h + hi], parts, h0, op, divisor, kind, scratch, acc)
+    return mpi_native.DONE
+
+
 @njit(nogil=True, cache=True)
 def _fused(src, dst, fx, h, step, col, lo, hi, whole, direct):
     """Steps 1-4 of NOTE [one-shot across nodes] in one compiled call, the exchange by MPI's C
@@ -416,12 +535,19 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
     divisor = size if op == kreduce.AVG else 1
     compiled = {}
     native = cross.native
-    fixed = None
-    if native is not None:  # _fused's arguments that do not change from call to call
+    fixed = None  # _fused's (or _fused_tcp's) arguments that do not change from call to call
+    over_tcp = native is None and cross.name == "tcp" and cross.size > 1  # clause 13
+    if native is not None:
         pair = shm.pair if shm.pair is not None else native.no_pair
         fixed = _new_fixed(rows, table, sig, scratch, acc, parts, inbox, native.words(inbox), pair,
                            pair.view(dtype), native.st, native.cfg, native.reqs, native.statuses,
                            native.counts, native.cells, me, p, node, h0, head, op, divisor, kind, doubling)
+    elif over_tcp:
+        st, sends, recvs, cells, clock, right, left, base, lowat, first, frame = \
+            cross.compiled_exchange(inbox, head)
+        fixed = _new_fixed_tcp(rows, table, sig, scratch, acc, parts, inbox.view(np.int64), st, sends,
+                               recvs, cells, clock, me, p, node, h0, head, frame, right, left, base, lowat,
+                               first, op, divisor, kind)
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
         run(src, dst, in_place(src) if src is dst else _how(src, dst))
@@ -451,7 +577,8 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         step, col = board.reserve()
         state = LOCAL_WAIT
         if fns[4] is not None:  # all of it in one compiled call, Python only where it stops
-            state = fns[4](src, dst, fixed, h, step, col, lo, hi, whole, direct)
+            last = time.monotonic_ns() + _TCP_FUSED_NS if over_tcp else direct
+            state = fns[4](src, dst, fixed, h, step, col, lo, hi, whole, last)
         if state != mpi_native.DONE:
             _go_on(state, src, dst, fns, h, step, col, lo, hi, whole, direct)
         if not whole:  # 5
@@ -466,7 +593,8 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         if state < 0:
             cross.raise_native_error(coll, state)
         if state == mpi_native.DISAGREE:
-            cross.raise_mismatch(coll, inbox, head, native.counts, check, board.sigs(step))
+            counts = native.counts if native is not None else cross.counts(inbox, head)
+            cross.raise_mismatch(coll, inbox, head, counts, check, board.sigs(step))
         if state == LOCAL_WAIT:
             # 1, 2: done by _fused, which stopped waiting for the node's ranks; else done here
             state = koneshot.WAITING if fns[4] is not None else fns[0](
@@ -512,10 +640,11 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
                entry_point(koneshot.finish, (partial, rows, h + lo, op, 1, kind, scratch, acc)),
                entry_point(koneshot.finish, (out, parts, h0, op, divisor, kind, scratch, acc)),
                entry_point(koneshot.collect, gather) if p > 1 else None,
-               entry_point(_fused, (src, dst, fixed, h, step, col, lo, hi, whole, False))
+               entry_point(_fused_tcp if over_tcp else _fused,
+                           (src, dst, fixed, h, step, col, lo, hi, whole, 0 if over_tcp else False))
                if fixed is not None and src is dst and src.flags.writeable else None)
-        direct = (fns[4] is not None and p == 1 and dst.dtype == dtype and dst.flags.c_contiguous
-                  and bool(mpi_native.halves(native.cfg, n * dtype.itemsize)))
+        direct = (fns[4] is not None and not over_tcp and p == 1 and dst.dtype == dtype
+                  and dst.flags.c_contiguous and bool(mpi_native.halves(native.cfg, n * dtype.itemsize)))
         return fns, whole, part, lo, hi, direct
 
     call.in_place = in_place

@@ -29,7 +29,7 @@ from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from .base import OwnCollectives
 
-__all__ = ["GlooTransport", "MachinesAgreement"]
+__all__ = ["GlooTransport"]
 
 _SIGN_IN_SECONDS = 30.0  # the longest a failing rank looks for the others' keys
 
@@ -257,27 +257,3 @@ class GlooTransport(OwnCollectives):
             # shutdown (split() subgroups included) can abort in C++ ("terminate called ...").
             self._dist.destroy_process_group()
             self.owns_init = False
-
-
-class MachinesAgreement:
-    """The signature agreement of a Gloo group with shared memory on each machine (NOTE
-    [machines over Gloo] 6 in comm/group.py): the machine's signatures meet on its board (``shm``),
-    then each local rank swaps its machine's with its peers of the other machines over its
-    transport between them (``cross``: transports/tcp.py's ring), so every rank holds every
-    rank's signature. ``ranks``: the group rank of each row of that whole table (machines in
-    ``cross``'s order, each machine's ranks in local order)."""
-
-    name = "gloo"
-
-    def __init__(self, shm, cross, ranks: list[int]) -> None:
-        self.shm, self.cross, self.ranks = shm, cross, ranks
-
-    def agree(self, coll, sig, check) -> None:
-        board = self.shm.board
-        mine = board.sigs(board.barrier(self.shm.timeout, coll, sig))
-        every = np.empty((self.cross.size, mine.size), mine.dtype)
-        with self.cross.afar():
-            self.cross.allgather(np.ascontiguousarray(mine).reshape(-1), every)
-        every = every.reshape(-1, mine.shape[1])
-        if not (every == every[0]).all():
-            check(every, self.ranks)  # every rank holds the same table: all raise alike

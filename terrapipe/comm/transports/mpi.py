@@ -29,13 +29,12 @@ import numpy as np
 
 from ... import settings, timeline
 from ...kernels import reduce as kreduce
-from ...kernels import sync as ksync
 from .. import ops
 from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from ..wait import wait_until
-from .base import OwnCollectives
-from .board import LOST, SIG_WORDS, TABLE_COLS
+from .base import NodeTables, OwnCollectives
+from .board import LOST, TABLE_COLS
 from .mpi_native import C_HALVING, DONE, PENDING, bind
 
 __all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES", "halving_threshold"]
@@ -87,7 +86,7 @@ def halving_threshold(payloads, doubling, halving) -> int:
     return math.ceil(crossover / 64) * 64  # up, from the real value (not from its floor)
 
 
-class MpiTransport(OwnCollectives):
+class MpiTransport(OwnCollectives, NodeTables):
     """Transfers over ``comm`` (mpi4py). ``members[i]``: the group rank of rank i of ``comm``;
     ``timeout``: seconds a request may take; ``late_hint()``: (group ranks, why) known to be
     late from elsewhere (the node's board), or None, to name in a timeout; ``hosts``: each
@@ -295,87 +294,19 @@ class MpiTransport(OwnCollectives):
         comm/transports/shm.py): among a power of two of at least four ranks."""
         return self.size >= 4 and self.size & (self.size - 1) == 0
 
-    def agree_tables(self, coll, inbox: np.ndarray, head: int, nbytes: int, check, sigs: np.ndarray,
-                     pair=None, reduction: tuple | None = None, user: np.ndarray | None = None) -> None:
-        """Send this rank's message, ``inbox[rank, :nbytes]``, to every rank of ``comm`` and
-        receive theirs into their rows of ``inbox`` (:meth:`exchange`); call ``check(sigs,
-        ranks)`` on every rank's signature, in rank order, where any differ. A message begins
-        with its node's table, ``head`` bytes of int64 (rows, TABLE_COLS): a row per rank of
-        the node, its signature's digest then its group rank, -1 for padding rows (NOTE
-        [agreement across nodes] 4 in comm/transports/shm.py); any payload follows.
-        ``inbox``: (size, width) uint8, C-contiguous, the caller's, ``width`` a multiple of 8
-        and at least the longest message any rank sends. ``sigs``: (local_size, SIG_WORDS)
-        int64, the signatures this rank's table digests, in its rows' order (a mismatch is
-        named with them). Returns once every table agrees: every message then has ``nbytes``
-        bytes.
-
-        Where :attr:`doubling`, by :meth:`exchange_doubling` (``pair``: its (2, width) uint8
-        scratch; ``reduction``: (partial, op, kind, scratch, acc), how the payloads are reduced
-        on the way: ``partial`` this rank's payload as its dtype, the rest as for
-        :func:`~terrapipe.kernels.oneshot.finish`; None where only tables travel). In compiled
-        code where MPI's C API can be reached (NOTE [MPI from compiled code] in
-        comm/transports/mpi_native.py), else through mpi4py. ``user``: the caller's array the
-        payload is read from and whose result it receives, where the compiled exchange
-        reduce-scatters (``mpi_native.Exchange.start``, NOTE [MPI from compiled code] 10)."""
-        if user is not None and self.native is None:
-            raise ValueError("user: only the compiled exchange reduces in the caller's array")
-        counts = self._tables_only(coll, inbox, head, nbytes, pair, reduction, user)
-        if counts is None:
-            return
-        words = inbox.view(np.int64)
-        # Compiled: NumPy calls cost microseconds each, which the smallest allreduces pay.
-        if ksync.tables_agree(words, head // 8, TABLE_COLS, words[self.rank, : TABLE_COLS - 1]) and \
-                all(c == nbytes for c in counts):
-            return
-        self.raise_mismatch(coll, inbox, head, counts, check, sigs)
-
     def _tables_only(self, coll, inbox: np.ndarray, head: int, nbytes: int, pair, reduction, user=None):
-        """The exchange of :meth:`agree_tables`: each rank's message length, or None where the
-        compiled exchange found every table agreeing already."""
         if self.native is not None:
             return self._exchange_native(coll, inbox, head, nbytes, pair, reduction, user)
         if self.doubling:
             return self.exchange_doubling(coll, inbox, head, nbytes, pair, reduction)
         return self.exchange(coll, inbox, nbytes)
 
-    def raise_mismatch(self, coll, inbox: np.ndarray, head: int, counts, check, sigs: np.ndarray) -> None:
-        """Raise what an exchange that did not agree means: ``check(sigs, ranks)`` on every
-        rank's signature, in rank order (CollectiveMismatchError where they differ), else
-        CommError for messages of different lengths under one signature. ``inbox``, ``head``
-        and ``sigs`` as in :meth:`agree_tables`; ``counts``: each rank's message length. Where
-        the digests differ every rank sees it, and every rank swaps the whole signatures with
-        the others first (NOTE [agreement across nodes] 4 in comm/transports/shm.py)."""
-        words = inbox.view(np.int64)
-        tables = words[:, : head // 8].reshape(-1, TABLE_COLS)
-        digests = tables[tables[:, -1] >= 0, 0]
-        if (digests != digests[0]).any():
-            rows = head // 8 // TABLE_COLS
-            mine = words[self.rank, : head // 8].reshape(rows, TABLE_COLS)[: len(sigs), -1]
-            whole = self._whole_signatures(coll, mine, sigs, rows)
-            rows = whole[whole[:, -1] >= 0]
-            rows = np.ascontiguousarray(rows[np.argsort(rows[:, -1], kind="stable")])
-            check(rows[:, :-1], [int(r) for r in rows[:, -1]])
-        lengths = sorted({int(c) for c in counts})
-        raise CommError(f"{coll}: messages of {lengths} bytes under one signature")
-
-    def _whole_signatures(self, coll, ranks: np.ndarray, sigs: np.ndarray, rows: int) -> np.ndarray:
-        """Every rank's table with whole signatures, (size x rows, SIG_WORDS + 1) int64: each
-        rank's ``rows`` rows, ``sigs`` with ``ranks`` (its node's group ranks), -1 padding."""
-        table = np.full((rows, SIG_WORDS + 1), -1, np.int64)
-        table[: len(sigs), :-1] = sigs
-        table[: len(sigs), -1] = ranks
-        return self._every_table(f"{coll} (naming the mismatch)", table).reshape(-1, SIG_WORDS + 1)
-
-    def _every_table(self, what: str, mine: np.ndarray) -> np.ndarray:
-        """Every rank's ``mine`` ((rows, cols) int64, C-contiguous, the same shape on every
-        rank), (size, rows, cols), through the exchange of tables alone
-        (:meth:`_tables_only`; whether they agree is the caller's to judge)."""
-        head = mine.nbytes
-        inbox = np.zeros((self.size, head), np.uint8)
-        inbox[self.rank] = mine.view(np.uint8).ravel()
+    def _equal_tables(self, what: str, inbox: np.ndarray, head: int) -> None:
         pair = np.zeros((2, self.size // 2 * head), np.uint8) if self.doubling else None
         self._tables_only(what, inbox, head, head, pair, None)
-        return inbox.view(np.int64).reshape(self.size, *mine.shape)
+
+    def largest_node(self, local_size: int) -> int:
+        return int(self.comm.allreduce(local_size, op=self._MPI.MAX))
 
     def raise_native_error(self, what: str, state: int) -> None:
         """Raise minus ``state``, an MPI error code from the compiled exchange, with MPI's text,

@@ -30,7 +30,7 @@ NOTE [row halves]
 NOTE [agreement across nodes]
     1. On several nodes a rank first agrees with its node on the board (one step, signatures
        published with it), then sends its node's table of signatures to the ranks of the same
-       local rank on every other node, and receives theirs (``MpiTransport.agree_tables``), so
+       local rank on every other node, and receives theirs (``NodeTables.agree_tables``), so
        every rank checks every rank's signature: a rank raising on its own node's mismatch
        before the exchange would leave the other nodes' ranks one agreement behind.
     2. The exchange is point to point, not an MPI collective: a message may carry a payload
@@ -41,9 +41,11 @@ NOTE [agreement across nodes]
        would be erroneous in MPI. Each message is received into its sender's row of the
        transport's inbox (:meth:`ShmTransport.inbox`), whole rows posted before the sends (no
        message of an exchange is longer than a row: a table and at most the one-shot's limit),
-       each one's length read from its status. Rows are ``payload_bytes`` past the table on
-       every rank (:func:`payload_bytes`: more between two nodes of several ranks and among
-       a power of two of nodes, for the one-shot across nodes' larger messages there): a 64
+       each one's length read from its status (over MPI; over the TCP ring between machines,
+       from the message itself: NOTE [a ring over TCP] 8 in comm/transports/tcp.py). Rows are
+       ``payload_bytes`` past the table on every rank (:func:`payload_bytes`: more between two
+       nodes of several ranks and among a power of two of nodes, for the one-shot across
+       nodes' larger messages there): a 64
        KiB one-shot's message met by a rank in another collective's agreement once overran a
        row sized for tables alone, and MPI failed on the truncation (regression test in
        tests/comm/test_collectives.py).
@@ -62,7 +64,7 @@ NOTE [agreement across nodes]
        2.7% behind MPICH's (16 KiB less those 600 bytes: 0.99 of MPICH's time, interleaved). Where
        digests differ every rank sees it (each holds every table), and every rank then swaps the
        whole signatures in a second exchange, of tables alone, to name the mismatch
-       (``MpiTransport.raise_mismatch``). Two signatures that differ share a digest by a chance
+       (``NodeTables.raise_mismatch``). Two signatures that differ share a digest by a chance
        of 2**-64 per pair.
 
 NOTE [shared segment reservation]
@@ -184,9 +186,10 @@ def payload_bytes(nodes: int, largest_node: int, doubling: bool) -> int:
 class ShmTransport(Transport):
     """The shared segment of this rank's node: the board (``board``), each local rank's row
     (:meth:`rows`), shared arrays (:meth:`alloc_shared`) and the peers' memory (``peers``, NOTE
-    [single-copy allreduce] 4 in comm/algorithms/single_copy.py). ``cross``: an MpiTransport
-    over the ranks of the same local rank on every node, or None on one node; the agreement
-    runs over it too.
+    [single-copy allreduce] 4 in comm/algorithms/single_copy.py). ``cross``: the transport
+    over the ranks of the same local rank on every node (MPI's, or a ring of TCP streams
+    between machines: :class:`~terrapipe.comm.transports.base.NodeTables`), or None on one
+    node; the agreement runs over it too.
 
     ``node_comm``: mpi4py communicator of this node's ranks (for creating the segment);
     ``rank``/``size``: in the whole group; ``node_ranks``: group rank of each local rank."""
@@ -223,16 +226,15 @@ class ShmTransport(Transport):
         self._inbox = self._head = self._node_table = self.pair = None
         self.payload_bytes = PAYLOAD_BYTES  # the most an exchange's message carries past its table
         if cross is not None:
-            from mpi4py import MPI
-
-            rows = cross.comm.allreduce(p, op=MPI.MAX)
-            self._head = rows * TABLE_COLS * 8
+            rows = cross.largest_node(p)
+            # the transport's own rows (a TCP stream's frame: NOTE [a ring over TCP] 8) follow
+            self._head = (rows + cross.frame_rows) * TABLE_COLS * 8
             # the same on every rank of cross (its size, the largest node), as the rows must be
             self.payload_bytes = payload_bytes(cross.size, rows, cross.doubling)
             width = -(-(self._head + self.payload_bytes) // 64) * 64
             self._inbox = np.empty((cross.size, width), np.uint8)
             table = self._inbox[cross.rank, : self._head].view(np.int64)
-            self._node_table = table.reshape(rows, TABLE_COLS)
+            self._node_table = table.reshape(rows + cross.frame_rows, TABLE_COLS)
             self._node_table[:] = -1
             # Recursive doubling's two messages of a round (NOTE [agreement across nodes] 3):
             # half the nodes' tables and a payload at most.
@@ -286,7 +288,7 @@ class ShmTransport(Transport):
         exchange goes by recursive doubling (``cross.doubling``, clause 3) the payloads are
         reduced on the way instead, as ``reduction`` says: (partial, op, kind, scratch, acc),
         ``partial`` this rank's payload as its dtype, which then ends as the whole group's
-        reduction (``MpiTransport.agree_tables``); required there when there is a payload.
+        reduction (``NodeTables.agree_tables``); required there when there is a payload.
         ``user``: the caller's array the payload is read from and whose result it receives, where
         the compiled exchange reduce-scatters (NOTE [MPI from compiled code] 10 in
         comm/transports/mpi_native.py); else None."""

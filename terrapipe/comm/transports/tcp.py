@@ -46,6 +46,18 @@ NOTE [a ring over TCP]
        kernel then waits for the chunk's last byte instead of following its arrival.
        Where the kernel does not cap it (before Linux 4.19) a receive larger than the buffer
        would wake only at the wait's nap (``_NAP_NS``): slow, never stuck.
+    8. Between machines of several ranks the ring carries NOTE [agreement across nodes] (in
+       comm/transports/shm.py) too: each rank's message, its machine's table and any payload
+       (the one-shot across nodes' part, comm/algorithms/oneshot_nodes.py), around the ring as
+       an allgather (:meth:`TcpTransport._tables_only`). Ranks that called different
+       collectives, or one with different sizes, send messages of different lengths, and a
+       stream has no message boundaries: so each message says its length, in a row of its
+       table of its own (``frame_rows``: the length, then -1, a row the tables' check skips),
+       and is received in two parts, the head of a known size and then the rest, as long as
+       the head says (NOTE [a ring's schedule in compiled code] 7 in tcp_native.py). Every
+       rank then holds every message whole, the streams stay in step, and a mismatch is
+       raised on every rank alike; a length no row can hold means the stream lost its place:
+       the ring is ended at once (its peers fail naming this rank) and is unusable after.
 
 Why one module: the two streams (:class:`TcpRing`: the sockets and the state of the schedule
 they run) and the transport over them (:class:`TcpTransport`: schedules with their timeout and
@@ -73,6 +85,8 @@ from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat
 from ..sockets import connect_ranks
 from . import tcp_native
+from .base import NodeTables
+from .board import TABLE_COLS
 
 __all__ = ["TcpTransport", "TcpRing"]
 
@@ -93,22 +107,24 @@ class TcpRing:
         self.right, self.left = right, left
         right.setblocking(False)
         left.setblocking(False)
-        self.st, self._cells, self._clock = tcp_native.new_state()
+        self.st, self.cells, self.clock = tcp_native.new_state()
         # Compiled (or loaded from Numba's cache) now, with the streams, not inside the first
         # collective's wait, where its seconds would count against the peers' timeout.
         self.run(tcp_native.allgather_schedule(0, size, rank), np.empty(0, np.uint8), np.empty(0, np.uint8),
                  time.monotonic_ns)
 
-    def run(self, schedule, base: np.ndarray, spare: np.ndarray, until_ns, reduce=None) -> int:
+    def run(self, schedule, base: np.ndarray, spare: np.ndarray, until_ns, reduce=None, resume=False) -> int:
         """Run ``schedule`` ((sends, recvs, first) from tcp_native) over ``base`` (the message,
         C-contiguous; offsets in its bytes) with ``spare`` (uint8, the reduce-scatter's
-        receives) until it is done (DONE) or fails (CLOSED_LEFT, CLOSED_RIGHT, STALLED, the
-        errno in ``st``). ``until_ns()``: the time (CLOCK_MONOTONIC ns) of the next look from
-        Python, or None when the wait has run out (then PENDING). ``reduce(i)``: reduces
-        receive i from ``spare`` into ``base`` (REDUCE)."""
+        receives) until it is done (DONE) or fails (CLOSED_LEFT, CLOSED_RIGHT, STALLED,
+        BAD_FRAME, the errno in ``st``). ``until_ns()``: the time (CLOCK_MONOTONIC ns) of the
+        next look from Python, or None when the wait has run out (then PENDING). ``reduce(i)``:
+        reduces receive i from ``spare`` into ``base`` (REDUCE). ``resume``: go on with the
+        schedule a compiled caller started (NOTE [a ring's schedule in compiled code] 8)."""
         sends, recvs, first = schedule
         st = self.st
-        tcp_native.start(st, first)
+        if not resume:
+            tcp_native.start(st, first)
         right, left = self.right.fileno(), self.left.fileno()
         at, spare_at = base.ctypes.data, spare.ctypes.data
         while True:
@@ -116,7 +132,7 @@ class TcpRing:
             if until is None:
                 return tcp_native.PENDING
             code = tcp_native.advance(st, sends, recvs, right, left, at, spare_at, _LOWAT_BYTES, until,
-                                      self._cells, self._clock)
+                                      self.cells, self.clock)
             if code == tcp_native.REDUCE:
                 reduce(int(st[tcp_native.S_RECEIVED]))
             elif code != tcp_native.PENDING:
@@ -138,15 +154,17 @@ class TcpRing:
                 s.close()
 
 
-class TcpTransport:
+class TcpTransport(NodeTables):
     """Allreduce and allgather among ``comm``'s ranks (a :class:`~terrapipe.comm.store.StoreComm`
     or mpi4py communicator over which the streams are set up; collective) over a ring of TCP
     streams (NOTE [a ring over TCP]). ``members[i]``: the group rank of rank i, for errors;
     ``hosts``: each rank's machine, for errors. What the machines' tier of a Gloo group needs
     of its ``cross`` transport (NOTE [machines over Gloo] in comm/group.py): ``allreduce_array``,
-    ``allgather``, ``afar``, ``on_lost``, ``on_waiting``."""
+    ``allgather``, ``afar``, ``on_lost``, ``on_waiting``, and the agreement's exchange
+    (:class:`~terrapipe.comm.transports.base.NodeTables`, clause 8)."""
 
     name = "tcp"
+    frame_rows = 1  # NOTE [a ring over TCP] 8
 
     def __init__(self, comm, timeout: float, members: list[int] | None = None,
                  hosts: list[str] | None = None) -> None:
@@ -175,13 +193,15 @@ class TcpTransport:
         else:
             self.ring_comm = None
 
-    def describe(self, peer: int) -> str:
-        """Rank ``peer`` of this ring as the group numbers it, with its machine where known."""
-        where = f" on {self.hosts[peer]}" if self.hosts is not None else ""
-        return f"rank {self.members[peer]}{where}"
+    def describe(self, rank: int) -> str:
+        """Group rank ``rank`` for a message: "rank 2 on node1" where it is on this ring and its
+        machine is known, else "rank 2"."""
+        if self.hosts is None or rank not in self.members:
+            return f"rank {rank}"
+        return f"rank {rank} on {self.hosts[self.members.index(rank)]}"
 
     # -- running a schedule -------------------------------------------------------------------
-    def _run(self, schedule, base: np.ndarray, what: str, reduce=None) -> None:
+    def _run(self, schedule, base: np.ndarray, what: str, reduce=None, resume=False) -> None:
         """Run ``schedule`` over ``base`` (NOTE [a ring's schedule in compiled code] in
         comm/transports/tcp_native.py), marked waiting afar while it lasts; raise
         CollectiveTimeoutError naming the peer waited for (its left neighbour while a receive is
@@ -197,7 +217,7 @@ class TcpTransport:
             return None if now >= deadline else min(deadline, now + _NAP_NS)
 
         with self.afar():  # as MpiTransport.wait_all marks itself, whoever called it
-            code = ring.run(schedule, base, self.ring_scratch, until_ns, reduce)
+            code = ring.run(schedule, base, self.ring_scratch, until_ns, reduce, resume)
         if code == tcp_native.DONE:
             return
         left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
@@ -209,6 +229,11 @@ class TcpTransport:
         if code == tcp_native.STALLED:
             self.failed = f"{what}: a schedule that waits on nothing"
             raise CommError(self.failed)
+        if code == tcp_native.BAD_FRAME:  # NOTE [a ring over TCP] 8: the stream lost its place
+            self.failed = (f"{what}: a message from {self.describe(self.members[left])} says a length no "
+                           f"row holds; the ring is ended")
+            ring.shutdown()
+            raise CommError(self.failed)
         errno = int(ring.st[tcp_native.S_ERRNO])
         why = os.strerror(errno) if errno else "the connection closed"
         if code == tcp_native.CLOSED_LEFT:
@@ -219,7 +244,7 @@ class TcpTransport:
         late = self.members[peer]
         self.failed = f"{what}: {cause}"
         self.on_lost(late)
-        return CollectiveTimeoutError(f"{what}: {cause} waiting for {self.describe(peer)} (tcp; its peer in "
+        return CollectiveTimeoutError(f"{what}: {cause} waiting for {self.describe(late)} (tcp; its peer in "
                                       f"this transfer)", [late])
 
     @contextlib.contextmanager
@@ -291,6 +316,51 @@ class TcpTransport:
 
         with timeline.span("comm", "ring allreduce"):
             self._run(schedule, buf, f"{what}: ring allreduce between machines", reduce)
+
+    # -- the agreement across machines (NOTE [a ring over TCP] 8) --------------------------------
+    def largest_node(self, local_size: int) -> int:
+        x = np.array([local_size], np.int64)
+        with self.afar():
+            self.allreduce_array(x, kreduce.MAX, 0, "finding the largest machine")
+        return int(x[0])
+
+    def _tables_only(self, coll, inbox: np.ndarray, head: int, nbytes: int, pair, reduction, user=None):
+        """Every rank's message around the ring, framed (clause 8): this rank's ``nbytes`` into
+        its frame row (the table's last), every rank's into its row of ``inbox``; each rank's
+        length, in ring order."""
+        frame = self.frame_word(head)
+        words = inbox.view(np.int64)
+        words[self.rank, frame] = nbytes
+        if self.size > 1:
+            schedule = tcp_native.framed_schedule(inbox.shape[1], head, frame * 8, self.size, self.rank)
+            # the one-shot across nodes' compiled call may have started it (tcp_native clause 8)
+            self._run(schedule, inbox, coll, resume=tcp_native.under_way(self.ring_comm.st))
+        return words[:, frame].tolist()
+
+    def frame_word(self, head: int) -> int:
+        """The int64 word of a message whose ``head`` bytes begin with its table that holds the
+        message's length (clause 8: the first of the table's last row)."""
+        return head // 8 - TABLE_COLS * self.frame_rows
+
+    def counts(self, inbox: np.ndarray, head: int) -> list[int]:
+        """Each rank's message length in the exchange just run over ``inbox`` (clause 8)."""
+        return inbox.view(np.int64)[:, self.frame_word(head)].tolist()
+
+    def compiled_exchange(self, inbox: np.ndarray, head: int) -> tuple:
+        """What a compiled caller needs to run the exchange over ``inbox`` itself (NOTE [one-shot
+        across nodes] 13 in comm/algorithms/oneshot_nodes.py): (st, sends, recvs, cells, clock,
+        right, left, the inbox's address, lowat, first, the frame's word), the ring's arrays by
+        reference. The caller writes the frame, starts the schedule with ``tcp_native.start``,
+        and leaves one that does not end DONE to :meth:`agree_tables`, which goes on with it."""
+        ring, frame = self.ring_comm, self.frame_word(head)
+        width = inbox.shape[1]
+        sends, recvs, first = tcp_native.framed_schedule(width, head, frame * 8, self.size, self.rank)
+        return (ring.st, sends, recvs, ring.cells, ring.clock, ring.right.fileno(), ring.left.fileno(),
+                inbox.ctypes.data, _LOWAT_BYTES, first, frame)
+
+    def _equal_tables(self, what: str, inbox: np.ndarray, head: int) -> None:
+        with self.afar():
+            self.allgather(inbox[self.rank], inbox)
 
     def agree(self, coll: str, sig: np.ndarray, check) -> None:
         """The signature agreement of a group whose only ring this is (NOTE [machines over

@@ -40,6 +40,22 @@ NOTE [a ring's schedule in compiled code]
        that send has gone (NOTE [ring schedule] 3 in comm/algorithms/ring.py): a send is done
        once the kernel holds its bytes, so the bytes it sent cannot be overwritten in its
        buffer.
+    7. A transfer may be framed: its length is not in the table but in the message, an int64
+       at a byte offset from ``base`` that the table names (``W_LEN_AT``, ``R_LEN_AT``; -1:
+       the table's length), less ``R_LEN_LESS`` for a receive (the frame counts the bytes
+       before it too). So a message whose length only its sender knew crosses whole: its
+       head, a fixed size, is one receive, the rest another whose length the head just
+       brought, and forwarding it sends what arrived (:func:`framed_schedule`, the exchange of
+       NOTE [agreement across nodes] in comm/transports/shm.py, whose ranks may have called
+       different collectives or sizes). A frame outside [0, the table's length] ends the
+       call with BAD_FRAME before any byte of it is read: the table's length is the most the
+       receive's buffer holds, so a stream that lost its place never writes past a row.
+    8. A schedule may be started in one compiled call and finished in another: the one-shot
+       across nodes (NOTE [one-shot across nodes] 13 in comm/algorithms/oneshot_nodes.py)
+       starts its exchange inside its own compiled call, which gives up at a short deadline
+       and leaves the rest, with the timeout and the blame, to the transport in Python. So
+       ``st`` says whether a schedule is open (started, not yet DONE: :func:`under_way`),
+       and the transport goes on with it rather than start it again.
 
 Why one module: the libc functions bound by name, the tables' layout and the compiled loop that
 reads them are one contract (the columns of the tables, the slots of ``st``); the transport
@@ -57,24 +73,32 @@ from numba.extending import intrinsic
 
 from ..message import segments
 
-__all__ = ["advance", "start", "ring_schedule", "allgather_schedule", "new_state", "DONE", "PENDING",
-           "REDUCE", "CLOSED_LEFT", "CLOSED_RIGHT", "STALLED", "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS",
-           "R_OFFSET", "R_BYTES", "R_REDUCE", "R_RELEASES", "R_AFTER_SEND", "N_ST"]
+__all__ = ["advance", "start", "under_way", "ring_schedule", "allgather_schedule", "framed_schedule",
+           "new_state", "DONE", "PENDING", "REDUCE", "CLOSED_LEFT", "CLOSED_RIGHT", "STALLED", "BAD_FRAME",
+           "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS", "S_OPEN", "W_OFFSET", "W_BYTES", "W_LEN_AT", "N_W",
+           "R_OFFSET", "R_BYTES", "R_REDUCE", "R_RELEASES", "R_AFTER_SEND", "R_LEN_AT", "R_LEN_LESS", "N_R",
+           "N_ST"]
 
-DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED = range(6)
+DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
 
 # st's slots (int64): the send under way (its index) and its bytes sent, the receive under way
 # and its bytes received, how many sends may go, whether receive S_RECEIVED was handed back to
 # be reduced (REDUCE), the errno of a failed stream, the polls this schedule slept in (for
-# tests), then, kept across schedules, the left stream's SO_RCVLOWAT as last set (clause 5).
-S_SENT, S_SENT_BYTES, S_RECEIVED, S_RECEIVED_BYTES, S_MAY_SEND, S_HANDED, S_ERRNO, S_POLLS, S_LOWAT, N_ST = \
-    range(10)
+# tests), then, kept across schedules, the left stream's SO_RCVLOWAT as last set (clause 5) and
+# whether a schedule was started and has not run to its end (clause 8).
+S_SENT, S_SENT_BYTES, S_RECEIVED, S_RECEIVED_BYTES, S_MAY_SEND, S_HANDED, S_ERRNO, S_POLLS, S_LOWAT, S_OPEN, \
+    N_ST = range(11)
 _PER_SCHEDULE = S_LOWAT  # slots [0, S_LOWAT) start over with each schedule
 
-# The receives' columns: offset, bytes, whether it lands in the caller's spare buffer for the
-# caller to reduce into the message at that offset (REDUCE), the sends that may go once it is
-# in (a count from the first), the send that must have gone before it is read (-1: none).
-R_OFFSET, R_BYTES, R_REDUCE, R_RELEASES, R_AFTER_SEND, N_R = range(6)
+# The sends' columns: offset, bytes, where its frame is (clause 7: -1, none; else the send's
+# bytes are the int64 there).
+W_OFFSET, W_BYTES, W_LEN_AT, N_W = range(4)
+# The receives' columns: offset, bytes (framed: the most it may be), whether it lands in the
+# caller's spare buffer for the caller to reduce into the message at that offset (REDUCE), the
+# sends that may go once it is in (a count from the first), the send that must have gone before
+# it is read (-1: none), where its frame is (clause 7: -1, none; else the receive's bytes are
+# the int64 there less R_LEN_LESS).
+R_OFFSET, R_BYTES, R_REDUCE, R_RELEASES, R_AFTER_SEND, R_LEN_AT, R_LEN_LESS, N_R = range(8)
 
 _EAGAIN, _EINTR = 11, 4  # Linux's (EWOULDBLOCK is EAGAIN there)
 _MSG_NOSIGNAL = 0x4000  # a closed stream fails the send with EPIPE, not the process with SIGPIPE
@@ -104,6 +128,19 @@ def _load_i32(typingctx, address):
     return types.int32(address), codegen
 
 
+@intrinsic
+def _load_i64(typingctx, address):
+    """The int64 at integer ``address`` (a transfer's frame, clause 7)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.load(ptr)
+
+    return types.int64(address), codegen
+
+
 @njit(nogil=True, cache=True, inline="always")
 def _failure():
     """errno after a send or receive returned -1, or 0 where it only would have blocked (or a
@@ -121,6 +158,28 @@ def _received(st, recvs, i):
     st[S_RECEIVED_BYTES] = 0
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _send_bytes(sends, j, base):
+    """Send ``j``'s length: the table's, or its frame's (clause 7; -1 where the frame is out of
+    bounds)."""
+    at = sends[j, W_LEN_AT]
+    if at < 0:
+        return sends[j, W_BYTES]
+    n = _load_i64(base + at)
+    return n if 0 <= n <= sends[j, W_BYTES] else -1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _recv_bytes(recvs, i, base):
+    """Receive ``i``'s length: the table's, or its frame's less what came before it (clause 7;
+    -1 where that is out of bounds)."""
+    at = recvs[i, R_LEN_AT]
+    if at < 0:
+        return recvs[i, R_BYTES]
+    n = _load_i64(base + at) - recvs[i, R_LEN_LESS]
+    return n if 0 <= n <= recvs[i, R_BYTES] else -1
+
+
 def new_state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A pair of streams' ``st`` (int64, N_ST), ``cells`` (int32 scratch: two ``pollfd`` and the
     socket option's value) and ``clock`` (int64 scratch: a ``timespec``), for :func:`advance`."""
@@ -129,15 +188,16 @@ def new_state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @njit(nogil=True, cache=True)
 def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, clock):
-    """Run the schedule (``sends``: (n, 2) int64, offset and bytes; ``recvs``: (m, N_R) int64,
-    NOTE [a ring's schedule in compiled code] 2) on the non-blocking sockets ``right`` (written)
+    """Run the schedule (``sends``: (n, N_W) int64; ``recvs``: (m, N_R) int64, NOTE [a ring's
+    schedule in compiled code] 2, 7) on the non-blocking sockets ``right`` (written)
     and ``left`` (read), offsets from address ``base`` (the spare buffer's at address
     ``spare``). Returns DONE; REDUCE (receive ``st[S_RECEIVED]`` is in the spare buffer: reduce
     it and call again); PENDING (``until_ns``, CLOCK_MONOTONIC, passed: call again to go on);
     CLOSED_LEFT / CLOSED_RIGHT (that stream failed or closed, errno in ``st[S_ERRNO]``); STALLED
-    (the schedule waits on nothing it can reach: a bad table). ``st``: from :func:`new_state`,
-    readied for each schedule by :func:`start`; ``lowat``: the most bytes a wait
-    for a receive gathers before it wakes (clause 5). The caller keeps every buffer alive and
+    (the schedule waits on nothing it can reach: a bad table); BAD_FRAME (a frame out of
+    bounds, clause 7: the send's or receive's index in ``st``, nothing of it moved). ``st``:
+    from :func:`new_state`, readied for each schedule by :func:`start`; ``lowat``: the most
+    bytes a wait for a receive gathers before it wakes (clause 5). The caller keeps every buffer alive and
     unchanged but by this call until it returns DONE or fails."""
     n_sends, n_recvs = sends.shape[0], recvs.shape[0]
     if st[S_HANDED]:  # the caller reduced the receive handed back: it is in
@@ -148,8 +208,11 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
         while st[S_SENT] < st[S_MAY_SEND]:
             j = st[S_SENT]
             done = st[S_SENT_BYTES]
-            left_bytes = sends[j, 1] - done
-            n = _send(right, base + sends[j, 0] + done, left_bytes, _MSG_NOSIGNAL)
+            total = _send_bytes(sends, j, base)
+            if total < 0:
+                return BAD_FRAME
+            left_bytes = total - done
+            n = _send(right, base + sends[j, W_OFFSET] + done, left_bytes, _MSG_NOSIGNAL)
             if n < 0:
                 st[S_ERRNO] = _failure()
                 if st[S_ERRNO] == 0:
@@ -166,7 +229,14 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
             if recvs[i, R_AFTER_SEND] >= st[S_SENT]:  # clause 6
                 break
             done = st[S_RECEIVED_BYTES]
-            left_bytes = recvs[i, R_BYTES] - done
+            total = _recv_bytes(recvs, i, base)
+            if total < 0:
+                return BAD_FRAME
+            left_bytes = total - done
+            if left_bytes == 0:  # a framed receive with nothing past its head
+                _received(st, recvs, i)
+                moved = True
+                continue
             at = spare if recvs[i, R_REDUCE] else base + recvs[i, R_OFFSET]
             n = _recv(left, at + done, left_bytes, 0)
             if n == 0 and left_bytes > 0:
@@ -187,6 +257,7 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
                 return REDUCE
             _received(st, recvs, i)
         if st[S_SENT] >= n_sends and st[S_RECEIVED] >= n_recvs:
+            st[S_OPEN] = 0
             return DONE
         if moved:
             continue
@@ -198,7 +269,7 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
             nfds = 1
         i = st[S_RECEIVED]
         if i < n_recvs and recvs[i, R_AFTER_SEND] < st[S_SENT]:
-            want = min(recvs[i, R_BYTES] - st[S_RECEIVED_BYTES], lowat)
+            want = min(_recv_bytes(recvs, i, base) - st[S_RECEIVED_BYTES], lowat)
             if want != st[S_LOWAT]:  # clause 5
                 cells[4] = want
                 if _setsockopt(left, _SOL_SOCKET, _SO_RCVLOWAT, cells.ctypes.data + 16, 4) == 0:
@@ -216,12 +287,19 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
         _poll(cells.ctypes.data, nfds, max(1, (until_ns - now + 999_999) // 1_000_000))
 
 
+@njit(nogil=True, cache=True)
 def start(st: np.ndarray, first: int) -> None:
     """Ready ``st`` for a new schedule whose ``first`` sends may go before anything is
     received (the schedule's third item); the streams' slot is kept (NOTE [a ring's schedule
     in compiled code] 5)."""
     st[:_PER_SCHEDULE] = 0
     st[S_MAY_SEND] = first
+    st[S_OPEN] = 1
+
+
+def under_way(st: np.ndarray) -> bool:
+    """Whether the last schedule started on ``st`` has not run to its end (clause 8)."""
+    return bool(st[S_OPEN])
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,7 +321,7 @@ def ring_schedule(n: int, itemsize: int, p: int, r: int, chunk: int) -> tuple[np
         return [(c, min(c + chunk, b)) for c in range(a, b, chunk)]
 
     first = chunks(0)
-    sends = [(a * itemsize, (b - a) * itemsize) for a, b in first]
+    sends = [(a * itemsize, (b - a) * itemsize, -1) for a, b in first]
     recvs = []
     made = {}  # (step, chunk) -> the index of its send
     for k in range(len(first)):
@@ -254,9 +332,9 @@ def ring_schedule(n: int, itemsize: int, p: int, r: int, chunk: int) -> tuple[np
             after = -1 if reduce else made[(t + 1 - p, k)]
             if t + 1 < steps:
                 made[(t + 1, k)] = len(sends)
-                sends.append((a * itemsize, (b - a) * itemsize))
-            recvs.append((a * itemsize, (b - a) * itemsize, int(reduce), len(sends), after))
-    return _frozen(sends, 2), _frozen(recvs, N_R), len(first)
+                sends.append((a * itemsize, (b - a) * itemsize, -1))
+            recvs.append((a * itemsize, (b - a) * itemsize, int(reduce), len(sends), after, -1, 0))
+    return _frozen(sends, N_W), _frozen(recvs, N_R), len(first)
 
 
 @functools.lru_cache(maxsize=64)
@@ -266,10 +344,34 @@ def allgather_schedule(row_bytes: int, p: int, r: int) -> tuple[np.ndarray, np.n
     mod p, which it received at step s - 1 (its own at step 0), and receives row (r - s - 1)
     mod p. (sends, recvs, first) as :func:`ring_schedule`'s."""
     if row_bytes == 0:
-        return _frozen([], 2), _frozen([], N_R), 0
-    sends = [(((r - s) % p) * row_bytes, row_bytes) for s in range(p - 1)]
-    recvs = [(((r - s - 1) % p) * row_bytes, row_bytes, 0, min(s + 2, p - 1), -1) for s in range(p - 1)]
-    return _frozen(sends, 2), _frozen(recvs, N_R), 1
+        return _frozen([], N_W), _frozen([], N_R), 0
+    sends = [(((r - s) % p) * row_bytes, row_bytes, -1) for s in range(p - 1)]
+    recvs = [(((r - s - 1) % p) * row_bytes, row_bytes, 0, min(s + 2, p - 1), -1, -1, 0)
+             for s in range(p - 1)]
+    return _frozen(sends, N_W), _frozen(recvs, N_R), 1
+
+
+@functools.lru_cache(maxsize=64)
+def framed_schedule(width: int, head: int, frame_at: int, p: int,
+                    r: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`allgather_schedule` of framed messages (clause 7): row q of the output at q *
+    ``width`` from its base holds rank q's message, at most ``width`` bytes, its length the
+    int64 at ``frame_at`` within its first ``head`` bytes (this rank writes its own before the
+    call). Each row arrives as two receives, its head and then the rest, whose length the head
+    brought; each forwarded row is sent whole once both are in. (sends, recvs, first) as
+    :func:`ring_schedule`'s."""
+    if not 8 <= frame_at + 8 <= head <= width:
+        raise ValueError(f"framed_schedule: frame at {frame_at} outside a head of {head} bytes in rows of "
+                         f"{width}")
+    if p == 1:
+        return _frozen([], N_W), _frozen([], N_R), 0
+    sends = [(((r - s) % p) * width, width, ((r - s) % p) * width + frame_at) for s in range(p - 1)]
+    recvs = []
+    for s in range(p - 1):
+        row = ((r - s - 1) % p) * width
+        recvs.append((row, head, 0, s + 1, -1, -1, 0))  # the head: no send waits on it alone
+        recvs.append((row + head, width - head, 0, min(s + 2, p - 1), -1, row + frame_at, head))
+    return _frozen(sends, N_W), _frozen(recvs, N_R), 1
 
 
 def _frozen(rows: list, cols: int) -> np.ndarray:
