@@ -29,8 +29,8 @@ NOTE [algorithm selection]
        ranks (NOTE [a ring over TCP] in comm/transports/tcp.py; NOTE [one-shot across nodes]
        13), a larger one single-copy or hierarchical, the segment on each machine and each
        local rank's part allreduced over that ring, where Gloo's own is a ring of every rank
-       (at 2 machines x 2 over 1gbit, 4 KiB: 0.17 ms where the segment's way took 0.59 and
-       Gloo's own 8-9, ``gloo_machines_2x2_1gbit_2026-12-02.json``); with one per machine,
+       (at 2 machines x 2 over 1gbit, 4 KiB: 0.18 ms where the segment's way took 0.46 and
+       Gloo's own 8.8, ``gloo_machines_2x2_1gbit_2026-12-02.json``); with one per machine,
        the whole message around one such ring (``tcp``): every rank is a node, so there is no
        hierarchy to gain, but the ring's steps pipelined by chunk (NOTE [ring schedule] 2 in
        comm/algorithms/ring.py) keep pace with Gloo's own. At 4 nodes x 1 under torchrun
