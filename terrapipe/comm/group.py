@@ -369,7 +369,7 @@ class Group:
         members = [q for q in range(len(nodes)) if place[q] == place[rank]]
         comm = StoreComm(store, f"{prefix}/cross{place[rank]}", members.index(rank), len(members), timeout,
                          abandon)
-        return members, TcpTransport(comm, timeout, members, [nodes[m] for m in members])
+        return members, TcpTransport(comm, timeout, members, [nodes[m] for m in members], exchange=True)
 
     def _split_over_store(self, color: int, key: int, timeout: float) -> Group:
         """:meth:`split` of a group made by :meth:`over_store`: membership agreed over the same

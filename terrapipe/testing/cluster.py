@@ -139,6 +139,12 @@ def remove_stale() -> list[str]:
     # kernel still holds its sockets: TCP ones cut off by a link taken down, for minutes).
     removed += _delete_links(rf"{_PREFIX}(\d+)c\d+(br|v\d+)",
                              lambda m: not launch_env.alive(int(m.group(2))))
+    # The maker's folder (the nodes' launcher script and hosts file), which its __exit__ removes.
+    for folder in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*c*-cluster-*"):
+        m = re.match(rf"^({_PREFIX}(\d+)c\d+)-cluster-", folder.name)
+        if m and folder.is_dir() and not launch_env.alive(int(m.group(2))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder.name)
     return removed
 
 

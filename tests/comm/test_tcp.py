@@ -404,3 +404,69 @@ def test_a_frame_no_row_holds_ends_the_ring_naming_its_sender(mpi_comm):
     with pytest.raises(CommError, match="unusable"):
         t.allreduce_array(np.ones(10, np.float32), kreduce.SUM, 0, "after")
     t.close()
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=300, ci_ranks=(4,))
+def test_recursive_doubling_reduces_every_payload_in_the_same_bits_and_meets_other_calls(mpi_comm):
+    # NOTE [a ring over TCP] 9: among four, the exchange goes in two rounds over streams of
+    # their own, each rank's payload reduced with every rank's on the way, lower half first:
+    # every rank ends with every table and the same bits (against NumPy in that order), in a
+    # loop; where one rank sends tables alone (another collective's agreement) every rank
+    # sees its length and the rounds stay in step; a compiled caller's round left under way
+    # is gone on with.
+    from terrapipe.comm.transports.board import SIG_WORDS
+
+    t = TcpTransport(mpi_comm, timeout=30, members=list(range(4)), exchange=True)
+    assert t.doubling and len(t.ring_comm.partners) == 2
+    rank, p = t.rank, t.size
+    inbox, head = _inbox(t, 2, 4096)
+    words = inbox.view(np.int64)
+    pair = np.zeros((2, -(-(p // 2 * head + 4096) // 64) * 64), np.uint8)
+    scratch, acc = np.zeros(1024, np.float32), np.zeros(kreduce.TILE, np.float32)
+    sigs = np.full((2, SIG_WORDS), 5, np.int64)
+    for i in range(150):
+        n = [1, 7, 256, 1024][i % 4]
+        words[rank, 0] = words[rank, TABLE_COLS] = 100 + i  # both rows' "digests"
+        partial = inbox[rank, head:head + 4 * n].view(np.float32)
+        rows = [_data(i, q, n, "float32") for q in range(p)]
+        partial[:] = rows[rank]
+        reduction = (partial, kreduce.SUM, 0, scratch, acc)
+        t.agree_tables("test", inbox, head, head + 4 * n, None, sigs, pair, reduction)
+        want = (rows[0] + rows[1]) + (rows[2] + rows[3])  # round 1 pairs, then the halves
+        assert np.array_equal(partial, want), i
+        assert [int(words[q, 0]) for q in range(p)] == [100 + i] * p, i
+        assert [int(words[q, TABLE_COLS + 1]) for q in range(p)] == [2 * q + 1 for q in range(p)], i
+        assert _same_everywhere(mpi_comm, partial), i
+    # one rank in another collective (tables alone, another signature): every rank holds its
+    # table and raises naming it, through the whole signatures; the next exchange agrees
+    odd = 2
+    mine = np.full((2, SIG_WORDS), 5, np.int64)
+    mine[:, 4] = 10 + (rank == odd)
+    words[rank, 0] = words[rank, TABLE_COLS] = int(mine[0, 4])
+    payload = 0 if rank == odd else 4096
+    reduction = None
+    if payload:
+        reduction = (inbox[rank, head:head + payload].view(np.float32), kreduce.SUM, 0, scratch, acc)
+
+    def check(every, ranks):
+        raise ValueError(f"mismatch at {[r for r, s in zip(ranks, every, strict=True) if s[4] == 11]}")
+
+    with pytest.raises(ValueError, match=rf"mismatch at \[{2 * odd}, {2 * odd + 1}\]"):
+        t.agree_tables("test", inbox, head, head + payload, check, mine, pair, reduction)
+    words[rank, 0] = words[rank, TABLE_COLS] = 9
+    assert t._tables_only("test", inbox, head, head, pair, None) == [head] * p
+    # a compiled caller that started the rounds and gave up at once: the transport goes on
+    st = t.ring_comm.st
+    ring = t.ring_comm
+    partial = inbox[rank, head:head + 64].view(np.float32)
+    partial[:] = rank + 1
+    words[rank, t.frame_word(head)] = head + 64
+    code = tcp_native.doubling(st, ring.fds, ring.round_sends, ring.round_recvs, inbox, head,
+                               t.frame_word(head), head + 64, pair, pair.view(np.float32), partial,
+                               kreduce.SUM, 0, rank, 1 << 18, 0, ring.cells, ring.clock, False)
+    assert code in (tcp_native.PENDING, tcp_native.DONE)
+    if code == tcp_native.PENDING:
+        assert st[tcp_native.S_ROUND] in (1, 2)
+        t._tables_only("test", inbox, head, head + 64, pair, (partial, kreduce.SUM, 0, scratch, acc))
+    assert np.all(partial == 10), partial
+    t.close()

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -168,10 +169,15 @@ def test_a_cluster_whose_maker_was_killed_is_removed_by_the_next(tmp_path):
     maker.wait()
     stale = [n for n in _leftovers() if n.startswith(f"tp{maker.pid}")]
     assert len(stale) == 3  # two namespaces and the bridge
+    folders = glob.glob(f"{tempfile.gettempdir()}/tp{maker.pid}c*-cluster-*")
+    assert len(folders) == 1, folders  # the maker's launcher script and hosts file
     removed = tc.remove_stale()
-    # Host ends of links still there (a namespace is torn down asynchronously) go too.
+    # Host ends of links still there (a namespace is torn down asynchronously) go too, and the
+    # maker's folder (regression: it was left in /tmp by every killed maker).
     assert set(stale) <= set(removed), (stale, removed)
-    assert all(re.fullmatch(rf"tp{maker.pid}c\d+v\d+", n) for n in set(removed) - set(stale)), removed
+    assert os.path.basename(folders[0]) in removed and not os.path.exists(folders[0]), removed
+    assert all(re.fullmatch(rf"tp{maker.pid}c\d+(v\d+|-cluster-.*)", n)
+               for n in set(removed) - set(stale)), removed
     assert _leftovers() == []
 
 

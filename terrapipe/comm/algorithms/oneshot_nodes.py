@@ -122,8 +122,17 @@ NOTE [one-shot across nodes]
        goes on with the schedule where it stands: NOTE [a ring's schedule in compiled code] 8
        in comm/transports/tcp_native.py), which marks this rank waiting afar, keeps the
        timeout and names a lost peer; a failed stream takes the same way, to be named there.
-       Nodes of one rank have no segment there (NOTE [machines over Gloo] 8) and so no
-       one-shot. Before, such a job agreed over the ring and then ran the hierarchical
+       Among a power of two of four or more machines the exchange goes by recursive doubling
+       over streams of its own (NOTE [a ring over TCP] 9), the partials reduced on the way
+       (clause 8), inside the same compiled call. Machines of one rank get a segment of one
+       (NOTE [machines over Gloo] 8), so they take it too. At 4 x 1 over 1gbit (AMD EPYC,
+       2026-12-02), us at 4 / 16 KiB: before, the agreement and the ``tcp`` path, 684-727 /
+       745; around the ring's allgather 208-245 / 412; by recursive doubling 92-102 / 273-276,
+       where MPI's one-shot took 80-135 / 200-231 in runs of the same hour. The limit among
+       them stays ``ONESHOT_NODES_BYTES``: pinned, at 32 KiB 550 us against the ``tcp`` path's
+       1090, at 64 KiB level (1095 / 873-1060), from 256 KiB the ring's 1.5 x n a link leads
+       the rounds' 2 x n (4.4 / 3.3 ms); MPI's limit there rests on its exchange's reduce-scatter,
+       which this one does not do. Before, such a job agreed over the ring and then ran the hierarchical
        segment: at 2 machines x 2 over 1gbit (AMD EPYC, 2 cores, 2026-12-02; 4 KiB, median of
        400 calls, rank 0) 239 us a call, where MPI's one-shot took 60; with the one-shot over
        the ring, around the compiled call in Python 82 us, in one compiled call 58-65, MPI's in
@@ -395,38 +404,51 @@ class _FixedTcp(structref.StructRefProxy):
 structref.define_boxing(_FixedTcpType, _FixedTcp)
 
 
-def _make_fixed_tcp(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p, node,
-                    h0, head, frame, right, left, base, lowat, first, op, divisor, kind):
+_TCP_FIELDS = ("rows", "table", "sig", "scratch", "acc", "parts", "inbox", "words", "pair", "pair_t", "st",
+               "sends", "recvs", "fds", "round_sends", "round_recvs", "cells", "clock", "me", "p", "node",
+               "h0", "head", "frame", "right", "left", "base", "lowat", "first", "op", "divisor", "kind",
+               "doubling")
+
+
+def _make_fixed_tcp(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, sends, recvs, fds,
+                    round_sends, round_recvs, cells, clock, me, p, node, h0, head, frame, right, left, base,
+                    lowat, first, op, divisor, kind, doubling):
     raise NotImplementedError("compiled code only (_new_fixed_tcp)")
 
 
 @overload(_make_fixed_tcp)
-def _make_fixed_tcp_impl(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p,
-                         node, h0, head, frame, right, left, base, lowat, first, op, divisor, kind):
-    fields = dict(rows=rows, table=table, sig=sig, scratch=scratch, acc=acc, parts=parts, words=words, st=st,
-                  sends=sends, recvs=recvs, cells=cells, clock=clock, me=me, p=p, node=node, h0=h0, head=head,
-                  frame=frame, right=right, left=left, base=base, lowat=lowat, first=first, op=op,
-                  divisor=divisor, kind=kind)
-    fixed_type = _FixedTcpType(list(fields.items()))
+def _make_fixed_tcp_impl(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, sends,
+                         recvs, fds, round_sends, round_recvs, cells, clock, me, p, node, h0, head, frame,
+                         right, left, base, lowat, first, op, divisor, kind, doubling):
+    values = (rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, sends, recvs, fds,
+              round_sends, round_recvs, cells, clock, me, p, node, h0, head, frame, right, left, base, lowat,
+              first, op, divisor, kind, doubling)
+    fixed_type = _FixedTcpType(list(zip(_TCP_FIELDS, values, strict=True)))
 
-    def impl(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p, node, h0,
-             head, frame, right, left, base, lowat, first, op, divisor, kind):
+    def impl(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, sends, recvs, fds,
+             round_sends, round_recvs, cells, clock, me, p, node, h0, head, frame, right, left, base, lowat,
+             first, op, divisor, kind, doubling):
         f = structref.new(fixed_type)
         f.rows, f.table, f.sig, f.scratch, f.acc, f.parts = rows, table, sig, scratch, acc, parts
-        f.words, f.st, f.sends, f.recvs, f.cells, f.clock = words, st, sends, recvs, cells, clock
+        f.inbox, f.words, f.pair, f.pair_t, f.st = inbox, words, pair, pair_t, st
+        f.sends, f.recvs = sends, recvs
+        f.fds, f.round_sends, f.round_recvs, f.cells, f.clock = fds, round_sends, round_recvs, cells, clock
         f.me, f.p, f.node, f.h0, f.head, f.frame, f.right, f.left = me, p, node, h0, head, frame, right, left
-        f.base, f.lowat, f.first, f.op, f.divisor, f.kind = base, lowat, first, op, divisor, kind
+        f.base, f.lowat, f.first, f.op, f.divisor, f.kind, f.doubling = (
+            base, lowat, first, op, divisor, kind, doubling)
         return f
 
     return impl
 
 
 @njit(cache=True)
-def _new_fixed_tcp(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me, p, node,
-                   h0, head, frame, right, left, base, lowat, first, op, divisor, kind):
+def _new_fixed_tcp(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, sends, recvs, fds,
+                   round_sends, round_recvs, cells, clock, me, p, node, h0, head, frame, right, left, base,
+                   lowat, first, op, divisor, kind, doubling):
     """A :class:`_FixedTcp` holding these (arrays by reference)."""
-    return _make_fixed_tcp(rows, table, sig, scratch, acc, parts, words, st, sends, recvs, cells, clock, me,
-                           p, node, h0, head, frame, right, left, base, lowat, first, op, divisor, kind)
+    return _make_fixed_tcp(rows, table, sig, scratch, acc, parts, inbox, words, pair, pair_t, st, sends,
+                           recvs, fds, round_sends, round_recvs, cells, clock, me, p, node, h0, head, frame,
+                           right, left, base, lowat, first, op, divisor, kind, doubling)
 
 
 @njit(nogil=True, cache=True)
@@ -453,9 +475,14 @@ def _fused_tcp(src, dst, fx, h, step, col, lo, hi, whole, until_ns):
     nbytes = head + (hi - lo) * parts.itemsize
     words[node, fx.frame] = nbytes  # NOTE [a ring over TCP] 8
     st = fx.st
-    tcp_native.start(st, fx.first)
-    code = tcp_native.advance(st, fx.sends, fx.recvs, fx.right, fx.left, fx.base, 0, fx.lowat, until_ns,
-                              fx.cells, fx.clock)
+    if fx.doubling:  # NOTE [a ring over TCP] 9: the partials reduced on the way
+        code = tcp_native.doubling(st, fx.fds, fx.round_sends, fx.round_recvs, fx.inbox, head, fx.frame,
+                                   nbytes, fx.pair, fx.pair_t, partial, op, kind, node, fx.lowat, until_ns,
+                                   fx.cells, fx.clock, False)
+    else:
+        tcp_native.start(st, fx.first)
+        code = tcp_native.advance(st, fx.sends, fx.recvs, fx.right, fx.left, fx.base, 0, fx.lowat, until_ns,
+                                  fx.cells, fx.clock)
     if code != tcp_native.DONE:
         return mpi_native.PENDING
     if not ksync.tables_agree(words, head // 8, TABLE_COLS, words[node, :TABLE_COLS - 1]):
@@ -463,10 +490,11 @@ def _fused_tcp(src, dst, fx, h, step, col, lo, hi, whole, until_ns):
     for q in range(words.shape[0]):
         if words[q, fx.frame] != nbytes:
             return mpi_native.DISAGREE
+    finals = parts[node:node + 1] if fx.doubling else parts  # clause 8
     if whole:
-        koneshot.finish(dst, parts, h0, op, divisor, kind, scratch, acc)
+        koneshot.finish(dst, finals, h0, op, divisor, kind, scratch, acc)
     else:
-        koneshot.finish(rows[me, h + lo:h + hi], parts, h0, op, divisor, kind, scratch, acc)
+        koneshot.finish(rows[me, h + lo:h + hi], finals, h0, op, divisor, kind, scratch, acc)
     return mpi_native.DONE
 
 
@@ -543,11 +571,13 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
                            pair.view(dtype), native.st, native.cfg, native.reqs, native.statuses,
                            native.counts, native.cells, me, p, node, h0, head, op, divisor, kind, doubling)
     elif over_tcp:
-        st, sends, recvs, cells, clock, right, left, base, lowat, first, frame = \
-            cross.compiled_exchange(inbox, head)
-        fixed = _new_fixed_tcp(rows, table, sig, scratch, acc, parts, inbox.view(np.int64), st, sends,
-                               recvs, cells, clock, me, p, node, h0, head, frame, right, left, base, lowat,
-                               first, op, divisor, kind)
+        (st, sends, recvs, fds, round_sends, round_recvs, cells, clock, right, left, base, lowat, first,
+         frame) = cross.compiled_exchange(inbox, head)
+        pair = shm.pair if shm.pair is not None else np.zeros((2, 64), np.uint8)
+        fixed = _new_fixed_tcp(rows, table, sig, scratch, acc, parts, inbox, inbox.view(np.int64), pair,
+                               pair.view(dtype), st, sends, recvs, fds, round_sends, round_recvs, cells,
+                               clock, me, p, node, h0, head, frame, right, left, base, lowat, first, op,
+                               divisor, kind, doubling)
 
     def call(src: np.ndarray, dst: np.ndarray) -> None:
         run(src, dst, in_place(src) if src is dst else _how(src, dst))

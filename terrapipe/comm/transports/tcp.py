@@ -58,6 +58,14 @@ NOTE [a ring over TCP]
        rank then holds every message whole, the streams stay in step, and a mismatch is
        raised on every rank alike; a length no row can hold means the stream lost its place:
        the ring is ended at once (its peers fail naming this rank) and is unusable after.
+    9. Among a power of two of four or more machines the exchange goes by recursive doubling
+       instead, as over MPI (NOTE [agreement across nodes] 3 in comm/transports/shm.py): each
+       rank also connects a stream both ways to rank ``rank ^ 2**k`` for each round k (the
+       transport made with ``exchange``), and every exchange runs its rounds over those
+       (NOTE [a ring's schedule in compiled code] 9 in tcp_native.py), its payload reduced on
+       the way, whatever the collective, so ranks in different calls still meet round by
+       round. Around the ring a message reached the farthest rank after nodes - 1 hops, each
+       link carrying nodes - 1 messages one after another; by rounds, log2(nodes) of each.
 
 Why one module: the two streams (:class:`TcpRing`: the sockets and the state of the schedule
 they run) and the transport over them (:class:`TcpTransport`: schedules with their timeout and
@@ -102,11 +110,16 @@ class TcpRing:
     compiled code] in comm/transports/tcp_native.py); :meth:`run` drives one schedule, from
     Python only between compiled calls."""
 
-    def __init__(self, rank: int, size: int, right: socket.socket, left: socket.socket) -> None:
+    def __init__(self, rank: int, size: int, right: socket.socket, left: socket.socket,
+                 partners: list[socket.socket] | None = None) -> None:
         self.rank, self.size = rank, size
         self.right, self.left = right, left
-        right.setblocking(False)
-        left.setblocking(False)
+        # recursive doubling's streams, round k's to rank ^ 2**k (NOTE [a ring over TCP] 9)
+        self.partners = list(partners or [])
+        for sock in (right, left, *self.partners):
+            sock.setblocking(False)
+        self.fds = np.array([sock.fileno() for sock in self.partners], np.int64)
+        self.round_sends, self.round_recvs = tcp_native.new_round_tables()
         self.st, self.cells, self.clock = tcp_native.new_state()
         # Compiled (or loaded from Numba's cache) now, with the streams, not inside the first
         # collective's wait, where its seconds would count against the peers' timeout.
@@ -143,13 +156,13 @@ class TcpRing:
         return int(self.st[tcp_native.S_RECEIVED]) < recvs.shape[0]
 
     def shutdown(self) -> None:
-        """End both streams now (a wait on them wakes and fails); another thread may be waiting."""
-        for s in (self.right, self.left):
+        """End every stream now (a wait on them wakes and fails); another thread may be waiting."""
+        for s in (self.right, self.left, *self.partners):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        for s in (self.right, self.left):
+        for s in (self.right, self.left, *self.partners):
             with contextlib.suppress(OSError):
                 s.close()
 
@@ -161,14 +174,17 @@ class TcpTransport(NodeTables):
     ``hosts``: each rank's machine, for errors. What the machines' tier of a Gloo group needs
     of its ``cross`` transport (NOTE [machines over Gloo] in comm/group.py): ``allreduce_array``,
     ``allgather``, ``afar``, ``on_lost``, ``on_waiting``, and the agreement's exchange
-    (:class:`~terrapipe.comm.transports.base.NodeTables`, clause 8)."""
+    (:class:`~terrapipe.comm.transports.base.NodeTables`, clause 8; ``exchange``: one that
+    carries it, whose ranks, a power of two of four or more, also connect the streams of
+    recursive doubling, clause 9)."""
 
     name = "tcp"
     frame_rows = 1  # NOTE [a ring over TCP] 8
 
     def __init__(self, comm, timeout: float, members: list[int] | None = None,
-                 hosts: list[str] | None = None) -> None:
+                 hosts: list[str] | None = None, exchange: bool = False) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.doubling = exchange and self.size >= 4 and self.size & (self.size - 1) == 0
         self.timeout = float(timeout)
         self.members = list(members) if members is not None else list(range(self.size))
         self.hosts = hosts
@@ -189,7 +205,14 @@ class TcpTransport(NodeTables):
         if self.size > 1:
             reached, accepted = connect_ranks(comm, self.rank, [right], [left], self.timeout,
                                               "the TCP ring between machines")
-            self.ring_comm = TcpRing(self.rank, self.size, reached[right], accepted[left])
+            partners = []
+            if self.doubling:  # clause 9: a stream both ways to rank ^ 2**k, round by round
+                peers = [self.rank ^ (1 << k) for k in range(self.size.bit_length() - 1)]
+                up, down = connect_ranks(comm, self.rank, [q for q in peers if q > self.rank],
+                                         [q for q in peers if q < self.rank], self.timeout,
+                                         "the TCP streams of recursive doubling between machines")
+                partners = [up[q] if q > self.rank else down[q] for q in peers]
+            self.ring_comm = TcpRing(self.rank, self.size, reached[right], accepted[left], partners)
         else:
             self.ring_comm = None
 
@@ -224,6 +247,12 @@ class TcpTransport(NodeTables):
         if code == tcp_native.PENDING:
             peer = left if ring.waiting_on_left(schedule[1]) else right
             raise self._fail(what, peer, f"Timed out after {self.timeout:g}s")
+        self._raise_failed(what, code, left, right)
+
+    def _raise_failed(self, what: str, code: int, left: int, right: int) -> None:
+        """Raise what a schedule that failed with ``code`` (not DONE, not PENDING) means, naming
+        ``left`` (the peer read from) or ``right`` (written to)."""
+        ring = self.ring_comm
         if self._aborted is not None:  # this rank ended the streams: no peer is to blame
             raise CommError(f"{what}: ended on this rank ({self._aborted})")
         if code == tcp_native.STALLED:
@@ -331,11 +360,48 @@ class TcpTransport(NodeTables):
         frame = self.frame_word(head)
         words = inbox.view(np.int64)
         words[self.rank, frame] = nbytes
-        if self.size > 1:
+        if self.doubling:
+            self._doubling(coll, inbox, head, nbytes, pair, reduction)
+        elif self.size > 1:
             schedule = tcp_native.framed_schedule(inbox.shape[1], head, frame * 8, self.size, self.rank)
             # the one-shot across nodes' compiled call may have started it (tcp_native clause 8)
             self._run(schedule, inbox, coll, resume=tcp_native.under_way(self.ring_comm.st))
         return words[:, frame].tolist()
+
+    def _doubling(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
+                  reduction) -> None:
+        """The exchange by recursive doubling (clause 9; ``tcp_native.doubling``), gone on with
+        where a compiled caller left it, each wait marked afar; raises as :meth:`_run` does,
+        naming the round's peer."""
+        if self.failed is not None:
+            raise CommError(f"{what}: the TCP ring is unusable after an earlier failure ({self.failed})")
+        ring = self.ring_comm
+        partial, op, kind = (reduction[0], reduction[1], reduction[2]) if reduction is not None else (
+            np.empty(0, np.float32), 0, 0)
+        pair_t = pair.view(partial.dtype)
+        st = ring.st
+        resume = bool(st[tcp_native.S_ROUND])  # a compiled caller's, under way (tcp_native clause 8)
+        deadline = time.monotonic_ns() + int(self.timeout * 1e9)
+        frame = self.frame_word(head)
+        with self.afar():
+            while True:
+                now = time.monotonic_ns()
+                if now >= deadline:
+                    code = tcp_native.PENDING
+                    break
+                code = tcp_native.doubling(st, ring.fds, ring.round_sends, ring.round_recvs, inbox, head,
+                                           frame, nbytes, pair, pair_t, partial, op, kind, self.rank,
+                                           _LOWAT_BYTES, min(deadline, now + _NAP_NS), ring.cells, ring.clock,
+                                           resume)
+                resume = True
+                if code != tcp_native.PENDING:
+                    break
+        if code == tcp_native.DONE:
+            return
+        peer = self.rank ^ int(st[tcp_native.S_ROUND])
+        if code == tcp_native.PENDING:
+            raise self._fail(what, peer, f"Timed out after {self.timeout:g}s")
+        self._raise_failed(what, code, peer, peer)
 
     def frame_word(self, head: int) -> int:
         """The int64 word of a message whose ``head`` bytes begin with its table that holds the
@@ -348,15 +414,17 @@ class TcpTransport(NodeTables):
 
     def compiled_exchange(self, inbox: np.ndarray, head: int) -> tuple:
         """What a compiled caller needs to run the exchange over ``inbox`` itself (NOTE [one-shot
-        across nodes] 13 in comm/algorithms/oneshot_nodes.py): (st, sends, recvs, cells, clock,
+        across nodes] 13 in comm/algorithms/oneshot_nodes.py): (st, the ring's framed schedule's
+        sends and recvs, recursive doubling's streams and round tables (clause 9), cells, clock,
         right, left, the inbox's address, lowat, first, the frame's word), the ring's arrays by
-        reference. The caller writes the frame, starts the schedule with ``tcp_native.start``,
-        and leaves one that does not end DONE to :meth:`agree_tables`, which goes on with it."""
+        reference. The caller writes the frame, runs the ring's schedule (``tcp_native.start``,
+        ``advance``) or, where :attr:`doubling`, ``tcp_native.doubling``, and leaves one that does
+        not end DONE to :meth:`agree_tables`, which goes on with it."""
         ring, frame = self.ring_comm, self.frame_word(head)
         width = inbox.shape[1]
         sends, recvs, first = tcp_native.framed_schedule(width, head, frame * 8, self.size, self.rank)
-        return (ring.st, sends, recvs, ring.cells, ring.clock, ring.right.fileno(), ring.left.fileno(),
-                inbox.ctypes.data, _LOWAT_BYTES, first, frame)
+        return (ring.st, sends, recvs, ring.fds, ring.round_sends, ring.round_recvs, ring.cells, ring.clock,
+                ring.right.fileno(), ring.left.fileno(), inbox.ctypes.data, _LOWAT_BYTES, first, frame)
 
     def _equal_tables(self, what: str, inbox: np.ndarray, head: int) -> None:
         with self.afar():

@@ -56,6 +56,18 @@ NOTE [a ring's schedule in compiled code]
        and leaves the rest, with the timeout and the blame, to the transport in Python. So
        ``st`` says whether a schedule is open (started, not yet DONE: :func:`under_way`),
        and the transport goes on with it rather than start it again.
+    9. Among a power of two of four or more ranks the exchange of NOTE [agreement across
+       nodes] goes by recursive doubling (:func:`doubling`), as over MPI (clause 3 there): in
+       round k a rank and rank ``rank ^ 2**k``, over a stream of their own, swap their halves'
+       tables and their payloads, the payloads reduced on the way lower half first, so a link
+       carries log2(nodes) payloads where the ring's allgather sent nodes - 1, one after
+       another through every rank. Each round is a framed schedule (clause 7) on that one
+       stream, both ways, the message ``[2**k tables][payload]`` in the pair's row of this
+       rank's half, its length in the first table's frame row. ``st[S_ROUND]`` is the round
+       under way, so a call that ran out of time (PENDING) or failed is gone on with, or named,
+       from where it stood (clause 8). At 4 emulated machines x 1 over 1gbit, a 4 KiB
+       one-shot across nodes took 208-245 us around the ring and 92-102 by rounds (NOTE
+       [one-shot across nodes] 13 in comm/algorithms/oneshot_nodes.py).
 
 Why one module: the libc functions bound by name, the tables' layout and the compiled loop that
 reads them are one contract (the columns of the tables, the slots of ``st``); the transport
@@ -71,13 +83,14 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from ...kernels import reduce as kreduce
 from ..message import segments
 
-__all__ = ["advance", "start", "under_way", "ring_schedule", "allgather_schedule", "framed_schedule",
-           "new_state", "DONE", "PENDING", "REDUCE", "CLOSED_LEFT", "CLOSED_RIGHT", "STALLED", "BAD_FRAME",
-           "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS", "S_OPEN", "W_OFFSET", "W_BYTES", "W_LEN_AT", "N_W",
-           "R_OFFSET", "R_BYTES", "R_REDUCE", "R_RELEASES", "R_AFTER_SEND", "R_LEN_AT", "R_LEN_LESS", "N_R",
-           "N_ST"]
+__all__ = ["advance", "start", "under_way", "doubling", "new_round_tables", "ring_schedule",
+           "allgather_schedule", "framed_schedule", "new_state", "DONE", "PENDING", "REDUCE", "CLOSED_LEFT",
+           "CLOSED_RIGHT", "STALLED", "BAD_FRAME", "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS", "S_OPEN",
+           "S_ROUND", "W_OFFSET", "W_BYTES", "W_LEN_AT", "N_W", "R_OFFSET", "R_BYTES", "R_REDUCE",
+           "R_RELEASES", "R_AFTER_SEND", "R_LEN_AT", "R_LEN_LESS", "N_R", "N_ST"]
 
 DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
 
@@ -85,9 +98,10 @@ DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
 # and its bytes received, how many sends may go, whether receive S_RECEIVED was handed back to
 # be reduced (REDUCE), the errno of a failed stream, the polls this schedule slept in (for
 # tests), then, kept across schedules, the left stream's SO_RCVLOWAT as last set (clause 5) and
-# whether a schedule was started and has not run to its end (clause 8).
+# whether a schedule was started and has not run to its end (clause 8), then the round of a
+# recursive doubling under way (its distance, 1, 2, 4, ...; 0: none; clause 9).
 S_SENT, S_SENT_BYTES, S_RECEIVED, S_RECEIVED_BYTES, S_MAY_SEND, S_HANDED, S_ERRNO, S_POLLS, S_LOWAT, S_OPEN, \
-    N_ST = range(11)
+    S_ROUND, N_ST = range(12)
 _PER_SCHEDULE = S_LOWAT  # slots [0, S_LOWAT) start over with each schedule
 
 # The sends' columns: offset, bytes, where its frame is (clause 7: -1, none; else the send's
@@ -197,8 +211,8 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
     (the schedule waits on nothing it can reach: a bad table); BAD_FRAME (a frame out of
     bounds, clause 7: the send's or receive's index in ``st``, nothing of it moved). ``st``:
     from :func:`new_state`, readied for each schedule by :func:`start`; ``lowat``: the most
-    bytes a wait for a receive gathers before it wakes (clause 5). The caller keeps every buffer alive and
-    unchanged but by this call until it returns DONE or fails."""
+    bytes a wait for a receive gathers before it wakes (clause 5). The caller keeps every buffer
+    alive and unchanged but by this call until it returns DONE or fails."""
     n_sends, n_recvs = sends.shape[0], recvs.shape[0]
     if st[S_HANDED]:  # the caller reduced the receive handed back: it is in
         _received(st, recvs, st[S_RECEIVED])
@@ -378,3 +392,85 @@ def _frozen(rows: list, cols: int) -> np.ndarray:
     out = np.array(rows, np.int64).reshape(-1, cols)
     out.flags.writeable = False
     return out
+
+
+def new_round_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Scratch tables of one round of :func:`doubling` (a send, a receive in two parts), filled
+    by it each round: (sends, recvs) int64, the caller's, kept with the streams."""
+    return np.zeros((1, N_W), np.int64), np.zeros((2, N_R), np.int64)
+
+
+@njit(nogil=True, cache=True)
+def _copy_bytes(dst, src):
+    for i in range(src.shape[0]):
+        dst[i] = src[i]
+
+
+@njit(nogil=True, cache=True)
+def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, partial, op, kind, rank, lowat,
+             until_ns, cells, clock, resume):
+    """The exchange of NOTE [agreement across nodes] by recursive doubling over the streams
+    ``fds`` (round k's to rank ``rank ^ 2**k``, both ways; clause 9): every rank's table into
+    its row of ``inbox`` ((size, width) uint8; ``head`` bytes of table a row, int64 word
+    ``frame`` of it the message's length), and this rank's payload, ``inbox[rank, head:nbytes]``
+    and ``partial`` (the same bytes as its dtype, or empty: tables alone), reduced with every
+    rank's on the way, lower half first (``reduce_pair`` with ``op``, ``kind``), so it ends as
+    the whole group's. ``pair``: (2, width2) uint8 scratch, at least size / 2 tables and a
+    payload, ``pair_t`` it as ``partial``'s dtype. Each rank's row's frame word ends as its
+    message's length (head + its payload, as its half's round brought it). ``sends``,
+    ``recvs``: :func:`new_round_tables`. Returns DONE, or what :func:`advance` returned in the
+    round ``st[S_ROUND]`` (PENDING: call again with ``resume``; a failure: that round's peer
+    to name). ``resume``: go on from ``st``; else start at round 1."""
+    size = inbox.shape[0]
+    words = inbox.view(np.int64)
+    payload = nbytes - head if partial.shape[0] > 0 else 0
+    mine = inbox[rank, head:head + payload]
+    wp = pair.shape[1]
+    base = pair.ctypes.data
+    if not resume:
+        st[S_ROUND] = 1
+    fresh = not resume
+    while st[S_ROUND] < size:
+        m = st[S_ROUND]
+        k = 0
+        while (1 << k) < m:
+            k += 1
+        peer = rank ^ m
+        lo_mine, lo_peer = rank & ~(m - 1), peer & ~(m - 1)
+        slot = 1 if rank > peer else 0
+        tables = m * head
+        if fresh:  # this round's message: this half's tables, then the payload so far
+            out = pair[slot]
+            for i in range(m):
+                _copy_bytes(out[i * head:(i + 1) * head], inbox[lo_mine + i, :head])
+            _copy_bytes(out[tables:tables + payload], mine)
+            out.view(np.int64)[frame] = tables + payload  # the message's frame (clause 7)
+            sends[0, W_OFFSET] = slot * wp
+            sends[0, W_BYTES] = wp
+            sends[0, W_LEN_AT] = slot * wp + frame * 8
+            theirs_at = (1 - slot) * wp
+            recvs[0, R_OFFSET], recvs[0, R_BYTES], recvs[0, R_REDUCE] = theirs_at, tables, 0
+            recvs[0, R_RELEASES], recvs[0, R_AFTER_SEND] = 1, -1
+            recvs[0, R_LEN_AT], recvs[0, R_LEN_LESS] = -1, 0
+            recvs[1, R_OFFSET], recvs[1, R_BYTES], recvs[1, R_REDUCE] = theirs_at + tables, wp - tables, 0
+            recvs[1, R_RELEASES], recvs[1, R_AFTER_SEND] = 1, -1
+            recvs[1, R_LEN_AT], recvs[1, R_LEN_LESS] = theirs_at + frame * 8, tables
+            start(st, 1)
+        code = advance(st, sends, recvs, fds[k], fds[k], base, 0, lowat, until_ns, cells, clock)
+        if code != DONE:
+            return code
+        theirs = pair[1 - slot]
+        got = theirs.view(np.int64)[frame] - tables  # the peer's payload, as its frame says
+        for i in range(m):
+            _copy_bytes(inbox[lo_peer + i, :head], theirs[i * head:(i + 1) * head])
+            words[lo_peer + i, frame] = head + got
+        if got == payload and payload > 0:  # the halves' partials, lower first
+            n, t = partial.shape[0], tables // partial.itemsize
+            lower = partial if slot == 0 else pair_t[0, t:t + n]
+            upper = pair_t[1, t:t + n] if slot == 0 else partial
+            kreduce.reduce_pair(partial, lower, upper, op, kind)
+        st[S_ROUND] = m << 1
+        fresh = True
+    words[rank, frame] = nbytes
+    st[S_ROUND] = 0
+    return DONE
