@@ -239,6 +239,12 @@ def _nbytes(x) -> int:
     return int(nbytes or 0)
 
 
+def _tensor_type():
+    """``torch.Tensor`` where torch is imported, else None (a tensor implies it is; no import)."""
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else None
+
+
 def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Group | None = None):
     """Elementwise reduction over ranks: sum, avg, min, max, prod.
 
@@ -247,20 +253,25 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
     """
     g = group if group is not None else _world if _world is not None else init()  # _g(group), inline
     # Latency path first: small sync in-place allreduces of plain arrays skip the general
-    # machinery; those of a NumPy array it took before take its fast lane (select.small_lane).
-    if out is None and not async_op and type(x) is np.ndarray and type(op) is str:
-        lane = g.small_lanes.get((x.dtype, x.shape, op))
-        if lane is not None and lane(x):
-            return x
+    # machinery; those of a NumPy array or CPU tensor of a dtype, shape and op it took before
+    # take its fast lane (select.small_lane; a tensor as its NumPy view).
+    kind = type(x)
+    if out is None and not async_op and type(op) is str and (kind is np.ndarray or kind is _tensor_type()):
+        lane = g.small_lanes.get((kind, x.dtype, x.shape, op))
+        if lane is not None:
+            arr = x if kind is np.ndarray else plain_array(x)
+            if arr is not None and lane(arr):
+                return x
     code = kreduce.op_code(op)
     if out is None and not async_op:
         arr = plain_array(x)
         if arr is not None and select.allreduce_small(g, arr, code):
-            if arr is x and type(op) is str and (x.dtype, x.shape, op) not in g.small_lanes:
+            key = (kind, x.dtype, x.shape, op)
+            if type(op) is str and key not in g.small_lanes:
                 lanes = g.small_lanes
                 if len(lanes) > 1024:
                     lanes.clear()
-                lanes[(x.dtype, x.shape, op)] = select.small_lane(g, x, code)  # None: it has none
+                lanes[key] = select.small_lane(g, arr, code)  # None: it has none
             return x
     if _wants_nccl(g, x, "allreduce"):
         if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device):

@@ -92,6 +92,38 @@ def test_issuing_async_returns_while_a_large_collective_runs(world):
 
 
 @pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_a_cpu_tensors_fast_lane_takes_only_what_its_numpy_view_may(world):
+    # The fast lane of CPU tensors (comm.allreduce, a tensor as its NumPy view): in a loop, in
+    # issue order behind async calls of its shape, and a tensor of that dtype and shape the view
+    # cannot stand for (one that requires grad, a strided one) takes the other paths, exactly.
+    import torch
+
+    p, r = comm.size(), comm.rank()
+    t = torch.empty(1024)
+    for it in range(100):
+        t.fill_(r + it)
+        comm.allreduce(t, "sum")
+        assert t[0].item() == t[-1].item() == p * it + p * (p - 1) / 2, it
+        assert world.small_lanes.get((torch.Tensor, t.dtype, t.shape, "sum")) is not None
+        ys = [torch.full((1024,), 10.0 * (k + 1) + r) for k in range(3)]
+        handles = [comm.allreduce(y, "sum", async_op=True) for y in ys]
+        t.fill_(r - it)
+        comm.allreduce(t, "sum")
+        assert t[0].item() == t[-1].item() == -p * it + p * (p - 1) / 2, it
+        for k, (h, y) in enumerate(zip(handles, ys, strict=True)):
+            h.wait()
+            assert y[0].item() == p * 10 * (k + 1) + p * (p - 1) / 2, (it, k)
+        if it % 10 == 0:
+            wide = torch.full((1024, 2), float(r + it))[:, 0]  # strided: same dtype and shape
+            comm.allreduce(wide, "sum")
+            assert torch.all(wide == p * it + p * (p - 1) / 2), it
+            grad = torch.full((1024,), float(r), requires_grad=True)
+            with torch.no_grad():
+                comm.allreduce(grad, "sum")
+            assert torch.all(grad == p * (p - 1) / 2), it
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
 def test_the_latency_paths_fast_lane_queues_behind_async_collectives_of_its_own_shape(world):
     # A sync allreduce of a shape the latency path took before goes by its fast lane
     # (comm/select.py small_lane), which must still run in issue order (NOTE [collective
@@ -106,7 +138,7 @@ def test_the_latency_paths_fast_lane_queues_behind_async_collectives_of_its_own_
         x[:] = r + it
         comm.allreduce(x, "sum")  # the lane is there from the first round on
         assert x[0] == x[-1] == p * it + p * (p - 1) / 2, it
-        assert world.small_lanes.get((x.dtype, x.shape, "sum")) is not None
+        assert world.small_lanes.get((np.ndarray, x.dtype, x.shape, "sum")) is not None
         for k, y in enumerate(ys):
             y[:] = 10 * (k + 1) + r
         if r == it % p and it % 10 == 0:
