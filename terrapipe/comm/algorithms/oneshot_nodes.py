@@ -384,6 +384,25 @@ def _divided(dst, divisor, kind):
     _divide_in_place(dst, divisor, kind)
 
 
+@njit(nogil=True, cache=True)
+def _node_step(src, partial, rows, h, me, table, col, sig, step, op, kind, scratch, acc, lo, words, node, p):
+    """Steps 1-2 of NOTE [one-shot across nodes] for :func:`_fused` and :func:`_fused_tcp`:
+    this rank's row and signature published, its part of the node's partial reduced into
+    ``partial``, and this node's table (each local rank's signature digest) written into
+    ``words[node]``; False where the node's ranks had not all arrived within the yields (the
+    caller returns LOCAL_WAIT: steps 1-2 done but for that wait, no table written)."""
+    state = koneshot.oneshot_allreduce(src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch,
+                                       acc, ONESHOT_SPINS, lo)
+    if state == koneshot.WAITING:
+        if not ksync.yield_until(table[:, 0], step, ROUND_SPINS, YIELDS):
+            return False
+        if ksync.rows_equal(table[:, col:col + SIG_WORDS]) < 0:
+            koneshot.finish(partial, rows, h + lo, op, 1, kind, scratch, acc)
+    for r in range(p):  # this node's table: each local rank's signature digest (its rank is set)
+        words[node, r * TABLE_COLS] = ksync.sig_digest(table[r, col:col + SIG_WORDS])
+    return True
+
+
 @structref.register
 class _FixedTcpType(types.StructRef):
     """Numba's type of :class:`_FixedTcp`."""
@@ -463,15 +482,9 @@ def _fused_tcp(src, dst, fx, h, step, col, lo, hi, whole, until_ns):
     words, me, p, node, h0, head = fx.words, fx.me, fx.p, fx.node, fx.h0, fx.head
     op, divisor, kind = fx.op, fx.divisor, fx.kind
     partial = parts[node, h0:h0 + hi - lo]
-    state = koneshot.oneshot_allreduce(src, partial, rows, h, me, table, col, sig, step, op, 1, kind, scratch,
-                                       acc, ONESHOT_SPINS, lo)
-    if state == koneshot.WAITING:
-        if not ksync.yield_until(table[:, 0], step, ROUND_SPINS, YIELDS):
-            return LOCAL_WAIT
-        if ksync.rows_equal(table[:, col:col + SIG_WORDS]) < 0:
-            koneshot.finish(partial, rows, h + lo, op, 1, kind, scratch, acc)
-    for r in range(p):  # this node's table: each local rank's signature digest (its rank is set)
-        words[node, r * TABLE_COLS] = ksync.sig_digest(table[r, col:col + SIG_WORDS])
+    if not _node_step(src, partial, rows, h, me, table, col, sig, step, op, kind, scratch, acc, lo, words,
+                      node, p):
+        return LOCAL_WAIT
     nbytes = head + (hi - lo) * parts.itemsize
     words[node, fx.frame] = nbytes  # NOTE [a ring over TCP] 8
     st = fx.st
@@ -515,17 +528,12 @@ def _fused(src, dst, fx, h, step, col, lo, hi, whole, direct):
     me, p, node, h0, head = fx.me, fx.p, fx.node, fx.h0, fx.head
     op, divisor, kind = fx.op, fx.divisor, fx.kind
     partial = parts[node, h0:h0 + hi - lo]
-    # clause 11: reducing in dst, the node's step only publishes the signature (no row, no partial)
+    # clause 11: reducing in dst, the node's step only publishes the signature (no row, no
+    # partial). Otherwise src is at least as long as partial, so partial[:n_in] is all of it.
     n_in = 0 if direct else src.shape[0]
-    state = koneshot.oneshot_allreduce(src[:n_in], partial[:n_in], rows, h, me, table, col, sig, step, op, 1,
-                                       kind, scratch, acc, ONESHOT_SPINS, lo)
-    if state == koneshot.WAITING:
-        if not ksync.yield_until(table[:, 0], step, ROUND_SPINS, YIELDS):
-            return LOCAL_WAIT
-        if ksync.rows_equal(table[:, col:col + SIG_WORDS]) < 0:
-            koneshot.finish(partial, rows, h + lo, op, 1, kind, scratch, acc)
-    for r in range(p):  # this node's table: each local rank's signature digest (its rank is set)
-        words[node, r * TABLE_COLS] = ksync.sig_digest(table[r, col:col + SIG_WORDS])
+    if not _node_step(src[:n_in], partial[:n_in], rows, h, me, table, col, sig, step, op, kind, scratch, acc,
+                      lo, words, node, p):
+        return LOCAL_WAIT
     nbytes = head + (hi - lo) * parts.itemsize
     user, user_t = _user_of(dst, partial, direct)
     state = mpi_native.advance_reducing(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes,

@@ -230,9 +230,24 @@ class TcpTransport(NodeTables):
         CollectiveTimeoutError naming the peer waited for (its left neighbour while a receive is
         due, else its right one: NOTE [a ring over TCP] 5) after the timeout or at once when a
         stream closed, CommError where this rank ended the streams."""
+        ring = self.ring_comm
+
+        def peers() -> tuple[int, int, int]:
+            left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+            return (left if ring.waiting_on_left(schedule[1]) else right), left, right
+
+        def go(until_ns) -> int:
+            return ring.run(schedule, base, self.ring_scratch, until_ns, reduce, resume)
+
+        self._drive(what, go, peers)
+
+    def _drive(self, what: str, go, peers) -> None:
+        """``go(until_ns)`` (a compiled transfer's driver, :meth:`TcpRing.run`'s contract:
+        ``until_ns()`` is the next look's time, or None once the timeout passed) marked waiting
+        afar; then raise what it ended with but DONE, naming the peers ``peers()`` gives: (the
+        one waited for when it timed out, the one read from, the one written to)."""
         if self.failed is not None:
             raise CommError(f"{what}: the TCP ring is unusable after an earlier failure ({self.failed})")
-        ring = self.ring_comm
         deadline = time.monotonic_ns() + int(self.timeout * 1e9)
 
         def until_ns():
@@ -240,13 +255,12 @@ class TcpTransport(NodeTables):
             return None if now >= deadline else min(deadline, now + _NAP_NS)
 
         with self.afar():  # as MpiTransport.wait_all marks itself, whoever called it
-            code = ring.run(schedule, base, self.ring_scratch, until_ns, reduce, resume)
+            code = go(until_ns)
         if code == tcp_native.DONE:
             return
-        left, right = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        late, left, right = peers()
         if code == tcp_native.PENDING:
-            peer = left if ring.waiting_on_left(schedule[1]) else right
-            raise self._fail(what, peer, f"Timed out after {self.timeout:g}s")
+            raise self._fail(what, late, f"Timed out after {self.timeout:g}s")
         self._raise_failed(what, code, left, right)
 
     def _raise_failed(self, what: str, code: int, left: int, right: int) -> None:
@@ -371,37 +385,31 @@ class TcpTransport(NodeTables):
     def _doubling(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
                   reduction) -> None:
         """The exchange by recursive doubling (clause 9; ``tcp_native.doubling``), gone on with
-        where a compiled caller left it, each wait marked afar; raises as :meth:`_run` does,
+        where a compiled caller left it; waits and raises as :meth:`_run`'s do (:meth:`_drive`),
         naming the round's peer."""
-        if self.failed is not None:
-            raise CommError(f"{what}: the TCP ring is unusable after an earlier failure ({self.failed})")
         ring = self.ring_comm
         partial, op, kind = (reduction[0], reduction[1], reduction[2]) if reduction is not None else (
             np.empty(0, np.float32), 0, 0)
         pair_t = pair.view(partial.dtype)
         st = ring.st
-        resume = bool(st[tcp_native.S_ROUND])  # a compiled caller's, under way (tcp_native clause 8)
-        deadline = time.monotonic_ns() + int(self.timeout * 1e9)
         frame = self.frame_word(head)
-        with self.afar():
-            while True:
-                now = time.monotonic_ns()
-                if now >= deadline:
-                    code = tcp_native.PENDING
-                    break
+
+        def go(until_ns) -> int:
+            resume = bool(st[tcp_native.S_ROUND])  # a compiled caller's, under way (tcp_native clause 8)
+            while (until := until_ns()) is not None:
                 code = tcp_native.doubling(st, ring.fds, ring.round_sends, ring.round_recvs, inbox, head,
                                            frame, nbytes, pair, pair_t, partial, op, kind, self.rank,
-                                           _LOWAT_BYTES, min(deadline, now + _NAP_NS), ring.cells, ring.clock,
-                                           resume)
-                resume = True
+                                           _LOWAT_BYTES, until, ring.cells, ring.clock, resume)
                 if code != tcp_native.PENDING:
-                    break
-        if code == tcp_native.DONE:
-            return
-        peer = self.rank ^ int(st[tcp_native.S_ROUND])
-        if code == tcp_native.PENDING:
-            raise self._fail(what, peer, f"Timed out after {self.timeout:g}s")
-        self._raise_failed(what, code, peer, peer)
+                    return code
+                resume = True
+            return tcp_native.PENDING
+
+        def peers() -> tuple[int, int, int]:
+            peer = self.rank ^ int(st[tcp_native.S_ROUND])
+            return peer, peer, peer
+
+        self._drive(what, go, peers)
 
     def frame_word(self, head: int) -> int:
         """The int64 word of a message whose ``head`` bytes begin with its table that holds the
@@ -429,18 +437,6 @@ class TcpTransport(NodeTables):
     def _equal_tables(self, what: str, inbox: np.ndarray, head: int) -> None:
         with self.afar():
             self.allgather(inbox[self.rank], inbox)
-
-    def agree(self, coll: str, sig: np.ndarray, check) -> None:
-        """The signature agreement of a group whose only ring this is (NOTE [machines over
-        Gloo] 8 in comm/group.py): every rank's signature around the ring; a barrier too."""
-        sigs = np.empty((self.size, sig.shape[0]), np.int64)
-        with self.afar():
-            self.allgather(np.ascontiguousarray(sig, np.int64), sigs)
-        if not (sigs == sigs[0]).all():
-            check(sigs, self.members)
-
-    def barrier(self) -> None:
-        pass  # the agreement (an allgather of signatures) was the barrier
 
     def allreduce(self, srcs: Fused, dsts: Fused, op: int, dtype, kind: int, ckind: int = 0, root: int = -1,
                   gate=NO_GATE) -> None:

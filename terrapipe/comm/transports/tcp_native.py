@@ -173,25 +173,19 @@ def _received(st, recvs, i):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _send_bytes(sends, j, base):
-    """Send ``j``'s length: the table's, or its frame's (clause 7; -1 where the frame is out of
-    bounds)."""
-    at = sends[j, W_LEN_AT]
+def _length(most, at, less, base):
+    """A transfer's length (clause 7): ``most`` (its table's) where ``at`` < 0, else the int64 at
+    ``base + at`` less ``less``, or -1 where that is outside [0, most]."""
     if at < 0:
-        return sends[j, W_BYTES]
-    n = _load_i64(base + at)
-    return n if 0 <= n <= sends[j, W_BYTES] else -1
+        return most
+    n = _load_i64(base + at) - less
+    return n if 0 <= n <= most else -1
 
 
 @njit(nogil=True, cache=True, inline="always")
 def _recv_bytes(recvs, i, base):
-    """Receive ``i``'s length: the table's, or its frame's less what came before it (clause 7;
-    -1 where that is out of bounds)."""
-    at = recvs[i, R_LEN_AT]
-    if at < 0:
-        return recvs[i, R_BYTES]
-    n = _load_i64(base + at) - recvs[i, R_LEN_LESS]
-    return n if 0 <= n <= recvs[i, R_BYTES] else -1
+    """Receive ``i``'s length (:func:`_length` of its columns)."""
+    return _length(recvs[i, R_BYTES], recvs[i, R_LEN_AT], recvs[i, R_LEN_LESS], base)
 
 
 def new_state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -222,7 +216,7 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
         while st[S_SENT] < st[S_MAY_SEND]:
             j = st[S_SENT]
             done = st[S_SENT_BYTES]
-            total = _send_bytes(sends, j, base)
+            total = _length(sends[j, W_BYTES], sends[j, W_LEN_AT], 0, base)
             if total < 0:
                 return BAD_FRAME
             left_bytes = total - done
@@ -401,12 +395,6 @@ def new_round_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(nogil=True, cache=True)
-def _copy_bytes(dst, src):
-    for i in range(src.shape[0]):
-        dst[i] = src[i]
-
-
-@njit(nogil=True, cache=True)
 def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, partial, op, kind, rank, lowat,
              until_ns, cells, clock, resume):
     """The exchange of NOTE [agreement across nodes] by recursive doubling over the streams
@@ -442,8 +430,8 @@ def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, pa
         if fresh:  # this round's message: this half's tables, then the payload so far
             out = pair[slot]
             for i in range(m):
-                _copy_bytes(out[i * head:(i + 1) * head], inbox[lo_mine + i, :head])
-            _copy_bytes(out[tables:tables + payload], mine)
+                out[i * head:(i + 1) * head] = inbox[lo_mine + i, :head]
+            out[tables:tables + payload] = mine
             out.view(np.int64)[frame] = tables + payload  # the message's frame (clause 7)
             sends[0, W_OFFSET] = slot * wp
             sends[0, W_BYTES] = wp
@@ -462,7 +450,7 @@ def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, pa
         theirs = pair[1 - slot]
         got = theirs.view(np.int64)[frame] - tables  # the peer's payload, as its frame says
         for i in range(m):
-            _copy_bytes(inbox[lo_peer + i, :head], theirs[i * head:(i + 1) * head])
+            inbox[lo_peer + i, :head] = theirs[i * head:(i + 1) * head]
             words[lo_peer + i, frame] = head + got
         if got == payload and payload > 0:  # the halves' partials, lower first
             n, t = partial.shape[0], tables // partial.itemsize
