@@ -143,6 +143,36 @@ def _copies_and_scatters(both, g, numel, n, r):
     both(reduce)
 
 
+@pytest.mark.mpi(ranks=(2, 4), timeout=240)
+def test_a_synchronous_calls_work_is_done_and_holds_its_tensors(mpi_comm):
+    """A synchronous allreduce's Work (NOTE [the terrapipe process group] 6), behind async calls
+    still outstanding: done when returned, its future made on demand with the reduced tensor."""
+    tp, _ = _init(mpi_comm)
+    r, n = dist.get_rank(), dist.get_world_size()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    for it in range(200):
+        pending = [torch.full((s,), float(r + it)) for s in (1024, 300_001)[: 1 + it % 2]]
+        works = [dist.all_reduce(t, async_op=True) for t in pending]
+        t = torch.full((1024 if it % 3 else 5000,), float(r * it))
+        if it % 4 == 3:  # what the script's call does: torch's wrapper waits and returns None
+            assert dist.all_reduce(t) is None
+            w = None
+        else:
+            w = tp.allreduce([t], opts)
+        # in order after what is outstanding, and done when returned
+        assert t[0].item() == it * sum(range(n)) and t[-1].item() == it * sum(range(n))
+        if w is not None:
+            assert w.is_completed() and w.is_success() and w.exception() is None
+            fut = w.get_future()
+            assert fut.done() and fut.value()[0] is t and w.get_future() is fut
+            assert w.wait() is True
+        for x, wk in zip(pending, works, strict=True):
+            wk.wait()
+            assert x[0].item() == n * it + sum(range(n)) and x[-1].item() == x[0].item()
+    _close()
+
+
 @pytest.mark.mpi(ranks=(2, 4), timeout=240, ci_ranks=(2,))  # 4: make test-full (CI time)
 def test_many_outstanding_async_allreduces(mpi_comm):
     tp, gloo = _init(mpi_comm)
