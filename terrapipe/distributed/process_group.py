@@ -270,11 +270,12 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
             # its callbacks were most of the Python a small synchronous all_reduce paid here.
             handles[:] = [_Done(h) for h in handles]
             try:
-                return _finished(finish(), outputs)
+                value = finish()
             except Exception as e:  # noqa: BLE001 (the caller's wait() raises it)
                 fut = _future_for(outputs)
                 fut.set_exception(e)
                 return _Work(fut)
+            return _finished(value, outputs)
         fut = _future_for(outputs)
         handles[:] = [_as_handle(h) for h in handles]
         left = [len(handles)]
