@@ -32,6 +32,13 @@ NOTE [name negotiation]
           ("... is not supported with Join at this time", Horovod's controller: an allgather,
           broadcast, alltoall or reducescatter has no meaning with a rank that left);
        e. when every rank has joined, join completes, returning the last rank to join.
+       f. an unnamed collective is "<kind>.noname.<n>", n counting this rank's unnamed
+          collectives; a joined rank counts the others' as issued (it cannot issue one itself
+          while joined), whether it took part or the collective failed for Join, so after join
+          the ranks' next unnamed names agree again. Counted only where it ran, a rank that
+          joined first while the others' unnamed allgather failed came back one behind, and at
+          4 ranks the next unnamed collective waited out the name timeout (Horovod's
+          test_horovod_join_allgather; tests/horovod/test_negotiation.py regression).
        A round that runs nothing sleeps before the next (1 ms, doubling to 20 ms).
     4. Only a rank with something queued enters a round; one with nothing waits on its queue
        without using a core. A rank whose peers have not issued anything yet waits inside the
@@ -237,8 +244,9 @@ class Coordinator:
             self._retire(entry, result)
 
     def _follow_unnamed(self, name: str) -> None:
-        """A joined rank taking part in the others' unnamed collective counts it as issued, so
-        its next unnamed collective gets the same name as theirs (3d)."""
+        """A joined rank counts the others' unnamed collective as issued, whether it took part
+        or the collective failed for Join, so its next unnamed collective gets the same name as
+        theirs (3f)."""
         k = _noname_index(name)
         if k is not None:
             with self._cv:
@@ -327,7 +335,9 @@ class Coordinator:
                 continue
             meta = first[1]
             if any(joined) and meta[0] not in _WITH_JOIN:  # 3d
-                if entry is not None:
+                if entry is None:  # 3f: counted as issued here too, or the next unnamed names differ
+                    self._follow_unnamed(name)
+                else:
                     self._retire(entry, error=HorovodInternalError(
                         f"{first[3]}: {meta[0].capitalize()} is not supported with Join at this time"
                         + (" (sparse gradients: DistributedOptimizer(sparse_as_dense=True))"

@@ -211,3 +211,31 @@ def test_names_in_any_order_under_load_and_join(mpi_comm):
         _check_join()
     finally:
         hvd.shutdown()
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=120, ci_ranks=(2, 4))
+def test_unnamed_names_agree_after_a_join_that_failed_the_others_allgather(mpi_comm):
+    """Regression (NOTE [name negotiation] 3f): each rank joins first once while the others'
+    *unnamed* allgather fails for Join, with nothing unnamed that runs in between (Horovod's
+    test_horovod_join_allgather). The joined rank counted only collectives it took part in, so
+    it came back one unnamed name behind; at 4 ranks the next round's allgather then had two
+    names, waited out the name timeout and failed as "did not issue it", not for Join."""
+    os.environ["TERRAPIPE_HOROVOD_TIMEOUT"] = "10"
+    hvd.init()
+    try:
+        r, n = hvd.rank(), hvd.size()
+        for _ in range(3):
+            for first in range(n):
+                if r == first:
+                    last = hvd.join()
+                else:
+                    with pytest.raises(hvd.HorovodInternalError, match="Allgather is not supported with Jo"):
+                        hvd.allgather(torch.full((17, 17), float(r)))
+                    last = hvd.join()
+                assert last != first and hvd.allgather_object(last) == [last] * n
+        # the unnamed names agree: an unnamed allgather and allreduce run on every rank
+        assert hvd.allgather(torch.tensor([r])).tolist() == list(range(n))
+        assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(n)))
+    finally:
+        hvd.shutdown()
+        del os.environ["TERRAPIPE_HOROVOD_TIMEOUT"]
