@@ -343,6 +343,7 @@ class Group:
         self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout, self.cross)
         # 4: NOTE [a peer lost across nodes] in transports/board.py
         self.cross.on_lost, self.cross.on_waiting = self.shm.board.mark_lost, self.shm.board.mark_waiting
+        self.cross.choose_halving()  # NOTE [a ring's schedule in compiled code] 10, tcp_native.py
         self.control = self.shm  # 6
         self.bulk = self.cross  # 3: NOTE [overlap across nodes] in comm/algorithms/segment.py
 

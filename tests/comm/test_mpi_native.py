@@ -19,14 +19,14 @@ def test_the_reduce_scatter_blocks_partition_the_payload_and_each_round_joins_tw
     # blocks of the ranks of a group of k tile the block of their group, and after the last
     # round the blocks of all ranks tile [0, m), each once (what the allgather sends back).
     k = p >> 1
-    final = sorted(mpi_native._block(r, m, k) for r in range(p))
+    final = sorted(mpi_native.halving_block(r, m, k) for r in range(p))
     assert final[0][0] == 0 and final[-1][1] == m
     assert all(a[1] == b[0] for a, b in zip(final, final[1:], strict=False))
     dist = 1
     while dist < p:
         for r in range(p):
-            lo, hi = mpi_native._block(r, m, dist >> 1)  # before the round of distance dist
-            mine, theirs = mpi_native._block(r, m, dist), mpi_native._block(r ^ dist, m, dist)
+            lo, hi = mpi_native.halving_block(r, m, dist >> 1)  # before the round of distance dist
+            mine, theirs = mpi_native.halving_block(r, m, dist), mpi_native.halving_block(r ^ dist, m, dist)
             assert sorted([mine, theirs]) == [(lo, lo + (hi - lo) // 2), (lo + (hi - lo) // 2, hi)]
         dist <<= 1
 
@@ -86,7 +86,7 @@ def test_the_halving_threshold_is_where_the_two_algorithms_times_cross(rounds_ti
     # that crossover rounded up to 64 bytes; past the largest, never (0); below the smallest,
     # extrapolated (at least 64 bytes). Below the threshold doubling is no slower, from it on
     # halving is not.
-    from terrapipe.comm.transports.mpi import halving_threshold
+    from terrapipe.comm.transports.base import halving_threshold
 
     doubling = [rounds_time + m * per_byte for m in PAYLOADS]
     halving = [more_rounds * rounds_time + fewer_bytes * m * per_byte for m in PAYLOADS]
@@ -101,7 +101,7 @@ def test_the_halving_threshold_is_where_the_two_algorithms_times_cross(rounds_ti
 
 def test_the_halving_threshold_trusts_only_a_lead_that_holds_at_every_larger_payload():
     # A lead at 8 KiB lost again at 16 KiB is noise: the threshold is where halving leads for good.
-    from terrapipe.comm.transports.mpi import halving_threshold
+    from terrapipe.comm.transports.base import halving_threshold
 
     doubling = [100e-6, 150e-6, 200e-6, 400e-6]
     halving = [150e-6, 140e-6, 220e-6, 300e-6]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from terrapipe.comm import CollectiveTimeoutError, CommError
-from terrapipe.comm.transports import tcp_native
+from terrapipe.comm.transports import mpi_native, tcp_native
 from terrapipe.comm.transports.board import TABLE_COLS
 from terrapipe.comm.transports.tcp import TcpTransport
 from terrapipe.kernels import reduce as kreduce
@@ -470,3 +470,147 @@ def test_recursive_doubling_reduces_every_payload_in_the_same_bits_and_meets_oth
         t._tables_only("test", inbox, head, head + 64, pair, (partial, kreduce.SUM, 0, scratch, acc))
     assert np.all(partial == 10), partial
     t.close()
+
+
+def _doubling_until_done(t: TcpTransport, inbox, head, nbytes, pair, partial, kind) -> int:
+    """A compiled caller's exchange that gives up at every wait (until 0) and is gone on with
+    from where it stood (NOTE [a ring's schedule in compiled code] 8): the calls it took."""
+    ring, calls, resume = t.ring_comm, 0, False
+    while True:
+        code = tcp_native.doubling(ring.st, ring.fds, ring.round_sends, ring.round_recvs, inbox, head,
+                                   t.frame_word(head), nbytes, pair, pair.view(partial.dtype), partial,
+                                   kreduce.SUM, kind, t.rank, 1 << 18, 0, ring.cells, ring.clock, resume)
+        calls += 1
+        if code != tcp_native.PENDING:
+            assert code == tcp_native.DONE, code
+            return calls
+        resume = True
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=300, ci_ranks=(4,))
+def test_recursive_doubling_by_halves_gives_doublings_bits_on_both_sides_of_its_threshold(mpi_comm):
+    # NOTE [a ring's schedule in compiled code] 10: from S_HALVING bytes the payload goes by
+    # reduce-scatter, then, every table agreeing, allgather; each block is reduced lower half
+    # first, so every rank ends with the bits recursive doubling gives ((r0 + r1) + (r2 + r3)),
+    # float32 and bfloat16 (reduced in float32, rounded each round) alike, for sizes on both
+    # sides of the threshold and blocks down to empty ones (1 and 3 elements among 4), in a
+    # loop; through agree_tables and through a compiled caller that gives up at every wait.
+    import torch
+
+    from terrapipe.comm.transports.board import SIG_WORDS
+
+    t = TcpTransport(mpi_comm, timeout=30, members=list(range(4)), exchange=True)
+    assert t.can_halve and t.halving_bytes == 0
+    rank, p = t.rank, t.size
+    inbox, head = _inbox(t, 2, 8192)
+    words = inbox.view(np.int64)
+    pair = np.zeros((2, -(-(p // 2 * head + 8192) // 64) * 64), np.uint8)
+    scratch, acc = np.zeros(2048, np.float32), np.zeros(kreduce.TILE, np.float32)
+    sigs = np.full((2, SIG_WORDS), 5, np.int64)
+    threshold = 256
+    sizes = [1, 3, 7, 63, 64, 65, 1000, 2048]  # float32: 4 to 8192 bytes, the threshold at 64
+    for i in range(120):
+        n = sizes[i % len(sizes)]
+        bf16 = i % 3 == 2
+        words[rank, 0] = words[rank, TABLE_COLS] = 100 + i
+        values = [_data(i, q, n, "float32") for q in range(p)]
+        if bf16:
+            values = [torch.from_numpy(v).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                      for v in values]
+        kind = kreduce.BF16 if bf16 else 0
+        nbytes = head + values[0].nbytes
+        partial = inbox[rank, head:nbytes].view(values[0].dtype)
+        results = []
+        for halving in (0, threshold):
+            t.set_halving_bytes(halving)
+            partial[:] = values[rank]
+            if i % 2:
+                words[rank, t.frame_word(head)] = nbytes
+                _doubling_until_done(t, inbox, head, nbytes, pair, partial, kind)
+            else:
+                t.agree_tables("test", inbox, head, nbytes, None, sigs, pair,
+                               (partial, kreduce.SUM, kind, scratch, acc))
+            assert t.ring_comm.st[tcp_native.S_ROUND] == 0 and t.ring_comm.st[tcp_native.S_PHASE] == 0
+            assert [int(words[q, 0]) for q in range(p)] == [100 + i] * p, i
+            assert t.counts(inbox, head) == [nbytes] * p, i
+            results.append(partial.copy())
+        assert np.array_equal(results[0], results[1]), (i, n, bf16)
+        if not bf16:
+            assert np.array_equal(results[1], (values[0] + values[1]) + (values[2] + values[3])), i
+        assert _same_everywhere(mpi_comm, results[1]), i
+    t.close()
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=300, ci_ranks=(4,))
+def test_by_halves_a_rank_in_another_collective_is_named_and_nothing_is_allgathered(mpi_comm):
+    # NOTE [a ring's schedule in compiled code] 10: the allgather runs only where every table
+    # agrees, which every rank judges alike once the reduce-scatter's rounds brought every
+    # table; a rank in another collective (another size, or tables alone) is named on every
+    # rank, the payloads are not allgathered, and the streams stay in step: the next exchanges,
+    # halving again, agree.
+    from terrapipe.comm.transports.board import SIG_WORDS
+
+    t = TcpTransport(mpi_comm, timeout=30, members=list(range(4)), exchange=True)
+    t.set_halving_bytes(64)
+    rank, p = t.rank, t.size
+    inbox, head = _inbox(t, 2, 8192)
+    words = inbox.view(np.int64)
+    pair = np.zeros((2, -(-(p // 2 * head + 8192) // 64) * 64), np.uint8)
+    scratch, acc = np.zeros(2048, np.float32), np.zeros(kreduce.TILE, np.float32)
+
+    def check(every, ranks):
+        raise ValueError(f"mismatch at {[r for r, s in zip(ranks, every, strict=True) if s[4] == 11]}")
+
+    for i, (odd, odd_payload) in enumerate([(1, 0), (2, 1024), (3, 4096), (0, 0)] * 5):
+        mine = np.full((2, SIG_WORDS), 5, np.int64)
+        mine[:, 4] = 10 + (rank == odd)
+        words[rank, 0] = words[rank, TABLE_COLS] = int(mine[0, 4])
+        payload = odd_payload if rank == odd else 4096
+        partial = inbox[rank, head:head + payload].view(np.float32)
+        partial[:] = rank + 1
+        reduction = (partial, kreduce.SUM, 0, scratch, acc) if payload else None
+        with pytest.raises(ValueError, match=rf"mismatch at \[{2 * odd}, {2 * odd + 1}\]"):
+            t.agree_tables("test", inbox, head, head + payload, check, mine, pair, reduction)
+        # nothing allgathered: outside the half its first round kept, its payload is its own
+        lo, hi = mpi_native.halving_block(rank, partial.size, 1)
+        assert np.all(partial[:lo] == rank + 1) and np.all(partial[hi:] == rank + 1), i
+        words[rank, 0] = words[rank, TABLE_COLS] = 9
+        partial = inbox[rank, head:head + 4096].view(np.float32)
+        partial[:] = rank + 1
+        t.agree_tables("test", inbox, head, head + 4096, check, mine, pair,
+                       (partial, kreduce.SUM, 0, scratch, acc))
+        assert np.all(partial == 10), (i, partial)
+    t.close()
+
+
+def test_each_stream_gets_its_own_wake_threshold():
+    # NOTE [a ring's schedule in compiled code] 5, regression: SO_RCVLOWAT was set only where
+    # the value changed, not where the stream did, so a wait on another stream (recursive
+    # doubling's, round by round) for the bytes last asked of the first kept that stream's
+    # older, larger threshold and slept until its nap was over.
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    for _ in range(2):
+        c = socket.create_connection(server.getsockname())
+        s, _ = server.accept()
+        s.setblocking(False)
+        pairs.append((c, s))
+    st, cells, clock = tcp_native.new_state()
+    buf = np.zeros(1000, np.uint8)
+    sends = np.zeros((0, tcp_native.N_W), np.int64)
+    recvs = np.array([[0, 1000, 0, 0, -1, -1, 0]], np.int64)
+    a, b = pairs[0][1], pairs[1][1]
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 5000)  # an earlier schedule's
+    for fd in (a.fileno(), b.fileno()):
+        tcp_native.start(st, 0)
+        until = time.monotonic_ns() + 2_000_000
+        code = tcp_native.advance(st, sends, recvs, fd, fd, buf.ctypes.data, 0, 1 << 18, until, cells, clock)
+        assert code == tcp_native.PENDING  # nothing sent: it waited in poll
+    assert a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1000
+    assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1000
+    for c, s in pairs:
+        c.close()
+        s.close()
+    server.close()

@@ -128,11 +128,15 @@ NOTE [one-shot across nodes]
        (NOTE [machines over Gloo] 8), so they take it too. At 4 x 1 over 1gbit (AMD EPYC,
        2026-12-02), us at 4 / 16 KiB: before, the agreement and the ``tcp`` path, 684-727 /
        745; around the ring's allgather 208-245 / 412; by recursive doubling 92-102 / 273-276,
-       where MPI's one-shot took 80-135 / 200-231 in runs of the same hour. The limit among
-       them stays ``ONESHOT_NODES_BYTES``: pinned, at 32 KiB 550 us against the ``tcp`` path's
-       1090, at 64 KiB level (1095 / 873-1060), from 256 KiB the ring's 1.5 x n a link leads
-       the rounds' 2 x n (4.4 / 3.3 ms); MPI's limit there rests on its exchange's reduce-scatter,
-       which this one does not do. Before, such a job agreed over the ring and then ran the hierarchical
+       where MPI's one-shot took 80-135 / 200-231 in runs of the same hour. Whole rounds
+       carry 2 x n a link among four, the ring 1.5 x n, so the one-shot stopped at
+       ``ONESHOT_NODES_BYTES`` (pinned, at 32 KiB 550 us against the ``tcp`` path's 1090, at
+       64 KiB level, 1095 / 873-1060). From a payload measured when the group is made the
+       rounds now go by halves (NOTE [a ring's schedule in compiled code] 10), 1.5 x n a
+       link as the ring's, so among such machines it takes up to
+       ``ONESHOT_DOUBLING_TCP_BYTES``: at 4 x 1 over 1gbit (AMD EPYC, 2026-12-03) 32 KiB
+       408-432 us (was 538-545 whole), 64 KiB 805-819 (the links' bound 786) against the
+       ring's 1211-1461. Before, such a job agreed over the ring and then ran the hierarchical
        segment: at 2 machines x 2 over 1gbit (AMD EPYC, 2 cores, 2026-12-02; 4 KiB, median of
        400 calls, rank 0) 239 us a call, where MPI's one-shot took 60; with the one-shot over
        the ring, around the compiled call in Python 82 us, in one compiled call 58-65, MPI's in
@@ -166,6 +170,7 @@ from .oneshot import ONESHOT_SPINS
 
 __all__ = ["allreduce", "plan", "limit", "part_of", "ONESHOT_NODES_BYTES", "ONESHOT_TWO_NODES_BYTES",
            "ONESHOT_NODE_PAIR_BYTES", "ONESHOT_DOUBLING_BYTES", "ONESHOT_DOUBLING_ALONE_BYTES",
+           "ONESHOT_DOUBLING_TCP_BYTES",
            "ONESHOT_WHOLE_BYTES"]
 
 # Measured over emulated 1gbit links on two cores (float32 sum; each algorithm pinned, rounds
@@ -216,6 +221,16 @@ ONESHOT_DOUBLING_BYTES = 1 << 20
 # the ring at 95% of the bound, allreduce_cluster_4x1_1gbit_2026-11-27_6.json, the one-shot at
 # 74% in a run with a trial limit of 4 MiB), so the one-shot stops at 2 MiB.
 ONESHOT_DOUBLING_ALONE_BYTES = 2 << 20
+# Among a power of two of four or more machines over TCP (clause 13), where the exchange may
+# reduce-scatter and allgather (NOTE [a ring's schedule in compiled code] 10 in
+# comm/transports/tcp_native.py). 4 machines x 1 under torchrun (AMD EPYC, 2 cores; pinned, 7
+# rounds interleaved, 2026-12-03), us at 64 / 128 / 256 KiB, the one-shot by halves / the TCP
+# ring: over 1gbit 814-819 / 1211-1224, 1646-3847 / 1636-1725, 3277-6868 / 3287-3403; over
+# 2.5gbit 436 / 1166, 926 / 1177, 1313-3163 / 1407; over 10gbit 390 / 1114, 573 / 1195, 931 /
+# 1494. From 128 KiB, where a round's message is 64 KiB or more each way at once, some calls
+# over 1gbit stall for 10-150 ms in the kernel's TCP (no packet dropped; not SO_RCVLOWAT: the
+# same with it at one byte), and the ring, one way on each stream, does not.
+ONESHOT_DOUBLING_TCP_BYTES = 64 << 10
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
 # 0.81 at 4 KiB, 0.85 at 8 KiB, 1.03 at 16 KiB.
@@ -228,6 +243,7 @@ def limit(shm) -> int:
     several ranks (clause 10), ``ONESHOT_DOUBLING_BYTES`` among a power of two of four or more
     whose exchange is compiled (and so may reduce-scatter; clause 10; on nodes of one rank
     ``ONESHOT_DOUBLING_ALONE_BYTES``, clause 12),
+    ``ONESHOT_DOUBLING_TCP_BYTES`` among such a power of two of machines over TCP (clause 13),
     ``ONESHOT_TWO_NODES_BYTES`` between two nodes of one rank, ``ONESHOT_NODES_BYTES`` among
     others; never past what the exchange's messages carry (``shm.payload_bytes``)."""
     cross = shm.cross
@@ -235,6 +251,8 @@ def limit(shm) -> int:
         most = ONESHOT_NODE_PAIR_BYTES
     elif cross is not None and cross.doubling and cross.native is not None:
         most = ONESHOT_DOUBLING_ALONE_BYTES if shm.local_size == 1 else ONESHOT_DOUBLING_BYTES
+    elif cross is not None and cross.doubling and cross.name == "tcp":
+        most = ONESHOT_DOUBLING_TCP_BYTES
     elif cross is not None and cross.size == 2:
         most = ONESHOT_TWO_NODES_BYTES
     else:

@@ -28,17 +28,53 @@ nodes (:class:`NodeTables`: NOTE [agreement across nodes] in comm/transports/shm
 
 from __future__ import annotations
 
+import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import numpy as np
 
+from ... import settings
+from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 from ..errors import CommError
 from ..message import NO_GATE, Fused
 from .board import SIG_WORDS, TABLE_COLS
 
-__all__ = ["Transport", "OwnCollectives", "NodeTables"]
+__all__ = ["Transport", "OwnCollectives", "NodeTables", "halving_threshold"]
+
+# The payloads the exchange between nodes is timed at, each way, to choose between recursive
+# doubling and reduce-scatter with allgather (NodeTables.choose_halving; NOTE [MPI from compiled
+# code] 9 in comm/transports/mpi_native.py): loops of _PROBE_CALLS exchanges back to back, each
+# after exchanges that send _PROBE_SPEND_BYTES (a shaped link's burst allowance, or a switch's
+# buffers, spent: what is timed is the steady state of a training loop), the median of
+# _PROBE_ROUNDS kept. Up to 64 KiB: the one-shot across nodes sends up to 1 MiB among four
+# nodes, 2 MiB on nodes of one rank (ONESHOT_DOUBLING_BYTES in comm/algorithms/oneshot_nodes.py),
+# but past the crossover halving's lead grows with the bytes it saves (1.5 x n per link against
+# log2(nodes) x n), so a lead at 64 KiB holds beyond it.
+_PROBE_PAYLOADS = (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10)
+_PROBE_SPEND_BYTES, _PROBE_CALLS, _PROBE_ROUNDS = 384 << 10, 12, 3
+
+
+def halving_threshold(payloads, doubling, halving) -> int:
+    """The smallest payload from which reduce-scatter and allgather beat recursive doubling,
+    from each one's time per exchange (seconds) at each of ``payloads`` (bytes, ascending):
+    where halving leads from some measured payload on, the crossover by linear interpolation
+    of the lead between that payload and the one below it (extrapolated below the smallest
+    from the two smallest, down to 64 bytes), rounded up to 64 bytes; 0 (never) where it does
+    not lead at the largest (NOTE [MPI from compiled code] 9 in comm/transports/mpi_native.py)."""
+    lead = [d - h for d, h in zip(doubling, halving, strict=True)]  # > 0: halving's lead
+    i = len(lead)
+    while i > 0 and lead[i - 1] > 0:
+        i -= 1
+    if i == len(lead):
+        return 0
+    j = max(i - 1, 0)  # the sign changes between payloads j and j + 1 (or below the smallest)
+    x0, x1, y0, y1 = payloads[j], payloads[j + 1], lead[j], lead[j + 1]
+    crossover = x0 - y0 * (x1 - x0) / (y1 - y0) if y1 != y0 else 64  # (equal: a lead all the way down)
+    crossover = min(max(crossover, 64), payloads[i])
+    return math.ceil(crossover / 64) * 64  # up, from the real value (not from its floor)
 
 
 class Transport(ABC):
@@ -112,6 +148,8 @@ class NodeTables(ABC):
     native = None
     doubling = False
     frame_rows = 0
+    can_halve = False  # whether exchanges may reduce-scatter and allgather (choose_halving)
+    halving_bytes = 0  # the smallest payload that does; 0: none
 
     @abstractmethod
     def largest_node(self, local_size: int) -> int:
@@ -189,6 +227,75 @@ class NodeTables(ABC):
         table[: len(sigs), :-1] = sigs
         table[: len(sigs), -1] = ranks
         return self._every_table(f"{coll} (naming the mismatch)", table).reshape(-1, SIG_WORDS + 1)
+
+    # -- recursive doubling or reduce-scatter and allgather --------------------------------------
+    def set_halving_bytes(self, nbytes: int) -> None:
+        """Make :attr:`halving_bytes` ``nbytes`` (the same on every rank: :meth:`choose_halving`)."""
+        raise NotImplementedError(f"{type(self).__name__}: its exchanges never reduce-scatter")
+
+    def _probe_exchange(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
+                        reduction: tuple) -> None:
+        """One exchange of :meth:`agree_tables` for :meth:`choose_halving`'s timing: every table
+        of ``head`` bytes agrees (all zero but for the transport's own rows, which it writes)."""
+        raise NotImplementedError(f"{type(self).__name__}: its exchanges never reduce-scatter")
+
+    def choose_halving(self) -> None:
+        """Choose :attr:`halving_bytes` for the exchanges that carry payloads between nodes
+        (NOTE [MPI from compiled code] 9 in comm/transports/mpi_native.py):
+        ``TERRAPIPE_HALVING_BYTES``, else measured now on these links. Collective: every rank
+        gets the same answer (the largest setting, where ranks were given different ones), as
+        it must: a rank halving where its peer doubles would meet it with messages of other
+        lengths. Where exchanges cannot reduce-scatter (:attr:`can_halve`), nothing to choose."""
+        if not self.can_halve:
+            return
+        fixed = settings.get("TERRAPIPE_HALVING_BYTES")
+        if fixed is not None:
+            chosen = int(self._slowest(np.array([float(fixed)]))[0])
+        else:
+            times = self._slowest(self._probe_halving()).reshape(-1, 2)
+            chosen = halving_threshold(_PROBE_PAYLOADS, times[:, 0], times[:, 1])
+        self.set_halving_bytes(chosen)
+
+    def _probe_halving(self) -> np.ndarray:
+        """This rank's seconds per exchange at each of _PROBE_PAYLOADS, by recursive doubling
+        then by reduce-scatter and allgather, (payloads x 2) flattened: the median of
+        _PROBE_ROUNDS loops each, in the steady state (NOTE [MPI from compiled code] 9)."""
+        # one table row per rank, all zero (every table agrees), then the transport's own rows
+        head = 8 * TABLE_COLS * (1 + self.frame_rows)
+        width = -(-(head * self.size + _PROBE_PAYLOADS[-1]) // 64) * 64
+        inbox, pair = np.zeros((self.size, width), np.uint8), np.zeros((2, width), np.uint8)
+        scratch, acc = np.zeros(width // 4, np.float32), np.zeros(kreduce.TILE, np.float32)
+        rounds = self.size.bit_length() - 1
+
+        def loop(payload: int, halving: bool) -> float:
+            self.set_halving_bytes(payload if halving else 0)
+            reduction = (inbox[self.rank, head:head + payload].view(np.float32), kreduce.SUM, 0, scratch, acc)
+            sent = payload * (2 * (self.size - 1) / self.size if halving else rounds)  # per exchange
+            spend = -(-_PROBE_SPEND_BYTES // int(sent))  # untimed: a link's burst allowance spent
+            for i in range(spend + _PROBE_CALLS):
+                if i == spend:
+                    t = time.perf_counter()
+                self._probe_exchange("measuring the links between nodes", inbox, head, head + payload, pair,
+                                     reduction)
+            return (time.perf_counter() - t) / _PROBE_CALLS
+
+        samples = np.zeros((_PROBE_ROUNDS, len(_PROBE_PAYLOADS), 2))
+        for r in range(_PROBE_ROUNDS):
+            for i, payload in enumerate(_PROBE_PAYLOADS):
+                for halving in (False, True) if r % 2 else (True, False):
+                    samples[r, i, int(halving)] = loop(payload, halving)
+        self.set_halving_bytes(0)
+        return np.median(samples, axis=0).ravel()
+
+    def _slowest(self, values: np.ndarray) -> np.ndarray:
+        """The largest of every rank's ``values`` (float64), on every rank: each rank's travel
+        in its table, one per row after an agreeing first row (all zero), in rows the tables'
+        check skips (their last word -1)."""
+        table = np.zeros((1 + values.size, TABLE_COLS), np.int64)
+        table[1:, 0] = values.astype(np.float64).view(np.int64)
+        table[1:, -1] = -1
+        every = self._every_table("agreeing on the links' measurement", table)[:, 1:, 0].copy()
+        return every.view(np.float64).max(axis=0)
 
     def _every_table(self, what: str, mine: np.ndarray) -> np.ndarray:
         """Every rank's ``mine`` ((rows, cols) int64, C-contiguous, the same shape on every

@@ -21,8 +21,6 @@ polls; split, each would reach into the others' state.
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -34,10 +32,10 @@ from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat, segments
 from ..wait import wait_until
 from .base import NodeTables, OwnCollectives
-from .board import LOST, TABLE_COLS
+from .board import LOST
 from .mpi_native import C_HALVING, DONE, PENDING, bind
 
-__all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES", "halving_threshold"]
+__all__ = ["MpiTransport", "RING_BYTES", "CHUNK_BYTES"]
 
 # At or above this many bytes an allreduce over MPI runs as our chunked ring (NOTE [ring
 # schedule] in comm/algorithms/ring.py); below it MPI's own allreduce (NOTE [algorithm
@@ -54,38 +52,6 @@ AGREE_TAG = 7203
 # is up (NOTE [MPI from compiled code] 4). A 4 KiB exchange across emulated nodes sharing two
 # cores took under two yields on average.
 NATIVE_SPINS = 64
-# The payloads the exchange between nodes is timed at, each way, to choose between recursive
-# doubling and reduce-scatter with allgather (NOTE [MPI from compiled code] 9): loops of
-# _PROBE_CALLS exchanges back to back, each after exchanges that send _PROBE_SPEND_BYTES (a
-# shaped link's burst allowance, or a switch's buffers, spent: what is timed is the steady
-# state of a training loop), the median of _PROBE_ROUNDS kept. Up to 64 KiB: the one-shot
-# across nodes sends up to 1 MiB among four nodes, 2 MiB on nodes of one rank (ONESHOT_DOUBLING_BYTES in
-# comm/algorithms/oneshot_nodes.py), but past the crossover halving's lead grows with the bytes
-# it saves (1.5 x n per link against log2(nodes) x n), so a lead at 64 KiB holds beyond it.
-_PROBE_PAYLOADS = (4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10)
-_PROBE_SPEND_BYTES, _PROBE_CALLS, _PROBE_ROUNDS = 384 << 10, 12, 3
-
-
-def halving_threshold(payloads, doubling, halving) -> int:
-    """The smallest payload from which reduce-scatter and allgather beat recursive doubling,
-    from each one's time per exchange (seconds) at each of ``payloads`` (bytes, ascending):
-    where halving leads from some measured payload on, the crossover by linear interpolation
-    of the lead between that payload and the one below it (extrapolated below the smallest
-    from the two smallest, down to 64 bytes), rounded up to 64 bytes; 0 (never) where it does
-    not lead at the largest (NOTE [MPI from compiled code] 9)."""
-    lead = [d - h for d, h in zip(doubling, halving, strict=True)]  # > 0: halving's lead
-    i = len(lead)
-    while i > 0 and lead[i - 1] > 0:
-        i -= 1
-    if i == len(lead):
-        return 0
-    j = max(i - 1, 0)  # the sign changes between payloads j and j + 1 (or below the smallest)
-    x0, x1, y0, y1 = payloads[j], payloads[j + 1], lead[j], lead[j + 1]
-    crossover = x0 - y0 * (x1 - x0) / (y1 - y0) if y1 != y0 else 64  # (equal: a lead all the way down)
-    crossover = min(max(crossover, 64), payloads[i])
-    return math.ceil(crossover / 64) * 64  # up, from the real value (not from its floor)
-
-
 class MpiTransport(OwnCollectives, NodeTables):
     """Transfers over ``comm`` (mpi4py). ``members[i]``: the group rank of rank i of ``comm``;
     ``timeout``: seconds a request may take; ``late_hint()``: (group ranks, why) known to be
@@ -133,61 +99,18 @@ class MpiTransport(OwnCollectives, NodeTables):
         of two, or the mpi4py exchange, which never does)."""
         return int(self.native.cfg[C_HALVING]) if self.native is not None else 0
 
-    def choose_halving(self) -> None:
-        """Choose :attr:`halving_bytes` for the exchanges that carry payloads between nodes
-        (NOTE [MPI from compiled code] 9): ``TERRAPIPE_HALVING_BYTES``, else measured now on
-        these links. Collective over ``comm``: every rank gets the same answer (the largest
-        setting, where ranks were given different ones). Where the compiled exchange does
-        not go by recursive doubling, nothing to choose."""
-        if self.native is None or not self.doubling:
-            return
-        fixed = settings.get("TERRAPIPE_HALVING_BYTES")
-        if fixed is not None:
-            chosen = int(self._slowest(np.array([float(fixed)]))[0])
-        else:
-            times = self._slowest(self._probe_halving()).reshape(-1, 2)
-            chosen = halving_threshold(_PROBE_PAYLOADS, times[:, 0], times[:, 1])
-        self.native.cfg[C_HALVING] = chosen
+    @property
+    def can_halve(self) -> bool:
+        """Whether exchanges here may reduce-scatter (NOTE [MPI from compiled code] 8): the
+        compiled exchange by recursive doubling."""
+        return self.native is not None and self.doubling
 
-    def _probe_halving(self) -> np.ndarray:
-        """This rank's seconds per exchange at each of _PROBE_PAYLOADS, by recursive doubling
-        then by reduce-scatter and allgather, (payloads x 2) flattened: the median of
-        _PROBE_ROUNDS loops each, in the steady state (clause 9)."""
-        head = 8 * TABLE_COLS  # one table row per rank, all zero: every table agrees
-        width = -(-(head * self.size + _PROBE_PAYLOADS[-1]) // 64) * 64
-        inbox, pair = np.zeros((self.size, width), np.uint8), np.zeros((2, width), np.uint8)
-        scratch, acc = np.zeros(width // 4, np.float32), np.zeros(kreduce.TILE, np.float32)
-        cfg, rounds = self.native.cfg, self.size.bit_length() - 1
+    def set_halving_bytes(self, nbytes: int) -> None:
+        self.native.cfg[C_HALVING] = nbytes
 
-        def loop(payload: int, halving: bool) -> float:
-            cfg[C_HALVING] = payload if halving else 0
-            reduction = (inbox[self.rank, head:head + payload].view(np.float32), kreduce.SUM, 0, scratch, acc)
-            sent = payload * (2 * (self.size - 1) / self.size if halving else rounds)  # per exchange
-            spend = -(-_PROBE_SPEND_BYTES // int(sent))  # untimed: a link's burst allowance spent
-            for i in range(spend + _PROBE_CALLS):
-                if i == spend:
-                    t = time.perf_counter()
-                self._exchange_native("measuring the links between nodes", inbox, head, head + payload, pair,
-                                      reduction)
-            return (time.perf_counter() - t) / _PROBE_CALLS
-
-        samples = np.zeros((_PROBE_ROUNDS, len(_PROBE_PAYLOADS), 2))
-        for r in range(_PROBE_ROUNDS):
-            for i, payload in enumerate(_PROBE_PAYLOADS):
-                for halving in (False, True) if r % 2 else (True, False):
-                    samples[r, i, int(halving)] = loop(payload, halving)
-        cfg[C_HALVING] = 0
-        return np.median(samples, axis=0).ravel()
-
-    def _slowest(self, values: np.ndarray) -> np.ndarray:
-        """The largest of every rank's ``values`` (float64), on every rank: each rank's travel
-        in its table, one per row after an agreeing first row (all zero), in rows the tables'
-        check skips (their last word -1)."""
-        table = np.zeros((1 + values.size, TABLE_COLS), np.int64)
-        table[1:, 0] = values.astype(np.float64).view(np.int64)
-        table[1:, -1] = -1
-        every = self._every_table("agreeing on the links' measurement", table)[:, 1:, 0].copy()
-        return every.view(np.float64).max(axis=0)
+    def _probe_exchange(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
+                        reduction: tuple) -> None:
+        self._exchange_native(what, inbox, head, nbytes, pair, reduction)
 
     # -- waiting ------------------------------------------------------------------------------
     def wait(self, req, what: str, peer: int | None = None, polls: int = 1) -> None:

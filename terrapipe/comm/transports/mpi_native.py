@@ -44,7 +44,7 @@ NOTE [MPI from compiled code]
        peers round for round and raises the same mismatch.
     8. A payload of at least ``cfg[C_HALVING]`` bytes (clause 9) goes by reduce-scatter and allgather
        instead of whole in each round: in round k a rank sends the half of its block that the peer
-       keeps (the upper half where bit k of the peer's rank is set, :func:`_block`) and reduces the
+       keeps (the upper half where bit k of the peer's rank is set, :func:`halving_block`) and reduces the
        half it keeps, the lower rank's data first; once every table agrees (only then: a group that
        disagrees stops after the first phase, on every rank), the allgather's rounds, from the
        largest distance down, swap finished blocks into place. A link carries 1.5 x the payload at
@@ -59,8 +59,8 @@ NOTE [MPI from compiled code]
        costs where ranks share cores). Measured interleaved in one run each (4 emulated nodes,
        2-core Xeon, float32, us doubling / halving): over 1gbit 12 KiB 206 / 157 and 8 KiB 107 /
        151; over 2.5gbit 16 KiB 133 / 205 and 32 KiB near even. No constant fits both, so the
-       transport between nodes measures it when a group is made (``MpiTransport.choose_halving``,
-       comm/transports/mpi.py; ``TERRAPIPE_HALVING_BYTES`` sets it instead): each rank times
+       transport between nodes measures it when a group is made (``NodeTables.choose_halving``,
+       comm/transports/base.py; ``TERRAPIPE_HALVING_BYTES`` sets it instead): each rank times
        loops of both exchanges at 4, 8, 16, 32 and 64 KiB in the steady state of a training loop
        (each loop after exchanges that send 384 KiB a rank: a shaped link's burst allowance, or
        a switch's buffers, spent; before that, doubling's extra bytes went at burst speed and it
@@ -114,7 +114,7 @@ from ...kernels import sync as ksync
 from .board import TABLE_COLS
 
 __all__ = ["bind", "supported", "Exchange", "advance", "advance_reducing", "reduce_step", "halves", "DONE",
-           "PENDING", "DISAGREE", "REDUCE", "C_HALVING"]
+           "PENDING", "DISAGREE", "REDUCE", "C_HALVING", "halving_block"]
 
 PENDING, DONE, DISAGREE, REDUCE = 0, 1, 2, 3
 
@@ -202,7 +202,7 @@ def _copy(dst, at, src, start, n):
 
 
 @njit(nogil=True, cache=True)
-def _block(me, m, upto):
+def halving_block(me, m, upto):
     """Elements [lo, hi) of an ``m``-element payload that rank ``me`` reduces after the
     reduce-scatter's rounds of distance 1, 2, ... ``upto`` (each keeps the upper half where its
     bit of that distance is set, clause 8)."""
@@ -361,7 +361,7 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
         lo, hi = 0, m
         borrow = False
         if halving:  # send the half the peer keeps (clause 8)
-            lo, hi = _block(me, m, k >> 1)
+            lo, hi = halving_block(me, m, k >> 1)
             mid = lo + (hi - lo) // 2
             # clause 10: both halves hold the tables, so both ranks send from their data
             borrow = min(mid - lo, hi - mid) * item >= tables
@@ -405,7 +405,7 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
             _copy(inbox[peer_base + i], 0, theirs, toff + i * head, head)
         st[S_ROUND] = k << 1
         # The peer sends what this rank keeps: the whole payload, or the other half of the block.
-        keep_lo, keep_hi = (0, m) if not halving else _block(me, m, k)
+        keep_lo, keep_hi = (0, m) if not halving else halving_block(me, m, k)
         expected = tables + (keep_hi - keep_lo) * item if payload > 0 else tables
         if got != expected:
             for i in range(k):  # another call's message: its tables tell which
@@ -434,8 +434,8 @@ def advance(st, cfg, reqs, statuses, counts, cells, inbox, words, head, nbytes, 
     base = user.ctypes.data if direct else mine.ctypes.data
     while st[S_ROUND] >= 1:
         k = st[S_ROUND]
-        lo, hi = _block(me, m, k)
-        plo, phi = _block(me ^ k, m, k)
+        lo, hi = halving_block(me, m, k)
+        plo, phi = halving_block(me ^ k, m, k)
         if st[S_POSTED] == 0:
             err = _swap(cfg, reqs, base, lo * item, hi * item, plo * item, phi * item, me ^ k)
             if err:

@@ -66,6 +66,9 @@ NOTE [a ring over TCP]
        the way, whatever the collective, so ranks in different calls still meet round by
        round. Around the ring a message reached the farthest rank after nodes - 1 hops, each
        link carrying nodes - 1 messages one after another; by rounds, log2(nodes) of each.
+       From a payload measured when the group is made (:meth:`choose_halving`, kept in the
+       ring's ``st``) the rounds reduce-scatter and allgather by halves instead (NOTE [a
+       ring's schedule in compiled code] 10).
 
 Why one module: the two streams (:class:`TcpRing`: the sockets and the state of the schedule
 they run) and the transport over them (:class:`TcpTransport`: schedules with their timeout and
@@ -410,6 +413,29 @@ class TcpTransport(NodeTables):
             return peer, peer, peer
 
         self._drive(what, go, peers)
+
+    # -- recursive doubling by halves (NOTE [a ring's schedule in compiled code] 10) -------------
+    @property
+    def can_halve(self) -> bool:
+        """Whether exchanges here may reduce-scatter and allgather: by recursive doubling."""
+        return self.doubling
+
+    @property
+    def halving_bytes(self) -> int:
+        """The smallest payload the exchange reduce-scatters and allgathers (chosen by
+        :meth:`choose_halving` when the group is made); 0: none."""
+        return int(self.ring_comm.st[tcp_native.S_HALVING]) if self.doubling else 0
+
+    def set_halving_bytes(self, nbytes: int) -> None:
+        self.ring_comm.st[tcp_native.S_HALVING] = nbytes
+
+    def _probe_exchange(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,
+                        reduction: tuple) -> None:
+        words = inbox.view(np.int64)
+        frame = self.frame_word(head)
+        words[:, frame + TABLE_COLS - 1] = -1  # the frame row, which the tables' check skips (clause 8)
+        words[self.rank, frame] = nbytes
+        self._doubling(what, inbox, head, nbytes, pair, reduction)
 
     def frame_word(self, head: int) -> int:
         """The int64 word of a message whose ``head`` bytes begin with its table that holds the

@@ -33,8 +33,12 @@ NOTE [a ring's schedule in compiled code]
        ``poll`` and ends the call the same way.
     5. A receive waits for its bytes in ``poll`` with ``SO_RCVLOWAT`` set to what it still lacks,
        at most ``lowat`` bytes (NOTE [a ring over TCP] 7): the kernel wakes the call once that
-       much has arrived, not at every segment. The option is set only where it changes (its
-       last value in ``st``, which lives as long as the streams).
+       much has arrived, not at every segment. The option is set only where it changes: its
+       last value and the stream it was set on are in ``st``, which lives as long as the
+       streams. Recursive doubling waits on a stream per round (clause 9); where only the
+       value was kept, a wait on the next round's stream for as many bytes as the last one
+       asked of the previous stream left that stream's older, larger threshold in place, and
+       it slept until the nap (tests/comm/test_tcp.py, regression).
     6. A receive that lands where this rank sent from earlier in the schedule (the ring's
        all-gather, in place over a segment it sent during the reduce-scatter) is read only once
        that send has gone (NOTE [ring schedule] 3 in comm/algorithms/ring.py): a send is done
@@ -68,6 +72,24 @@ NOTE [a ring's schedule in compiled code]
        from where it stood (clause 8). At 4 emulated machines x 1 over 1gbit, a 4 KiB
        one-shot across nodes took 208-245 us around the ring and 92-102 by rounds (NOTE
        [one-shot across nodes] 13 in comm/algorithms/oneshot_nodes.py).
+    10. From ``st[S_HALVING]`` bytes of payload (0: never) the rounds carry halves, as over MPI
+       (NOTE [MPI from compiled code] 8 in comm/transports/mpi_native.py): in round k a rank
+       sends, after its half's tables, the half of its block the peer keeps
+       (``mpi_native.halving_block``) and reduces the half it keeps, the lower rank's data
+       first; after the last round every rank holds every table, and where every one agrees
+       (every rank judges alike: a group that disagrees stops there on every rank, and the
+       streams stay in step) the allgather's rounds (``st[S_PHASE]`` 1), from the largest
+       distance down, swap finished blocks into place, unframed, their lengths known to both
+       sides. A link carries 2 (size - 1) / size of the payload, 1.5 x at 4 machines, where
+       whole rounds carry log2(size) x; each block is reduced on one rank and copied to the
+       others, in the order whole rounds add them, so the bits are the same either way. Halving
+       costs twice the rounds, so it wins from a payload that grows with the link's rate: the
+       threshold is measured when the group is made, as over MPI
+       (``NodeTables.choose_halving``, comm/transports/base.py): 20-31 KiB over 1gbit and 46
+       KiB over 2.5 and 10gbit in the groups of 2026-12-03. At 4 machines x 1 under torchrun
+       (AMD EPYC, 2 cores, pinned, interleaved), us whole / by halves: over 1gbit 16 KiB 269-276 /
+       325-360, 32 KiB 538-545 / 408-432 (the links' bound by halves 393), 64 KiB 934-3771 /
+       805-819 (786); over 10gbit 64 KiB 475 / 390.
 
 Why one module: the libc functions bound by name, the tables' layout and the compiled loop that
 reads them are one contract (the columns of the tables, the slots of ``st``); the transport
@@ -84,12 +106,16 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from ...kernels import reduce as kreduce
+from ...kernels import sync as ksync
 from ..message import segments
+from .board import TABLE_COLS
+from .mpi_native import halving_block
 
 __all__ = ["advance", "start", "under_way", "doubling", "new_round_tables", "ring_schedule",
            "allgather_schedule", "framed_schedule", "new_state", "DONE", "PENDING", "REDUCE", "CLOSED_LEFT",
            "CLOSED_RIGHT", "STALLED", "BAD_FRAME", "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS", "S_OPEN",
-           "S_ROUND", "W_OFFSET", "W_BYTES", "W_LEN_AT", "N_W", "R_OFFSET", "R_BYTES", "R_REDUCE",
+           "S_ROUND", "S_PHASE", "S_HALVING", "S_LOWAT", "S_LOWAT_FD", "W_OFFSET", "W_BYTES", "W_LEN_AT",
+           "N_W", "R_OFFSET", "R_BYTES", "R_REDUCE",
            "R_RELEASES", "R_AFTER_SEND", "R_LEN_AT", "R_LEN_LESS", "N_R", "N_ST"]
 
 DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
@@ -97,11 +123,13 @@ DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
 # st's slots (int64): the send under way (its index) and its bytes sent, the receive under way
 # and its bytes received, how many sends may go, whether receive S_RECEIVED was handed back to
 # be reduced (REDUCE), the errno of a failed stream, the polls this schedule slept in (for
-# tests), then, kept across schedules, the left stream's SO_RCVLOWAT as last set (clause 5) and
-# whether a schedule was started and has not run to its end (clause 8), then the round of a
-# recursive doubling under way (its distance, 1, 2, 4, ...; 0: none; clause 9).
-S_SENT, S_SENT_BYTES, S_RECEIVED, S_RECEIVED_BYTES, S_MAY_SEND, S_HANDED, S_ERRNO, S_POLLS, S_LOWAT, S_OPEN, \
-    S_ROUND, N_ST = range(12)
+# tests), then, kept across schedules, SO_RCVLOWAT as last set and the stream it was set on
+# (clause 5), whether a schedule was started and has not run to its end (clause 8), the round
+# of a recursive doubling under way (its distance, 1, 2, 4, ...; 0: none) and its phase (0 the
+# tables' and the reduce-scatter's, 1 the allgather's), and the smallest payload that
+# recursive doubling reduce-scatters and allgathers (0: none; clause 10).
+S_SENT, S_SENT_BYTES, S_RECEIVED, S_RECEIVED_BYTES, S_MAY_SEND, S_HANDED, S_ERRNO, S_POLLS, S_LOWAT, \
+    S_LOWAT_FD, S_OPEN, S_ROUND, S_PHASE, S_HALVING, N_ST = range(15)
 _PER_SCHEDULE = S_LOWAT  # slots [0, S_LOWAT) start over with each schedule
 
 # The sends' columns: offset, bytes, where its frame is (clause 7: -1, none; else the send's
@@ -278,10 +306,11 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
         i = st[S_RECEIVED]
         if i < n_recvs and recvs[i, R_AFTER_SEND] < st[S_SENT]:
             want = min(_recv_bytes(recvs, i, base) - st[S_RECEIVED_BYTES], lowat)
-            if want != st[S_LOWAT]:  # clause 5
+            if want != st[S_LOWAT] or left != st[S_LOWAT_FD]:  # clause 5
                 cells[4] = want
                 if _setsockopt(left, _SOL_SOCKET, _SO_RCVLOWAT, cells.ctypes.data + 16, 4) == 0:
                     st[S_LOWAT] = want
+                    st[S_LOWAT_FD] = left
             cells[2 * nfds] = left
             cells[2 * nfds + 1] = _POLLIN
             nfds += 1
@@ -403,36 +432,47 @@ def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, pa
     ``frame`` of it the message's length), and this rank's payload, ``inbox[rank, head:nbytes]``
     and ``partial`` (the same bytes as its dtype, or empty: tables alone), reduced with every
     rank's on the way, lower half first (``reduce_pair`` with ``op``, ``kind``), so it ends as
-    the whole group's. ``pair``: (2, width2) uint8 scratch, at least size / 2 tables and a
-    payload, ``pair_t`` it as ``partial``'s dtype. Each rank's row's frame word ends as its
-    message's length (head + its payload, as its half's round brought it). ``sends``,
-    ``recvs``: :func:`new_round_tables`. Returns DONE, or what :func:`advance` returned in the
-    round ``st[S_ROUND]`` (PENDING: call again with ``resume``; a failure: that round's peer
-    to name). ``resume``: go on from ``st``; else start at round 1."""
+    the whole group's: whole in each round, or, from ``st[S_HALVING]`` bytes, halves of it,
+    then an allgather once every table agrees (clause 10). ``pair``: (2, width2) uint8
+    scratch, at least size / 2 tables and a payload, ``pair_t`` it as ``partial``'s dtype.
+    Each rank's row's frame word ends as its message's length (head + its payload, as its
+    half's round brought it). ``sends``, ``recvs``: :func:`new_round_tables`. Returns DONE,
+    or what :func:`advance` returned in the round ``st[S_ROUND]`` (PENDING: call again with
+    ``resume``; a failure: that round's peer to name). ``resume``: go on from ``st``; else
+    start at round 1."""
     size = inbox.shape[0]
     words = inbox.view(np.int64)
     payload = nbytes - head if partial.shape[0] > 0 else 0
+    item, n = partial.itemsize, partial.shape[0]
+    halving = payload > 0 and 0 < st[S_HALVING] <= payload
     mine = inbox[rank, head:head + payload]
     wp = pair.shape[1]
     base = pair.ctypes.data
     if not resume:
         st[S_ROUND] = 1
+        st[S_PHASE] = 0
     fresh = not resume
-    while st[S_ROUND] < size:
+    while st[S_PHASE] == 0 and st[S_ROUND] < size:
         m = st[S_ROUND]
-        k = 0
-        while (1 << k) < m:
-            k += 1
         peer = rank ^ m
         lo_mine, lo_peer = rank & ~(m - 1), peer & ~(m - 1)
         slot = 1 if rank > peer else 0
         tables = m * head
+        # this round's bytes of the payload: sent [slo, shi), kept [klo, khi) (clause 10)
+        slo, shi, klo, khi = 0, payload, 0, payload
+        if halving:
+            blo, bhi = halving_block(rank, n, m >> 1)
+            mid = blo + (bhi - blo) // 2
+            if rank & m:
+                slo, shi, klo, khi = blo * item, mid * item, mid * item, bhi * item
+            else:
+                slo, shi, klo, khi = mid * item, bhi * item, blo * item, mid * item
         if fresh:  # this round's message: this half's tables, then the payload so far
             out = pair[slot]
             for i in range(m):
                 out[i * head:(i + 1) * head] = inbox[lo_mine + i, :head]
-            out[tables:tables + payload] = mine
-            out.view(np.int64)[frame] = tables + payload  # the message's frame (clause 7)
+            out[tables:tables + shi - slo] = mine[slo:shi]
+            out.view(np.int64)[frame] = tables + shi - slo  # the message's frame (clause 7)
             sends[0, W_OFFSET] = slot * wp
             sends[0, W_BYTES] = wp
             sends[0, W_LEN_AT] = slot * wp + frame * 8
@@ -444,21 +484,66 @@ def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, pa
             recvs[1, R_RELEASES], recvs[1, R_AFTER_SEND] = 1, -1
             recvs[1, R_LEN_AT], recvs[1, R_LEN_LESS] = theirs_at + frame * 8, tables
             start(st, 1)
-        code = advance(st, sends, recvs, fds[k], fds[k], base, 0, lowat, until_ns, cells, clock)
+        fd = fds[_log2(m)]
+        code = advance(st, sends, recvs, fd, fd, base, 0, lowat, until_ns, cells, clock)
         if code != DONE:
             return code
         theirs = pair[1 - slot]
-        got = theirs.view(np.int64)[frame] - tables  # the peer's payload, as its frame says
+        got = theirs.view(np.int64)[frame] - tables  # the peer's bytes of payload, as its frame says
+        keep = khi - klo
+        # what its message says of the peer's payload: as long as this rank's where it brought
+        # what this rank keeps, else its own length (tables alone, or another collective's)
+        told = head + (payload if got == keep else got)
         for i in range(m):
             inbox[lo_peer + i, :head] = theirs[i * head:(i + 1) * head]
-            words[lo_peer + i, frame] = head + got
-        if got == payload and payload > 0:  # the halves' partials, lower first
-            n, t = partial.shape[0], tables // partial.itemsize
-            lower = partial if slot == 0 else pair_t[0, t:t + n]
-            upper = pair_t[1, t:t + n] if slot == 0 else partial
-            kreduce.reduce_pair(partial, lower, upper, op, kind)
+            words[lo_peer + i, frame] = told
+        if got == keep and keep > 0:  # the kept bytes' partials, lower half first
+            a, b, t = klo // item, khi // item, tables // item
+            lower = partial[a:b] if slot == 0 else pair_t[0, t:t + b - a]
+            upper = pair_t[1, t:t + b - a] if slot == 0 else partial[a:b]
+            kreduce.reduce_pair(partial[a:b], lower, upper, op, kind)
         st[S_ROUND] = m << 1
         fresh = True
+    if st[S_PHASE] == 0:
+        # clause 10: the allgather only where every table agrees, which every rank, holding
+        # every table now, judges alike; a group that disagrees stops here on every rank
+        if not halving or not ksync.tables_agree(words, head // 8, TABLE_COLS, words[rank, :TABLE_COLS - 1]):
+            return _doubled(st, words, rank, frame, nbytes)
+        st[S_PHASE] = 1
+        st[S_ROUND] = size >> 1
+    at = inbox.ctypes.data + rank * inbox.shape[1] + head  # this rank's payload, where blocks land
+    while st[S_ROUND] >= 1:
+        m = st[S_ROUND]
+        if fresh:  # this rank's block to the rank m away, its block into place
+            lo, hi = halving_block(rank, n, m)
+            plo, phi = halving_block(rank ^ m, n, m)
+            sends[0, W_OFFSET], sends[0, W_BYTES], sends[0, W_LEN_AT] = lo * item, (hi - lo) * item, -1
+            recvs[0, R_OFFSET], recvs[0, R_BYTES], recvs[0, R_REDUCE] = plo * item, (phi - plo) * item, 0
+            recvs[0, R_RELEASES], recvs[0, R_AFTER_SEND] = 1, -1
+            recvs[0, R_LEN_AT], recvs[0, R_LEN_LESS] = -1, 0
+            start(st, 1)
+        fd = fds[_log2(m)]
+        code = advance(st, sends, recvs[:1], fd, fd, at, 0, lowat, until_ns, cells, clock)
+        if code != DONE:
+            return code
+        st[S_ROUND] = m >> 1
+        fresh = True
+    return _doubled(st, words, rank, frame, nbytes)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _log2(m):
+    """k for a round's distance ``m`` = 2**k: the index of its stream."""
+    k = 0
+    while (1 << k) < m:
+        k += 1
+    return k
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _doubled(st, words, rank, frame, nbytes):
+    """:func:`doubling`'s end: this rank's frame word its message's length, no round under way."""
     words[rank, frame] = nbytes
     st[S_ROUND] = 0
+    st[S_PHASE] = 0
     return DONE
