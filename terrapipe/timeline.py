@@ -43,6 +43,15 @@ NOTE [one trace per job]
     4. Only a rank's main process records from the variable. A helper process it starts with
        ``multiprocessing`` (spawn or forkserver) imports this module with the same environment, and
        would otherwise write over its rank's part and mark it done early.
+    5. A live trace (``start(path, live=True)``: Horovod's ``HOROVOD_TIMELINE``, which rank 0
+       alone records) has no parts, marks or merge: the process writes ``path`` itself, every
+       ``LIVE_FLUSH_S``. Each drain is one ``pwrite`` of its events and a closing ``]`` at the
+       offset of the last ``]``, so between drains the file is one whole JSON array that a reader
+       may open mid-run (as Horovod keeps its coordinator's file); a read that overlaps the
+       write's own copy into the page cache (microseconds, not the drain) can see a mix, and a
+       reader that fails to parse reads again.
+    6. Each rank's ``process_name`` row carries ``start_time_since_epoch_in_micros``, Horovod's
+       field: the wall-clock time at ``ts = 0``, so a tool puts an event at that plus ``ts``.
 
 Why one module: it is a leaf every layer imports (standard library only); recording,
 parts and the merge at exit share one file format and one clock.
@@ -62,15 +71,17 @@ import time
 from collections.abc import Callable
 
 __all__ = ["enabled", "now", "span", "record", "phase", "instant", "async_begin", "async_end", "start",
-           "stop", "flush", "dropped", "path", "marks_cycles", "set_clock_offset", "clock_offset",
-           "estimate_offset", "has_parts", "merge", "load", "CAPACITY", "FLUSH_S"]
+           "stop", "flush", "dropped", "path", "live", "marks_cycles", "set_clock_offset", "clock_offset",
+           "estimate_offset", "has_parts", "merge", "load", "CAPACITY", "FLUSH_S", "LIVE_FLUSH_S"]
 
 CAPACITY = 1 << 16  # events per recording thread between two drains (NOTE [timeline recording] 2)
 FLUSH_S = 0.5  # seconds between drains (NOTE [timeline recording] 3)
+LIVE_FLUSH_S = 0.05  # a live trace's (NOTE [one trace per job] 5): a reader sees a span soon after
 
 _on = False
 _path: str | None = None
 _mark_cycles = False
+_live = False
 _offset_ns = 0
 _gen = 0  # bumped by start(): rings of an earlier recording are not reused
 _local = threading.local()
@@ -239,18 +250,20 @@ def marks_cycles() -> bool:
     return _on and _mark_cycles
 
 
-def start(path: str, mark_cycles: bool = False) -> None:
+def start(path: str, mark_cycles: bool = False, live: bool = False) -> None:
     """Record from now on into ``path`` (this process writes ``<path>.rank<r>``; :func:`merge`
     joins the parts). A recording already running is stopped (and written) first.
-    ``mark_cycles``: Horovod's coordinator rounds as ``CYCLE_START`` instants."""
-    global _on, _path, _mark_cycles, _gen, _writer
+    ``mark_cycles``: Horovod's coordinator rounds as ``CYCLE_START`` instants. ``live``: this
+    process writes ``path`` itself, a whole Chrome trace at every moment, with no parts and no
+    merge (NOTE [one trace per job] 5)."""
+    global _on, _path, _mark_cycles, _live, _gen, _writer
     if not path:
         raise ValueError("timeline.start: path must be a file name")
     if _on:
         stop()
-    part = f"{os.path.abspath(path)}.rank{_rank()}"
-    writer = _Writer(part)  # raises here, naming the file, when it cannot be written
-    _path, _mark_cycles = os.path.abspath(path), bool(mark_cycles)
+    target = os.path.abspath(path)
+    writer = _Writer(target if live else f"{target}.rank{_rank()}", live)  # raises naming the file
+    _path, _mark_cycles, _live = target, bool(mark_cycles), bool(live)
     with _rings_lock:
         _rings.clear()
         _gen += 1
@@ -261,7 +274,8 @@ def start(path: str, mark_cycles: bool = False) -> None:
 
 def stop(write: bool = True) -> list[dict]:
     """Stop recording; returns this process's events (metadata rows first). With ``write`` they
-    stay in its part file; without, the part file is removed. Not recording: ``[]``."""
+    stay in its part file (a live trace: in ``path``); without, that file is removed. Not
+    recording: ``[]``."""
     global _on, _path, _writer
     if not _on:
         return []
@@ -271,11 +285,19 @@ def stop(write: bool = True) -> list[dict]:
     if writer.file is None:  # nothing was recorded
         _path = None
         return []
-    events = _read_part(writer.part)
+    _path = None
+    try:
+        events = load(writer.part) if writer.live else _read_part(writer.part)
+    except FileNotFoundError:  # removed while recording (a test's temporary folder): nothing to keep
+        return []
     if not write:
         os.unlink(writer.part)
-    _path = None
     return events
+
+
+def live() -> bool:
+    """Whether a live trace (NOTE [one trace per job] 5) is being recorded."""
+    return _on and _live
 
 
 def flush() -> None:
@@ -294,9 +316,13 @@ def _rank() -> int:
 class _Writer(threading.Thread):
     """Drains the rings into the part file (NOTE [timeline recording] 3)."""
 
-    def __init__(self, part: str) -> None:
+    def __init__(self, part: str, live: bool = False) -> None:
         super().__init__(name="terrapipe-timeline", daemon=True)
         self.part = part
+        self.live = live
+        self.lines = 0  # a live trace: events written, its drain's text, where its "]" starts
+        self.pending: list[str] = []
+        self.tail = 0
         self.rank = _rank()
         folder = os.path.dirname(part)
         if not os.access(folder, os.W_OK):
@@ -311,20 +337,31 @@ class _Writer(threading.Thread):
         self.reported_dropped = 0
 
     def _open(self) -> None:
-        try:
-            self.file = open(self.part, "w")  # noqa: SIM115 - closed by close()
+        try:  # a live trace is written with os.pwrite (NOTE [one trace per job] 5)
+            self.file = open(self.part, "wb" if self.live else "w", buffering=0 if self.live else -1)  # noqa: SIM115
         except OSError as e:
             raise OSError(f"timeline: cannot write {self.part}: {e}") from e
         pid = self.rank
-        self._line({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"rank {pid}"}})
+        if self.live:
+            self.pending.append("[\n")
+        epoch_us = (time.time_ns() - now()) // 1000  # NOTE [one trace per job] 6
+        self._line({"ph": "M", "name": "process_name", "pid": pid,
+                    "args": {"name": f"rank {pid}", "start_time_since_epoch_in_micros": epoch_us}})
         self._line({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
 
     def _line(self, event: dict) -> None:
-        self.file.write(json.dumps(event, separators=(",", ":")))
-        self.file.write("\n")
+        line = json.dumps(event, separators=(",", ":"))
+        if not self.live:
+            self.file.write(line)
+            self.file.write("\n")
+            return
+        if self.lines:
+            self.pending.append(",\n")
+        self.pending.append(line)
+        self.lines += 1
 
     def run(self) -> None:
-        while not self.halt.wait(FLUSH_S):
+        while not self.halt.wait(LIVE_FLUSH_S if self.live else FLUSH_S):
             self.drain()
 
     def _tid(self, ring: _Ring, lane: str | None) -> int:
@@ -368,7 +405,20 @@ class _Writer(threading.Thread):
                 self._line({"ph": "i", "s": "p", "cat": "timeline", "name": "events dropped", "pid": pid,
                             "tid": 0, "ts": now() / 1000, "args": {"dropped": lost}})
                 self.reported_dropped = lost
-            self.file.flush()
+            if self.live:
+                self._write_live()
+            else:
+                self.file.flush()
+
+    def _write_live(self) -> None:
+        """The drain's events and the closing bracket in one write over the last bracket (NOTE
+        [one trace per job] 5)."""
+        if not self.pending:
+            return
+        chunk = "".join(self.pending).encode()
+        self.pending.clear()
+        os.pwrite(self.file.fileno(), chunk + b"\n]\n", self.tail)
+        self.tail += len(chunk)
 
     def close(self) -> None:
         self.halt.set()
@@ -384,9 +434,10 @@ class _Writer(threading.Thread):
 def _at_exit() -> None:
     if not _on:
         return
-    trace, recorded = _path, _writer is not None and _writer.file is not None
+    trace, recorded, alone = _path, _writer is not None and _writer.file is not None, _live
     stop()
-    _finish_job(trace, recorded)
+    if not alone:  # a live trace is whole already (NOTE [one trace per job] 5)
+        _finish_job(trace, recorded)
 
 
 def _finish_job(trace: str, recorded: bool) -> None:

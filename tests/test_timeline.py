@@ -125,6 +125,75 @@ def test_a_full_ring_drops_and_counts_and_memory_stays_bounded(recording, monkey
     assert lost[-1]["args"]["dropped"] == 900
 
 
+def test_a_live_trace_is_whole_json_whenever_it_is_read_and_leaves_no_parts(tmp_path):
+    """NOTE [one trace per job] 5-6: a reader racing the writer parses the file (a rare read that
+    overlaps a drain's write parses when read again) and sees every event in order, none lost."""
+    import time
+
+    path = tmp_path / "live.json"
+    timeline.start(str(path), live=True)
+    assert timeline.live()
+    stop = threading.Event()
+
+    def record():
+        k = 0
+        while not stop.is_set():
+            timeline.record("comm", f"span{k}", timeline.now(), timeline.now() + 1000, lane=f"lane{k % 3}")
+            k += 1
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=record)
+    t.start()
+    try:
+        reads, seen, torn = 0, 0, 0
+        deadline = time.monotonic() + 60
+        while reads < 200 and time.monotonic() < deadline:
+            if path.exists():
+                try:
+                    events = json.loads(path.read_text())
+                except json.JSONDecodeError:  # the read overlapped a drain's copy: read again
+                    torn += 1
+                    time.sleep(0.001)
+                    events = json.loads(path.read_text())
+                spans = [e["name"] for e in events if e["ph"] == "X"]
+                assert spans == [f"span{k}" for k in range(len(spans))]  # in order, none lost
+                assert len(spans) >= seen
+                seen, reads = len(spans), reads + 1
+            time.sleep(0.002)
+        assert reads == 200 and seen > 0 and torn <= reads // 10, (reads, seen, torn)
+    finally:
+        stop.set()
+        t.join()
+    events = timeline.stop()
+    assert not timeline.enabled() and not timeline.live()
+    assert json.loads(path.read_text()) == events
+    spans = [e["name"] for e in events if e["ph"] == "X"]
+    assert spans == [f"span{k}" for k in range(len(spans))] and len(spans) >= seen
+    rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert rows == {"lane0", "lane1", "lane2"}
+    meta = next(e for e in events if e["name"] == "process_name")
+    epoch_us = meta["args"]["start_time_since_epoch_in_micros"]
+    first = min(e["ts"] for e in events if e["ph"] == "X")
+    assert abs(epoch_us + first - time.time() * 1e6) < 120e6  # the span's wall time, within the test
+    timeline._at_exit()  # a live trace is not a part: nothing to mark or merge
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["live.json"]
+
+
+def test_a_trace_whose_file_was_removed_stops_quietly(tmp_path):
+    # Regression: Horovod's test_timeline removes its temporary folder before hvd.shutdown, and
+    # stopping the live trace raised FileNotFoundError at exit.
+    for live in (True, False):
+        folder = tmp_path / f"gone{int(live)}"
+        folder.mkdir()
+        timeline.start(str(folder / "t.json"), live=live)
+        timeline.instant("engine", "x")
+        timeline.flush()
+        for f in folder.iterdir():
+            f.unlink()
+        folder.rmdir()
+        assert timeline.stop() == [] and not timeline.enabled()
+
+
 def test_start_refuses_a_folder_it_cannot_write(tmp_path):
     with pytest.raises(ValueError, match="path"):
         timeline.start("")

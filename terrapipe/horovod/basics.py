@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 
 from .. import comm as _comm
-from .. import settings
+from .. import settings, timeline
 from .errors import HorovodInternalError
 from .execute import RUNNERS
 from .negotiation import Coordinator
@@ -48,6 +48,24 @@ def _stall_timeout() -> float:
     if value.strip() and float(value) > 0:
         return float(value)
     return 300.0
+
+
+def _start_env_timeline(rank: int) -> bool:
+    """Horovod's ``HOROVOD_TIMELINE=path``: rank 0 records a live trace at ``path`` from init to
+    shutdown (NOTE [one trace per job] 5 in terrapipe/timeline.py), with coordinator rounds when
+    ``HOROVOD_TIMELINE_MARK_CYCLES`` is set; ``DYNAMIC`` (or unset) leaves it to
+    :func:`start_timeline`. Returns whether this rank started one. A trace already being recorded
+    (``TERRAPIPE_TIMELINE``: every rank's) is kept."""
+    path = os.environ.get("HOROVOD_TIMELINE", "").strip()
+    if not path or path.upper() == "DYNAMIC" or rank != 0:
+        return False
+    if timeline.enabled():
+        print(f"terrapipe.horovod: HOROVOD_TIMELINE={path} ignored: a timeline is already recording "
+              f"to {timeline.path()}", file=sys.stderr, flush=True)
+        return False
+    cycles = os.environ.get("HOROVOD_TIMELINE_MARK_CYCLES", "").strip().lower() not in ("", "0", "false")
+    timeline.start(path, mark_cycles=cycles, live=True)
+    return True
 
 
 def _transport_timeout(stall: float) -> float:
@@ -133,6 +151,7 @@ class _State:
         self.next_id = 1
         self.cross = (0, 1)
         self.timeout = 300.0
+        self.env_timeline = False  # init started HOROVOD_TIMELINE's live trace (rank 0)
 
 
 _state = _State()
@@ -195,6 +214,7 @@ def init(comm=None, process_sets=None) -> None:
         _state.sets = {0: global_process_set}
         _state.next_id = 1
         _state.initialized = True
+        _state.env_timeline = _start_env_timeline(base.rank)
         _tell_listeners(True)
         if process_sets is not None and process_sets != "dynamic":
             for ps in process_sets:
@@ -215,6 +235,9 @@ def shutdown() -> None:
             _state.base.close()
         _state.base = None
         _state.initialized = False
+        if _state.env_timeline and timeline.live():  # the one init started (not start_timeline's)
+            timeline.stop()
+        _state.env_timeline = False
         if _comm.is_elastic():  # an elastic job: the next init joins a new generation
             _comm.finalize()
 

@@ -197,6 +197,50 @@ def _check_timeline_api(mpi_comm):
         shutil.rmtree(folder)
 
 
+def _check_env_timeline(mpi_comm):
+    """HOROVOD_TIMELINE at init: rank 0 alone writes a live trace, whole JSON while the job runs
+    (Horovod's test_timeline reads it 0.1 s after an allreduce), closed at shutdown."""
+    import os
+    import sys
+    import time
+
+    sys.path.insert(0, str(Path(hvd.__file__).parent / "compat"))  # as terrapipe run --horovod puts it
+    try:
+        from horovod.common.util import env
+    finally:
+        sys.path.pop(0)
+
+    folder = Path(mpi_comm.bcast(tempfile.mkdtemp() if mpi_comm.rank == 0 else None))
+    path = folder / "env.json"
+    with env(HOROVOD_TIMELINE=str(path), HOROVOD_TIMELINE_MARK_CYCLES="1"):
+        hvd.init()
+    assert "HOROVOD_TIMELINE" not in os.environ  # env() put it back
+    try:
+        hvd.allreduce(torch.ones(3), name="test_allreduce")
+        if hvd.rank() == 0:
+            want = {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"}
+            deadline, seen = time.monotonic() + 30, set()
+            while not want <= seen and time.monotonic() < deadline:
+                time.sleep(0.02)
+                try:
+                    events = json.loads(path.read_text())  # mid-run: a whole array
+                except (FileNotFoundError, json.JSONDecodeError):
+                    continue  # not written yet, or read mid-drain (NOTE [one trace per job] 5)
+                seen = {e["name"] for e in events}
+            assert want <= seen, seen
+            rows = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+            assert "allreduce.test_allreduce" in rows
+        mpi_comm.barrier()
+    finally:
+        hvd.shutdown()
+    mpi_comm.barrier()
+    if mpi_comm.rank == 0:
+        events = json.loads(path.read_text())  # closed at shutdown
+        assert {e["pid"] for e in events} == {0}  # rank 0's, as Horovod's coordinator writes it
+        assert sorted(p.name for p in folder.iterdir()) == ["env.json"]  # no parts of any rank
+        shutil.rmtree(folder)
+
+
 @pytest.mark.mpi(ranks=(1, 2, 4), timeout=300)
 def test_collectives_and_their_gradients(mpi_comm):
     """One launch per rank count for the three bodies (CI time)."""
@@ -209,3 +253,4 @@ def test_collectives_and_their_gradients(mpi_comm):
         hvd.shutdown()
     with pytest.raises(ValueError, match="not been initialized"):
         hvd.rank()
+    _check_env_timeline(mpi_comm)

@@ -272,8 +272,13 @@ TORCHRUN = textwrap.dedent("""
         comm.allreduce(y, group=sub)
         ok &= bool(np.all(y == sum(q + 1.0 for q in range(n) if color_of(q) == color_of(r))))
         splits.append([sub.size, sub.nnodes, sub.local_size, sub.cross is not None])
+    # NOTE [a ring's schedule in compiled code] 10: the halving threshold measured on these
+    # links when the group was made is one number on every rank (else a rank halves where its
+    # peer doubles)
+    halving = [g.cross.doubling, g.cross.halving_bytes] if g.cross is not None else None
     report = {"rank": r, "host": socket.gethostname(), "local": [comm.local_rank(), comm.local_size()],
-              "nnodes": g.nnodes, "ok": ok, "tiers": tiers, "paths": paths, "splits": splits}
+              "nnodes": g.nnodes, "ok": ok, "tiers": tiers, "paths": paths, "splits": splits,
+              "halving": halving}
     comm.finalize()
     open(f"{sys.argv[1]}/rank{r}.json", "w").write(json.dumps(report))
 """)
@@ -313,6 +318,8 @@ def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp
     splits = ([[4, 2, 2, True], [2, 2, 1, True], [2, 1, 2, False]] if per_node > 1
               else [[4, 4, 1, True], [2, 2, 1, True], [2, 2, 1, True]])
     assert all(d["splits"] == splits for d in reports), reports
+    halving = [d["halving"] for d in reports]
+    assert halving == [halving[0]] * 4 and halving[0][0] == (nodes == 4), halving
     assert _leftovers() == []
 
 

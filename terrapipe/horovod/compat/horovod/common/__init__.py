@@ -1,1 +1,2 @@
-"""``horovod.common`` under ``terrapipe run --horovod``: its exceptions and process sets."""
+"""``horovod.common`` under ``terrapipe run --horovod``: its exceptions, process sets, elastic state
+and ``util.env``."""
