@@ -24,7 +24,7 @@ define swap_pillow
 	@$(PILLOW_CC) $(INSTALL) --no-cache-dir --no-deps "$(PILLOW_SIMD)" || $(INSTALL) pillow
 endef
 
-.PHONY: setup demo test test-full test-cluster soak bench lint clean torch-suite docs
+.PHONY: setup demo test test-full test-cluster soak bench lint clean torch-suite horovod-suite docs
 
 setup: $(STAMP)
 
@@ -108,3 +108,19 @@ torch-suite: setup
 	  BACKEND=$$b WORLD_SIZE=2 TEMP_DIR=$$tmp $(PY) -m pytest -q -p no:randomly tests/distributed/torch_suite.py \
 	    $(if $(SUITE_FILTER),-k "$(SUITE_FILTER)") 2>&1 | tail -1; rm -rf $$tmp; \
 	done
+
+# Not in CI (about three minutes): Horovod's own test/parallel/test_torch.py and test_timeline.py
+# from a Horovod checkout, against the `horovod` package `terrapipe run --horovod` provides, each
+# file its own job at 2 and at 4 ranks as Horovod runs them (tests/horovod/suite_plugin.py keeps
+# torch's Muon out of one optimizer sweep). HOROVOD_SRC=<a Horovod checkout> make horovod-suite
+HOROVOD_SRC ?=
+horovod-suite: setup
+	@test -n "$(HOROVOD_SRC)" || { echo "horovod-suite: set HOROVOD_SRC to a Horovod checkout"; exit 2; }
+	@$(INSTALL) cloudpickle mock
+	@for n in 2 4; do for f in test_torch.py test_timeline.py; do \
+	  echo "== $$f at $$n ranks (one line per rank)"; tmp=$$(mktemp); \
+	  PYTHONPATH=$(CURDIR)/terrapipe/horovod/compat:$(CURDIR):$(HOROVOD_SRC)/test:$(HOROVOD_SRC)/test/utils \
+	    $(VENV)/bin/mpiexec -n $$n $(PY) -m pytest -q -p no:cacheprovider -p tests.horovod.suite_plugin \
+	    $(HOROVOD_SRC)/test/parallel/$$f > $$tmp 2>&1; rc=$$?; \
+	  grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " $$tmp; rm -f $$tmp; test $$rc -eq 0 || exit 1; \
+	done; done

@@ -211,6 +211,11 @@ TORCHRUN = textwrap.dedent("""
     import terrapipe.comm as comm
     g = comm.init(timeout=60)  # under torchrun: over torch.distributed (Gloo)
     r, n = comm.rank(), comm.size()
+    # "float32": CI's dtype across nodes (a dtype's kernels across nodes take 10-20 s to compile,
+    # twice over at four ranks on two cores; docs/development.md, a first run's compile time 4);
+    # "every": float64 and int32 too (make test-full, make test-cluster)
+    every = sys.argv[2] == "every"
+    wide = np.float64 if every else np.float32
     x = np.full(300_001, r + 1, np.float32)
     comm.allreduce(x)
     t = torch.full((5,), float(r))
@@ -246,7 +251,8 @@ TORCHRUN = textwrap.dedent("""
         ok &= bool(np.all(y == n * i + n * (n - 1) / 2))
     log = g.record_algorithms()
     for i in range(12):
-        for dtype, op in (("float32", "sum"), ("float64", "avg"), ("int32", "max")):
+        for dtype, op in ((("float32", "sum"), ("float64", "avg"), ("int32", "max")) if every
+                          else (("float32", "sum"), ("float32", "avg"), ("float32", "max"))):
             xs = [np.full(m, r + 1 + i, dtype) for m in (1, 1000, 65_537, 2_000_003)]
             handles = [comm.allreduce(v, op, async_op=True) for v in xs]
             for h in handles:
@@ -256,7 +262,7 @@ TORCHRUN = textwrap.dedent("""
     b = torch.full((100_000,), float(r + 1), dtype=torch.bfloat16)
     comm.allreduce(b, "sum")
     ok &= bool(torch.all(b == n * (n + 1) / 2))
-    red = np.full(70_000, r + 1.0)
+    red = np.full(70_000, r + 1.0, wide)
     comm.reduce(red, root=n - 1)
     ok &= bool(np.all(red == (n * (n + 1) / 2 if r == n - 1 else r + 1.0)))
     c = np.arange(5.0) if r == 1 else np.zeros(5)
@@ -268,7 +274,7 @@ TORCHRUN = textwrap.dedent("""
     splits = []
     for color_of in (lambda q: 0, lambda q: q % 2, lambda q: q // 2):
         sub = g.split(color_of(r))
-        y = np.full(70_000, r + 1.0)
+        y = np.full(70_000, r + 1.0, wide)
         comm.allreduce(y, group=sub)
         ok &= bool(np.all(y == sum(q + 1.0 for q in range(n) if color_of(q) == color_of(r))))
         splits.append([sub.size, sub.nnodes, sub.local_size, sub.cross is not None])
@@ -284,10 +290,12 @@ TORCHRUN = textwrap.dedent("""
 """)
 
 
-# 4x1: make test-cluster (CI time)
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), pytest.param(4, 1, marks=pytest.mark.full)],
-                         ids=["2x2", "4x1"])
-def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp_path, nodes, per_node):
+# CI: 2x2 in float32; make test-full / test-cluster: every dtype at 2x2 and 4x1 (CI time)
+@pytest.mark.parametrize("nodes,per_node,dtypes", [
+    (2, 2, "float32"), pytest.param(2, 2, "every", marks=pytest.mark.full),
+    pytest.param(4, 1, "every", marks=pytest.mark.full)], ids=["2x2", "2x2-every-dtype", "4x1"])
+def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp_path, nodes, per_node,
+                                                                              dtypes):
     """NOTE [machines over Gloo]: at 2x2 a segment on each node and a TCP ring per local rank
     between them, reductions hierarchical; at 4x1 one ring among the four, reductions around
     it; the other collectives Gloo's own; splits tiered or ringed by where their ranks are."""
@@ -297,7 +305,8 @@ def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp
     script.write_text(TORCHRUN)
     p = subprocess.run([sys.executable, "-m", "terrapipe.testing.cluster", "run", "--nodes", str(nodes),
                         "--ranks-per-node", str(per_node), "--launcher", "torchrun", "--", sys.executable,
-                        str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+                        str(script), str(tmp_path), dtypes],
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     reports = sorted((json.loads(f.read_text()) for f in tmp_path.glob("rank*.json")),
                      key=lambda d: d["rank"])

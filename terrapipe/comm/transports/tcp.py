@@ -91,6 +91,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from ... import settings, timeline
+from ...kernels import entry_point
 from ...kernels import reduce as kreduce
 from ..errors import CollectiveTimeoutError, CommError
 from ..message import NO_GATE, Fused, divide, reduce_flat
@@ -188,6 +189,7 @@ class TcpTransport(NodeTables):
                  hosts: list[str] | None = None, exchange: bool = False) -> None:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.doubling = exchange and self.size >= 4 and self.size & (self.size - 1) == 0
+        self._doubling_types: set[np.dtype] = set()  # the exchange compiled for these (_doubling)
         self.timeout = float(timeout)
         self.members = list(members) if members is not None else list(range(self.size))
         self.hosts = hosts
@@ -397,12 +399,21 @@ class TcpTransport(NodeTables):
         st = ring.st
         frame = self.frame_word(head)
 
+        def args(until: int, resume: bool) -> tuple:
+            return (st, ring.fds, ring.round_sends, ring.round_recvs, inbox, head, frame, nbytes, pair,
+                    pair_t, partial, op, kind, self.rank, _LOWAT_BYTES, until, ring.cells, ring.clock, resume)
+
+        if partial.dtype not in self._doubling_types:
+            # A dtype's first exchange: compiled (or loaded from the cache) by one process of the
+            # machine at a time (NOTE [one compiler per kernel] in kernels/entry.py), where each
+            # rank would compile it at once, inside the collective's wait.
+            entry_point(tcp_native.doubling, args(0, False))
+            self._doubling_types.add(partial.dtype)
+
         def go(until_ns) -> int:
             resume = bool(st[tcp_native.S_ROUND])  # a compiled caller's, under way (tcp_native clause 8)
             while (until := until_ns()) is not None:
-                code = tcp_native.doubling(st, ring.fds, ring.round_sends, ring.round_recvs, inbox, head,
-                                           frame, nbytes, pair, pair_t, partial, op, kind, self.rank,
-                                           _LOWAT_BYTES, until, ring.cells, ring.clock, resume)
+                code = tcp_native.doubling(*args(until, resume))
                 if code != tcp_native.PENDING:
                     return code
                 resume = True
