@@ -229,7 +229,14 @@ ONESHOT_DOUBLING_ALONE_BYTES = 2 << 20
 # 2.5gbit 436 / 1166, 926 / 1177, 1313-3163 / 1407; over 10gbit 390 / 1114, 573 / 1195, 931 /
 # 1494. From 128 KiB, where a round's message is 64 KiB or more each way at once, some calls
 # over 1gbit stall for 10-150 ms in the kernel's TCP (no packet dropped; not SO_RCVLOWAT: the
-# same with it at one byte), and the ring, one way on each stream, does not.
+# same with it at one byte), and the ring, one way on each stream, does not. The stalls are
+# delayed ACKs (2026-12-03, 300 calls of 256 KiB by halves): 9-15 tail-loss probes a rank,
+# p99 64-111 ms; with the nodes' routes set to `quickack` none, p99 4.2-4.3 ms, median the same
+# 3.3 ms. From the sockets nothing tried removed them: TCP_QUICKACK at each read and before
+# each wait (p99 65-68 ms; the option leaves "pingpong" mode for a while, the route's makes
+# every ACK immediate), two streams a round, one each way, as the ring's (p99 41-78 ms), both
+# together (38-83 ms). So the limit stays: above it halves and the ring carry the same bytes
+# (1.5 x n a link at 4 machines) and their medians are equal (1.64 / 1.65 ms at 128 KiB).
 ONESHOT_DOUBLING_TCP_BYTES = 64 << 10
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
