@@ -4,6 +4,10 @@ horovod.common.process_sets, on terrapipe.comm).
 Each process set (the global one included) owns a terrapipe Group split from the world, used only
 by its Coordinator's thread (NOTE [name negotiation] in negotiation.py), so hvd collectives never
 interleave with terrapipe.comm calls the script makes itself.
+
+Why one module: init, shutdown, the topology queries and the process sets read and change one
+state (``_state``, under one lock): a set is made from init's world and released by shutdown,
+and ``HOROVOD_TIMELINE``'s trace lives from one to the other.
 """
 
 from __future__ import annotations

@@ -18,14 +18,20 @@ SCRIPT = textwrap.dedent(
     assert g.transport.name == "gloo" and g.shm is None and g.mpi is None, g.transport
     r, n = comm.rank(), comm.size()
     if sys.argv[2] == "timeout":
+        import os
+        mark = os.path.join(sys.argv[3], "timed_out")
         if r == 0:
             try:
                 comm.allreduce(np.zeros(10))
             except comm.CollectiveTimeoutError as e:
                 assert e.ranks == [1] and "waiting for rank 1" in str(e), (e.ranks, str(e))
                 print("TIMEOUT OK", e, flush=True)
-        else:
-            time.sleep(8)  # absent well past rank 0's 3 s timeout
+            finally:
+                open(mark, "w").close()
+        else:  # absent until rank 0's 3 s timeout has passed, however slow the machine
+            deadline = time.monotonic() + 120
+            while not os.path.exists(mark) and time.monotonic() < deadline:
+                time.sleep(0.05)
         sys.exit(0)
     for dtype in (np.float32, np.float64, np.int64):
         for op, ref in (("sum", n * (n + 1) / 2), ("max", n), ("min", 1), ("avg", (n + 1) / 2)):
