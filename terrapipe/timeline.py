@@ -81,7 +81,6 @@ LIVE_FLUSH_S = 0.05  # a live trace's (NOTE [one trace per job] 5): a reader see
 _on = False
 _path: str | None = None
 _mark_cycles = False
-_live = False
 _offset_ns = 0
 _gen = 0  # bumped by start(): rings of an earlier recording are not reused
 _local = threading.local()
@@ -256,14 +255,14 @@ def start(path: str, mark_cycles: bool = False, live: bool = False) -> None:
     ``mark_cycles``: Horovod's coordinator rounds as ``CYCLE_START`` instants. ``live``: this
     process writes ``path`` itself, a whole Chrome trace at every moment, with no parts and no
     merge (NOTE [one trace per job] 5)."""
-    global _on, _path, _mark_cycles, _live, _gen, _writer
+    global _on, _path, _mark_cycles, _gen, _writer
     if not path:
         raise ValueError("timeline.start: path must be a file name")
     if _on:
         stop()
     target = os.path.abspath(path)
     writer = _Writer(target if live else f"{target}.rank{_rank()}", live)  # raises naming the file
-    _path, _mark_cycles, _live = target, bool(mark_cycles), bool(live)
+    _path, _mark_cycles = target, bool(mark_cycles)
     with _rings_lock:
         _rings.clear()
         _gen += 1
@@ -297,7 +296,8 @@ def stop(write: bool = True) -> list[dict]:
 
 def live() -> bool:
     """Whether a live trace (NOTE [one trace per job] 5) is being recorded."""
-    return _on and _live
+    writer = _writer
+    return writer is not None and writer.live
 
 
 def flush() -> None:
@@ -434,7 +434,7 @@ class _Writer(threading.Thread):
 def _at_exit() -> None:
     if not _on:
         return
-    trace, recorded, alone = _path, _writer is not None and _writer.file is not None, _live
+    trace, recorded, alone = _path, _writer is not None and _writer.file is not None, live()
     stop()
     if not alone:  # a live trace is whole already (NOTE [one trace per job] 5)
         _finish_job(trace, recorded)
