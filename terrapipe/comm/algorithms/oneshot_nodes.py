@@ -230,13 +230,15 @@ ONESHOT_DOUBLING_ALONE_BYTES = 2 << 20
 # 1494. From 128 KiB, where a round's message is 64 KiB or more each way at once, some calls
 # over 1gbit stall for 10-150 ms in the kernel's TCP (no packet dropped; not SO_RCVLOWAT: the
 # same with it at one byte), and the ring, one way on each stream, does not. The stalls are
-# delayed ACKs (2026-12-03, 300 calls of 256 KiB by halves): 9-15 tail-loss probes a rank,
-# p99 64-111 ms; with the nodes' routes set to `quickack` none, p99 4.2-4.3 ms, median the same
-# 3.3 ms. From the sockets nothing tried removed them: TCP_QUICKACK at each read and before
-# each wait (p99 65-68 ms; the option leaves "pingpong" mode for a while, the route's makes
-# every ACK immediate), two streams a round, one each way, as the ring's (p99 41-78 ms), both
-# together (38-83 ms). So the limit stays: above it halves and the ring carry the same bytes
-# (1.5 x n a link at 4 machines) and their medians are equal (1.64 / 1.65 ms at 128 KiB).
+# delayed ACKs: benchmarks/results/halves_tail_4x1_1gbit{,_quickack}_2026-12-03.json (python -m
+# benchmarks.halves_tail, AMD EPYC family 25 model 17, 2 cores; 900 calls a case and size,
+# interleaved, rank 0), halves / ring at 128 KiB: median 1.647 / 1.658 ms, p99 82.4 / 5.7, 68 /
+# 10 calls over 5 ms, 13 / 1 tail-loss probes; at 256 KiB median 3.319 / 3.306, p99 124.6 /
+# 10.1, 35 / 0 probes. With every node's route set to quickack (every ACK at once, set from
+# outside) no probe, and halves p99 4.0 ms at 128 KiB, 6.1 at 256, at the same medians. From
+# the sockets nothing tried removed them (TCP_QUICKACK at each read and before each wait; two
+# streams a round, one each way, as the ring's; both), so the limit stays: above it halves
+# and the ring carry the same bytes (1.5 x n a link at 4 machines) at equal medians.
 ONESHOT_DOUBLING_TCP_BYTES = 64 << 10
 # At most this many bytes every local rank carries the whole message (clause 9). 2 nodes x 2
 # over 1gbit (Xeon, 2 cores; both ways interleaved in one run, 7 rounds), time whole / parts:
