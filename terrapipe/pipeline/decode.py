@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 from numba import njit
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 __all__ = ["open_image", "draft_scale", "draft_denominator", "scale_box", "scaled_box", "draft_box", "pixels"]
 
@@ -61,8 +61,19 @@ _ZERO_COPY = _enable_zero_copy()
 
 
 def open_image(payload: bytes) -> Image.Image:
-    """Parse the header only; pixels are decoded by :func:`pixels`."""
-    im = Image.open(io.BytesIO(payload))
+    """Parse the header only; pixels are decoded by :func:`pixels`. ``payload`` is any
+    bytes-like object (borrowed while the image lives). An empty payload, or one that is no
+    format Pillow reads, raises an error saying which (its length and first bytes: Pillow's own
+    message names only the in-memory stream it was given)."""
+    size = memoryview(payload).nbytes
+    if size == 0:
+        raise ValueError("the file is empty (0 bytes)")
+    try:
+        im = Image.open(io.BytesIO(payload))
+    except UnidentifiedImageError:
+        head = bytes(memoryview(payload).cast("B")[:8])
+        raise UnidentifiedImageError(
+            f"not an image format Pillow reads ({size} bytes, starting {head!r})") from None
     # One decoder call for the whole payload instead of one per 64 KiB block: each call releases
     # and retakes the GIL, and with many loader threads every retake can wait behind the others
     # (and behind the training thread).

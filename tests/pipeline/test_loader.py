@@ -187,12 +187,17 @@ def test_corrupt_truncated_and_empty_files(folder, tmp_path):
     bad |= {i for i, (p, _) in enumerate(ds.samples) if p.endswith(("01.png", "c_cls/02.jpg"))}
     assert e.value.index in bad
     assert ds.describe(e.value.index) in str(e.value)
+    # Each says what is wrong with the file, not the in-memory stream Pillow was handed.
+    assert "BytesIO" not in str(e.value)
     assert not _threads()
     with FastLoader(ds, TRAIN, batch_size=4, num_threads=2, on_error="skip") as loader:
         n = sum(x.shape[0] for x, _ in loader)
         assert n == len(ds)
         assert sorted(p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] for _, p, _ in loader.skipped) == [
             "a_cls/03.jpg", "b_cls/01.png", "c_cls/02.jpg"]
+        why = {p.rsplit("/", 1)[-1]: text for _, p, text in loader.skipped}
+        assert why["01.png"] == "the file is empty (0 bytes)"
+        assert why["02.jpg"].startswith("not an image format Pillow reads (350 bytes")
 
 
 def test_break_and_close_leave_no_threads(folder):
