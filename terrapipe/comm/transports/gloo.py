@@ -137,9 +137,12 @@ class GlooTransport(OwnCollectives):
             store.set_timeout(before)
 
     def _t(self, arr: np.ndarray):
-        # Gloo has no 16-bit integer types: bit patterns travel as float16, which gather,
-        # broadcast and scatter copy bit for bit (they are only reduced by our kernels).
-        return self._torch.from_numpy(arr.view(np.float16) if arr.dtype == np.uint16 else arr)
+        # Gloo has no 16-bit integer types: int16 and uint16 (bfloat16's and float16's bits
+        # among them) travel as float16, which gather, broadcast and scatter copy bit for bit
+        # (they are only reduced by our kernels).
+        if arr.dtype.itemsize == 2 and arr.dtype.kind in "iu":
+            arr = arr.view(np.float16)
+        return self._torch.from_numpy(arr)
 
     def _options(self, kind: str, **fields):
         opts = getattr(self._c10d, kind)()
