@@ -109,15 +109,16 @@ torch-suite: setup
 	    $(if $(SUITE_FILTER),-k "$(SUITE_FILTER)") 2>&1 | tail -1; rm -rf $$tmp; \
 	done
 
-# Not in CI (about three minutes): Horovod's own test/parallel/test_torch.py and test_timeline.py
-# from a Horovod checkout, against the `horovod` package `terrapipe run --horovod` provides, each
-# file its own job at 2 and at 4 ranks as Horovod runs them (tests/horovod/suite_plugin.py keeps
-# torch's Muon out of one optimizer sweep). HOROVOD_SRC=<a Horovod checkout> make horovod-suite
+# Not in CI (about three minutes): Horovod's own test/parallel/test_torch.py, test_timeline.py and
+# test_adasum_pytorch.py from a Horovod checkout, against the `horovod` package `terrapipe run
+# --horovod` provides, each file its own job at 2 and at 4 ranks as Horovod runs them
+# (tests/horovod/suite_plugin.py keeps torch's Muon out of one optimizer sweep).
+# HOROVOD_SRC=<a Horovod checkout> make horovod-suite
 HOROVOD_SRC ?=
 horovod-suite: setup
 	@test -n "$(HOROVOD_SRC)" || { echo "horovod-suite: set HOROVOD_SRC to a Horovod checkout"; exit 2; }
 	@$(INSTALL) cloudpickle mock
-	@for n in 2 4; do for f in test_torch.py test_timeline.py; do \
+	@for n in 2 4; do for f in test_torch.py test_timeline.py test_adasum_pytorch.py; do \
 	  echo "== $$f at $$n ranks (one line per rank)"; tmp=$$(mktemp); \
 	  PYTHONPATH=$(CURDIR)/terrapipe/horovod/compat:$(CURDIR):$(HOROVOD_SRC)/test:$(HOROVOD_SRC)/test/utils \
 	    $(VENV)/bin/mpiexec -n $$n $(PY) -m pytest -q -p no:cacheprovider -p tests.horovod.suite_plugin \

@@ -10,6 +10,7 @@ tensors through pinned host memory.
 from .collectives import (
     Group,
     Handle,
+    adasum_allreduce,
     allgather,
     allreduce,
     barrier,
@@ -44,8 +45,8 @@ from .transports.shm import Segment, alive
 from .wait import wait_until
 
 __all__ = [
-    "Group", "Handle", "allgather", "allreduce", "barrier", "broadcast", "broadcast_object",
-    "clock_alignment", "cuda_collectives", "finalize", "forced_backend", "gather",
+    "Group", "Handle", "adasum_allreduce", "allgather", "allreduce", "barrier", "broadcast",
+    "broadcast_object", "clock_alignment", "cuda_collectives", "finalize", "forced_backend", "gather",
     "init", "is_initialized", "jit_allreduce", "local_rank", "local_size", "rank", "recv",
     "reduce", "reduce_scatter", "scatter", "send", "size", "world",
     "CollectiveMismatchError", "CollectiveTimeoutError", "CommError", "SetupAbandoned",

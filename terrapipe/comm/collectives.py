@@ -18,10 +18,12 @@ checks and docstring; each is a few lines that hand the call to comm/select.py.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import signal
 import sys
 import traceback
+import zlib
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from .. import launch_env, settings, timeline
 from ..kernels import BF16, F16
 from ..kernels import reduce as kreduce
 from . import clock, execution, rendezvous, select
+from .algorithms import adasum
 from .buffers import Buffer, plain_array
 from .errors import SetupAbandoned
 from .execution import Handle
@@ -42,7 +45,7 @@ __all__ = [
     "init", "finalize", "forced_backend", "world", "is_initialized", "rank", "size", "local_rank",
     "local_size",
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "gather", "scatter",
-    "send", "recv", "barrier", "jit_allreduce", "broadcast_object", "cuda_collectives",
+    "send", "recv", "barrier", "jit_allreduce", "adasum_allreduce", "broadcast_object", "cuda_collectives",
 ]
 
 _world: Group | None = None
@@ -549,6 +552,59 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
         return tensors
 
     return _run(g, body, async_op, "jit_allreduce", items)
+
+
+_ADASUM_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def adasum_allreduce(tensors, *, async_op: bool = False, group: Group | None = None):
+    """Adasum of each tensor over the group's ranks (Horovod's ``op=hvd.Adasum``), in place.
+
+    Each tensor is combined with its own coefficients, pairwise up a tree of ranks: two ranks'
+    gradients ``a`` and ``b`` become ``(1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b``, their sum
+    where they are orthogonal and their average where they are parallel (kernels/adasum.py;
+    NOTE [adasum by halves] in comm/algorithms/adasum.py). ``tensors``: one or a list of
+    float16 / bfloat16 / float32 / float64 arrays or tensors (CPU or CUDA, the latter through
+    host memory), the same shapes on every rank; a group of a power of two of ranks. Dot
+    products and norms are summed in float64. Each dtype's tensors are fused into one vector
+    (a copy, unless it is one contiguous tensor). Returns ``tensors`` (or a Handle); until then
+    they belong to the collective.
+    """
+    g = _g(group)
+    if g.size & (g.size - 1):
+        raise ValueError(f"adasum_allreduce: needs a power of two of ranks; this group has {g.size}")
+    single = not isinstance(tensors, (list, tuple))
+    items = [tensors] if single else list(tensors)
+    if not items:
+        raise ValueError("adasum_allreduce: no tensors given")
+    bufs = [Buffer(t, f"tensors[{i}]") for i, t in enumerate(items)]
+    groups: dict[str, list[Buffer]] = {}
+    for i, b in enumerate(bufs):
+        if b.dtype_name not in _ADASUM_DTYPES:
+            raise TypeError(f"adasum_allreduce: tensors[{i}] is {b.dtype_name}; Adasum combines "
+                            f"floating-point tensors ({', '.join(_ADASUM_DTYPES)})")
+        groups.setdefault(b.dtype_name, []).append(b)
+
+    def body():
+        for name in sorted(groups):
+            members = groups[name]
+            sizes = [b.size for b in members]
+            bounds = np.array([0, *itertools.accumulate(sizes)], np.int64)
+            # Each tensor's length is part of the signature (its coefficients are its own); past
+            # the signature's room, their count and a digest of them.
+            shape = tuple(sizes) if len(sizes) <= 14 else (len(sizes), zlib.crc32(bounds.tobytes()))
+            if g.size == 1:
+                continue
+            fused = members[0].flat if len(members) == 1 else np.concatenate([b.flat for b in members])
+            adasum.allreduce(g, fused, bounds, members[0].kind, adasum.Called(name, int(bounds[-1]), shape))
+            if len(members) > 1:
+                for b, lo, hi in zip(members, bounds[:-1], bounds[1:], strict=True):
+                    b.flat[...] = fused[lo:hi]
+        for b in bufs:
+            b.commit()
+        return tensors
+
+    return _run(g, body, async_op, "adasum_allreduce", items)
 
 
 def cuda_collectives(group: Group | None = None) -> str:

@@ -108,7 +108,8 @@ def forced_backend() -> str:
 
 _COLL = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4, "reduce": 5,
          "gather": 6, "scatter": 7, "barrier": 8, "jit_allreduce": 9,
-         "nccl_allreduce": 10, "nccl_broadcast": 11, "nccl_allgather": 12, "shared_array": 13}
+         "nccl_allreduce": 10, "nccl_broadcast": 11, "nccl_allgather": 12, "shared_array": 13,
+         "adasum_allreduce": 14}
 # Signature words: 0 collective, 1 op, 2 dtype, 3 root, 4 elements, 5 dims, then the dims up to
 # _ALGORITHM_WORD, the algorithm (comm/select.py's code), then SHARED_WORD, where a shared
 # array's (segment, byte offset) go (NOTE [shared arrays] 2 in comm/algorithms/shared.py).
@@ -412,6 +413,10 @@ class Group:
         self.small_lanes: dict[tuple, object] = {}  # its fast lane's (select.small_lane)
         self.pinned: dict[str, str] = {}  # collective: algorithm (use_algorithm)
         self.algorithm_log: list | None = None  # record_algorithms
+        # What an algorithm keeps for this group from its first call, by the algorithm's name
+        # (Adasum's pairs and blocks, split off this group, and its scratch:
+        # comm/algorithms/adasum.py); each has close(), called when this group closes
+        self.derived: dict[str, object] = {}
         forced = forced_backend()
         self.force_mpi, self.force_shm = forced == "mpi", forced == "shm"
 
@@ -474,6 +479,9 @@ class Group:
 
     def close(self) -> None:
         self.executor.close()
+        derived, self.derived = self.derived, {}
+        for state in derived.values():
+            state.close()
         healthy = not self.executor.failed
         bulk = self.bulk if self.bulk is not self.cross else None
         for t in (bulk, self.cross, self.mpi, self.gloo):

@@ -544,7 +544,8 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
     array the shared algorithm takes), with no async collective pending. ``ckind``: float32 sent
     as 16-bit; ``sig_shape``: the shape the signature names (default ``x.shape``). Same
     signature and step accounting as the general path, so ranks may mix the two."""
-    key = (x.dtype, x.shape, op, coll, ckind, g.pinned.get("allreduce") if g.pinned else None)
+    # The signature's shape is part of the plan (the call's signature is made once, here).
+    key = (x.dtype, x.shape, op, coll, ckind, g.pinned.get("allreduce") if g.pinned else None, sig_shape)
     entries = g.small_plans
     plan = entries.get(key)
     if plan is None:
@@ -582,7 +583,7 @@ def small_lane(g, x: np.ndarray, op: int):
     a read-only array. Where emulated nodes share cores every rank's Python is the others'
     wall time, several times over (NOTE [one-shot across nodes] 7 in
     comm/algorithms/oneshot_nodes.py), so this is what the smallest allreduces pay per call."""
-    key = (x.dtype, x.shape, op, "allreduce", 0, g.pinned.get("allreduce") if g.pinned else None)
+    key = (x.dtype, x.shape, op, "allreduce", 0, g.pinned.get("allreduce") if g.pinned else None, None)
     plan = g.small_plans.get(key)
     if not plan or plan[1] or _shared_may_take(g, x.nbytes) or not x.flags.writeable:
         return None

@@ -11,8 +11,9 @@
 Run with ``terrapipe run -np 4 python train.py`` (or mpiexec); ``terrapipe run --horovod`` makes
 an unmodified ``import horovod.torch as hvd`` resolve to this module. Collectives are matched by
 name across ranks as Horovod matches them (NOTE [name negotiation] in negotiation.py). Elastic
-training: ``hvd.elastic`` under ``terrapipe run --horovod --min-np ...``. Not
-supported: Adasum, TensorFlow/Keras/MXNet.
+training: ``hvd.elastic`` under ``terrapipe run --horovod --min-np ...``. ``op=hvd.Adasum``
+reduces by Adasum (comm.adasum_allreduce; DistributedOptimizer's delta optimizer). Not
+supported: TensorFlow/Keras/MXNet.
 """
 
 from . import elastic  # noqa: E402 (needs the names above)

@@ -99,11 +99,30 @@ def _run_allreduce(g: comm.Group, entry, meta: list):
                     w = t.clone()
             _scale(w, pre)
             works.append(w)
-        comm.jit_allreduce(works, _COMM_OP[op], compression=wire or None, group=g)
+        if op == ADASUM:
+            _adasum(g, works, wire)
+        else:
+            comm.jit_allreduce(works, _COMM_OP[op], compression=wire or None, group=g)
         for w, o in zip(works, outs, strict=True):
             _postscale(w, op, g.size, post)
             _finish(w, o)
     return outs
+
+
+_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _adasum(g: comm.Group, works: list[torch.Tensor], wire: str) -> None:
+    """Adasum of ``works`` in place; with a 16-bit wire format (Compression.fp16) the vectors
+    are combined in it, as Horovod combines the compressed tensors."""
+    if not wire:
+        comm.adasum_allreduce(works, group=g)
+        return
+    narrow = [w.to(_WIRE_DTYPES[wire]) if w.dtype == torch.float32 else w for w in works]
+    comm.adasum_allreduce(narrow, group=g)
+    for w, n in zip(works, narrow, strict=True):
+        if n is not w:
+            w.copy_(n)
 
 
 def _run_allgather(g: comm.Group, entry, meta: list):

@@ -62,8 +62,6 @@ def _op_from(op, average) -> int:
     else:
         op = Average
     op = int(op)
-    if op == Adasum:
-        raise NotImplementedError("op=Adasum is not supported by terrapipe.horovod (use Average or Sum)")
     if op not in OP_NAMES:
         raise ValueError(f"op: expected one of Average, Sum, Min, Max, Product, got {op!r}")
     return op
@@ -150,7 +148,25 @@ def _device(tensors) -> str:
 
 
 # -- allreduce ---------------------------------------------------------------------------------
+def _check_adasum(tensors, process_set) -> None:
+    """Horovod's rules for ``op=Adasum``, raised where it raises them: at the call."""
+    if (process_set or global_process_set) != global_process_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    n = basics.size()
+    if n & (n - 1):
+        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
+    for i, t in enumerate(tensors):
+        if t.dtype not in _ADASUM_DTYPES:
+            raise TensorArgumentError(f"Adasum: tensors[{i}] is {t.dtype}; Adasum combines float16, "
+                                      "bfloat16, float32 and float64 tensors")
+
+
+_ADASUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _allreduce_issue(tensors, outs, name, op, pre, post, wire, process_set, kind="allreduce", single=True):
+    if op == ADASUM:
+        _check_adasum(tensors, process_set)
     meta = ["allreduce", op, float(pre), float(post), wire, _device(tensors), [_spec(t) for t in tensors]]
     extra = f", op={OP_NAMES[op]}"
     return _issue(kind, name, meta, (tensors, outs), tensors, process_set, _first if single else list, extra)
@@ -191,10 +207,10 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 
 def _reduce_grads(grads, op, pre, post, process_set, inputs=None, outputs=None):
-    """Backward of allreduce: the same allreduce of the gradients for Sum / Average (Horovod's
-    definition); for Min / Max the summed gradient flows to the ranks whose value won, for
+    """Backward of allreduce: the same allreduce of the gradients for Sum / Average / Adasum
+    (Horovod's definition); for Min / Max the summed gradient flows to the ranks whose value won, for
     Product to every rank as d(prod)/dx."""
-    if op in (SUM, AVERAGE):
+    if op in (SUM, AVERAGE, ADASUM):
         return grouped_allreduce(list(grads), op=op, prescale_factor=pre, postscale_factor=post,
                                  process_set=process_set)
     summed = grouped_allreduce(list(grads), op=Sum, process_set=process_set)
@@ -240,7 +256,7 @@ def _compressed(tensors, compression):
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set: ProcessSet = global_process_set):
     """Reduce ``tensor`` over the ranks of ``process_set`` into a new tensor (same shape, dtype,
-    device). ``op``: Average (default), Sum, Min, Max, Product; ``prescale_factor`` multiplies
+    device). ``op``: Average (default), Sum, Adasum, Min, Max, Product; ``prescale_factor`` multiplies
     each input, ``postscale_factor`` the result (integers scaled in float64 and truncated,
     16-bit floats in float32; integer Average truncates toward zero). Differentiable."""
     op = _op_from(op, average)

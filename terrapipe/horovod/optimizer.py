@@ -16,6 +16,7 @@ import torch
 
 from ..engine import DistributedGradients
 from . import basics
+from .adasum_optimizer import _DistributedAdasumOptimizer
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, wire_format
 from .execute import ADASUM, AVERAGE, SUM
@@ -157,6 +158,31 @@ class _Decompress:
             self.flat.copy_(self.compression.decompress(c, self.ctx))
 
 
+def named_parameters_of(param_groups, named_parameters) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters`` checked as Horovod checks them (tuples, unique names, every parameter
+    of ``param_groups`` named), or Horovod's names for unnamed ones."""
+    params = [p for group in param_groups for p in group["params"]]
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(param_groups)
+                            for j, v in enumerate(group["params"])]
+    names = [k for k, _ in named_parameters]
+    dups = sorted({k for k in names if names.count(k) > 1})
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         f"Found duplicates: {', '.join(dups)}")
+    named_ids = {id(v) for _, v in named_parameters}
+    unnamed = [id(p) for p in params if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not "
+                         f"named. Python object ids: {', '.join(str(i) for i in unnamed)}")
+    return named_parameters
+
+
 class _DistributedOptimizer:
     """Methods of the class DistributedOptimizer makes (a subclass of the wrapped optimizer's
     class, as Horovod makes it, so isinstance checks and LR schedulers keep working)."""
@@ -164,28 +190,9 @@ class _DistributedOptimizer:
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
                    gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            if any(not isinstance(item, tuple) or len(item) != 2 for item in named_parameters):
-                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                                 "usually produced by model.named_parameters().")
-        else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(self.param_groups)
-                                for j, v in enumerate(group["params"])]
-        names = [k for k, _ in named_parameters]
-        dups = sorted({k for k in names if names.count(k) > 1})
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. "
-                             f"Found duplicates: {', '.join(dups)}")
-        named_ids = {id(v) for _, v in named_parameters}
-        unnamed = [id(p) for p in params if id(p) not in named_ids]
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not "
-                             f"named. Python object ids: {', '.join(str(i) for i in unnamed)}")
-        if op == ADASUM:
-            raise NotImplementedError("op=Adasum is not supported by terrapipe.horovod (use Average or Sum)")
-        if op not in (AVERAGE, SUM):
-            raise ValueError(f"op: DistributedOptimizer reduces with Average or Sum, got {op!r}")
+        named_parameters = named_parameters_of(self.param_groups, named_parameters)
+        if op not in (AVERAGE, SUM, ADASUM):  # Adasum here only at one rank (DistributedOptimizer)
+            raise ValueError(f"op: DistributedOptimizer reduces with Average, Sum or Adasum, got {op!r}")
         if gradient_predivide_factor != 1.0 and op != AVERAGE:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if groups is not None and num_groups:
@@ -289,16 +296,30 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     waits for it. ``backward_passes_per_step=k``: gradients accumulate locally over k backward
     passes, then are reduced. ``gradient_predivide_factor=f``: Average as (sum of g/f) * f / size.
     The returned optimizer is an instance of a subclass of ``optimizer``'s class sharing its
-    parameter groups and state."""
+    parameter groups and state. ``op=Adasum`` (two ranks or more) reduces updates instead of
+    gradients: each rank's own step of each parameter, combined by Adasum
+    (horovod/adasum_optimizer.py)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if gradient_predivide_factor != 1.0 and int(op) != AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if int(backward_passes_per_step) <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    adasum = int(op) == ADASUM and basics.size() > 1  # Horovod's choice: one rank has nothing to combine
+    if adasum and (process_set or global_process_set) != global_process_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    methods = _DistributedAdasumOptimizer if adasum else _DistributedOptimizer
     base = type(optimizer)
-    cls = type(base.__name__, (base,), {k: v for k, v in _DistributedOptimizer.__dict__.items()
+    cls = type(base.__name__, (base,), {k: v for k, v in methods.__dict__.items()
                                         if not k.startswith("__") or k == "__doc__"})
     new = cls.__new__(cls)
     new.__dict__.update(optimizer.__dict__)  # same param_groups, state and hooks
-    new._hvd_setup(named_parameters, compression, int(backward_passes_per_step), int(op),
-                   float(gradient_predivide_factor), num_groups, groups, sparse_as_dense, process_set)
+    if adasum:
+        new._hvd_setup(named_parameters_of(new.param_groups, named_parameters), compression,
+                       int(backward_passes_per_step))
+    else:
+        new._hvd_setup(named_parameters, compression, int(backward_passes_per_step), int(op),
+                       float(gradient_predivide_factor), num_groups, groups, sparse_as_dense, process_set)
     return new
 
 

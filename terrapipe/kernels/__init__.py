@@ -12,6 +12,7 @@ Modules:
   object_cache llvmlite's machine code kept on disk beside Numba's cache
   llvm_ir small LLVM IR building blocks (loops, splats, transposes) for resample_ir
   reduce  ``dst op= src`` and multi-source reductions over chunks, for collectives
+  adasum  Adasum's dot products and norms, and its scaled sum, over a piece of fused tensors
   rng     counter-based Philox keyed by (seed, epoch, sample index, op id)
   floats  float16 / bfloat16 held as uint16
   sync    step counters shared between processes: acquire loads, release stores, bounded spins
@@ -23,6 +24,7 @@ Modules:
 """
 
 from . import (
+    adasum,
     entry,
     floats,
     geometry,
@@ -54,6 +56,7 @@ from .reduce import divide, reduce_into, reduce_many_into
 from .rng import fill_uniform, philox4x64, randint, random_u64, uniform
 
 __all__ = [
+    "adasum",
     "entry",
     "floats",
     "geometry",

@@ -1,9 +1,10 @@
 """A reproducible storm of collectives with exact results, shared by the stress test and the soak.
 
 Every rank draws the same schedule from one seed: allreduce (sum, avg, max), broadcast,
-allgather, reduce_scatter, jit_allreduce and in-place allreduces of pieces of a node-shared
-array (up to 4 MB; across nodes in 4 MiB chunks), sync and async mixed (a quarter of the
-operations sync on some ranks and async on others) with up to ``outstanding`` async operations
+allgather, reduce_scatter, jit_allreduce, Adasum (of orthogonal vectors: exact; up to 16 MiB)
+and in-place allreduces of pieces of a node-shared array (up to 4 MB; across nodes in 4 MiB
+chunks), sync and async mixed (a quarter of the operations sync on some ranks and async on
+others) with up to ``outstanding`` async operations
 in flight, NumPy arrays and torch tensors, sizes across every path threshold of comm (the
 one-shot allreduce up to 2 MiB at 2 ranks and 1 MiB at 4, which are also the shared-memory row
 halves; the single-copy allreduce of private memory from 2 MiB; the shared-array path from
@@ -31,7 +32,7 @@ KIB, MIB = 1 << 10, 1 << 20
 SIZES = [0, 4, 28, 4 * KIB, 64 * KIB - 4, 64 * KIB, 64 * KIB + 4, 512 * KIB - 4, 512 * KIB + 4,
          MIB - 4, MIB, MIB + 4, 2 * MIB - 4, 2 * MIB, 2 * MIB + 4, 4 * 1_000_003, 16 * MIB + 12, 64 * MIB]
 OPS = ("allreduce", "allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter", "jit_allreduce",
-       "shared allreduce")
+       "shared allreduce", "adasum")
 # In-place allreduces of pieces of a node-shared array (NOTE [shared arrays] in
 # comm/algorithms/shared.py): one slot per operation that can be in flight at once, each piece
 # at most this long.
@@ -93,6 +94,10 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
             nbytes = min(nbytes, 4 * MIB)  # p copies come back
         if kind == "shared allreduce":
             nbytes = min(nbytes, SHARED_SLOT_BYTES - 64)
+        if kind == "adasum":
+            if p & (p - 1):  # a power of two of ranks only (every rank draws the same p)
+                kind = "allreduce"
+            nbytes = min(nbytes, 16 * MIB)
         n = nbytes // 4
         small = nbytes <= MIB
         dtype = ("float32", "int64", "bfloat16")[rng.integers(3)] if small else "float32"
@@ -134,6 +139,18 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
                 x = torch.from_numpy(x)
             expect = _Expect(what + " (shared)", comm.allreduce(x, "sum", async_op=async_op, group=group),
                              [x], [everyone])
+        elif kind == "adasum":
+            # Three tensors, each rank's nonzero only where the index is its rank modulo p: the
+            # vectors are orthogonal, so every coefficient is exactly 1 and the result is exactly
+            # their sum, each element its owner's value (comm/algorithms/adasum.py).
+            cuts = sorted(int(c) for c in rng.integers(0, n + 1, 2))
+            parts = [(0, cuts[0]), (cuts[0], cuts[1]), (cuts[1], n)]
+            full = pattern[:n] + np.float32(shift)
+            mine = np.where(np.arange(n) % p == r, full, np.float32(0))
+            wide = "float64" if dtype == "int64" else dtype
+            ts = [_values(mine[a:b], b - a, 0.0, wide, as_torch) for a, b in parts]
+            expect = _Expect(what, comm.adasum_allreduce(ts, async_op=async_op, group=group), ts,
+                             [full[a:b] for a, b in parts])
         else:  # jit_allreduce of a bucket: three tensors of the drawn total size
             cuts = sorted(int(c) for c in rng.integers(0, n + 1, 2))
             parts = [(0, cuts[0]), (cuts[0], cuts[1]), (cuts[1], n)]

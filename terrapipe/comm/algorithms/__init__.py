@@ -18,6 +18,8 @@ staged_rows  a device-staged message copied by the GPU       shm (rows registere
 single_copy  reads of the peers' private memory              shm board + cma
 ring         chunked ring over point-to-point                mpi
 native       the library's own collectives                   mpi, gloo
+adasum       Adasum by vector halving over pairs' groups,    any (through select)
+             or one gathering allreduce for small messages
 ===========  ==============================================  ==========================
 
 NCCL's own collectives of CUDA tensors are comm/transports/nccl.py's.
