@@ -28,15 +28,11 @@ from contextlib import contextmanager
 import torch
 
 from . import basics
+from .errors import TOO_MANY_PASSES, ZERO_GRAD_IN_FLIGHT
 from .execute import ADASUM
 from .mpi_ops import allreduce_async_, synchronize
 
 __all__ = ["_DistributedAdasumOptimizer"]
-
-_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally.")
-_ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
-                        "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 
 
 class _DistributedAdasumOptimizer:
@@ -71,7 +67,7 @@ class _DistributedAdasumOptimizer:
 
     def _hvd_on_grad(self, p: torch.Tensor) -> None:
         if self._hvd_handles.get(p, (None, None))[0] is not None and self._hvd_delay[p] <= 0:
-            raise AssertionError(_TOO_MANY_PASSES)
+            raise AssertionError(TOO_MANY_PASSES)
         handle, ctx = None, None
         self._hvd_delay[p] -= 1
         if self._hvd_delay[p] == 0:
@@ -129,5 +125,5 @@ class _DistributedAdasumOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._hvd_handles:
-            raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
+            raise AssertionError(ZERO_GRAD_IN_FLIGHT)
         return super(self.__class__, self).zero_grad(set_to_none)

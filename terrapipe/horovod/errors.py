@@ -4,6 +4,14 @@ from __future__ import annotations
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "TensorArgumentError"]
 
+# Horovod's words for misuse of a DistributedOptimizer, raised as AssertionError by both the
+# averaging optimizer (optimizer.py) and the Adasum delta optimizer (adasum_optimizer.py), as
+# horovod.torch raises them (scripts and Horovod's tests match on this text).
+ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                       "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+                   "Increase backward_passes_per_step to accumulate gradients locally.")
+
 
 class HorovodInternalError(RuntimeError):
     """A collective failed: ranks issued it with different arguments, a rank never issued it

@@ -19,6 +19,7 @@ from . import basics
 from .adasum_optimizer import _DistributedAdasumOptimizer
 from .basics import ProcessSet, global_process_set
 from .compression import Compression, wire_format
+from .errors import TOO_MANY_PASSES, ZERO_GRAD_IN_FLIGHT
 from .execute import ADASUM, AVERAGE, SUM
 from .mpi_ops import _allreduce_issue, _broadcast_issue, broadcast_object, sparse_allreduce_async, synchronize
 
@@ -28,10 +29,6 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
                     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
                     "your code.")
-_ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
-                        "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
-_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally.")
 
 
 class _Handle:
@@ -145,7 +142,7 @@ class _NegotiatedGradients(DistributedGradients):
                                         self.process_set))
 
     def too_many_passes(self) -> None:
-        raise AssertionError(_TOO_MANY_PASSES)
+        raise AssertionError(TOO_MANY_PASSES)
 
 
 class _Decompress:
@@ -281,7 +278,7 @@ class _DistributedOptimizer:
         if self._hvd_grads is not None:
             # Horovod's rule: any gradient produced since the last synchronize (reduced or not)
             if self._hvd_grads.in_flight() or self._hvd_grads.step_started():
-                raise AssertionError(_ZERO_GRAD_IN_FLIGHT)
+                raise AssertionError(ZERO_GRAD_IN_FLIGHT)
             self._hvd_grads.zero_grad(set_to_none)
         return super(self.__class__, self).zero_grad(set_to_none)
 
