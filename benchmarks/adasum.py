@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import statistics
 
-from .common import format_table, interleave_ranks, rank_sweep_args, report_from_rank0, run_ranks, save
+from .common import (
+    format_table,
+    interleave_ranks,
+    rank_sweep_args,
+    report_from_rank0,
+    save,
+    sweep_over_ranks,
+)
 
 CASES = ("adasum", "halves", "one_gather", "average", "gathered")
 
@@ -78,12 +85,9 @@ def _worker(max_mib: int, rounds: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = rank_sweep_args(__doc__, argv)
-    if args.worker:
-        _worker(args.max_mib, args.rounds)
+    data = sweep_over_ranks("benchmarks.adasum", args, _worker)
+    if data is None:
         return
-    data = run_ranks("benchmarks.adasum", args.n,
-                     ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)],
-                     env={"OMP_NUM_THREADS": "1"})
     rows, table = [], {}
     for size, samples in data["samples"].items():
         nbytes = int(size)

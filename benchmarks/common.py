@@ -321,6 +321,17 @@ def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = 
     return p.parse_args(argv)
 
 
+def sweep_over_ranks(module: str, args, worker: Callable[[int, int], None]) -> dict | None:
+    """Both sides of a size sweep's ``main`` over :func:`rank_sweep_args`' ``args``: as a rank
+    (``--worker``), ``worker(max_mib, rounds)`` and None; as the launcher, ``args.n`` ranks of
+    ``python -m <module>`` (one OpenMP thread each) and what their rank 0 reported."""
+    if args.worker:
+        worker(args.max_mib, args.rounds)
+        return None
+    return run_ranks(module, args.n, ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)],
+                     env={"OMP_NUM_THREADS": "1"})
+
+
 def link_bits_per_second(rate: str) -> float:
     """tc's rate syntax (``"1gbit"``, ``"100mbit"``, ``"2.5gbit"``) in bits per second."""
     units = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}

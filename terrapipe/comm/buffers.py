@@ -15,7 +15,7 @@ import numpy as np
 from ..kernels import BF16, F16
 from . import dtypes
 
-__all__ = ["Buffer", "plain_array"]
+__all__ = ["Buffer", "plain_array", "dtype_name"]
 
 _NP_NAMES = {np.dtype(n): n for n in dtypes.MOVED if n != "bfloat16"}
 
@@ -24,6 +24,12 @@ def _torch():
     import torch
 
     return torch
+
+
+def dtype_name(dtype: np.dtype) -> str | None:
+    """The name a :class:`Buffer` of a NumPy array of ``dtype`` gives its dtype (comm/dtypes.py),
+    or None where comm does not move it."""
+    return _NP_NAMES.get(dtype)
 
 
 def plain_array(x) -> np.ndarray | None:

@@ -342,6 +342,10 @@ def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None =
     """Copy ``x`` of rank ``root`` into ``x`` on every rank (in place)."""
     g = _g(group)
     _check_root(root, g)
+    if not async_op:  # the latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py)
+        arr = plain_array(x)
+        if arr is not None and select.broadcast_small(g, arr, root):
+            return x
 
     def staged(buf: Buffer):
         select.broadcast(g, buf, root)
@@ -358,6 +362,12 @@ def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None =
 def allgather(x, *, async_op: bool = False, group: Group | None = None):
     """Every rank's ``x`` stacked: a new array/tensor of shape (size, *x.shape)."""
     g = _g(group)
+    if not async_op:  # the latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py)
+        arr = plain_array(x)
+        if arr is not None:
+            out = select.gather_small(g, arr, _stacked(x, arr, g.size))
+            if out is not None:
+                return out
 
     def staged(buf: Buffer):
         out, obuf = buf.like((g.size, *buf.shape))
@@ -374,6 +384,12 @@ def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = No
     """Like allgather, but only ``root`` gets the (size, *x.shape) result; others get None."""
     g = _g(group)
     _check_root(root, g)
+    if not async_op:  # the latency path, as allgather's
+        arr = plain_array(x)
+        if arr is not None:
+            out = select.gather_small(g, arr, _stacked(x, arr, g.size), root)
+            if out is not None:
+                return out if g.rank == root else None
     buf = Buffer(x, "x")
     out, obuf = buf.like((g.size, *buf.shape))
 
@@ -628,6 +644,21 @@ def _is_cuda(x) -> bool:
 def _torch_dtype_name(t) -> str:
     """A tensor's dtype as Buffer names it ("float32", "bfloat16", ...), without a Buffer."""
     return str(t.dtype).removeprefix("torch.")
+
+
+def _stacked(x, arr: np.ndarray, n: int):
+    """``make_out`` for select.gather_small: a new (n, *x.shape) array of ``x``'s type (a CPU
+    tensor for a tensor) and its NumPy view, made only once the latency path takes the call."""
+    if type(x) is np.ndarray:
+        def array():
+            a = np.empty((n, *arr.shape), arr.dtype)
+            return a, a
+        return array
+
+    def tensor():
+        t = sys.modules["torch"].empty((n, *arr.shape), dtype=x.dtype)
+        return t, t.numpy()
+    return tensor
 
 
 def _like_input(out, x):

@@ -69,7 +69,9 @@ NOTE [algorithm selection]
     5. On one node, an allreduce of at most ``oneshot.limit`` bytes is the one-shot: one
        barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
        (2 MiB messages at 2 ranks, 1 MiB at 4: ``oneshot.ONESHOT_READ_BYTES``), where it beats
-       MPICH's Allreduce here (1.2-2x).
+       MPICH's Allreduce here (1.2-2x). So are an allgather, a gather and a broadcast of at most
+       half a row (``oneshot.copy_limit``; NOTE [one-shot copies] in
+       comm/algorithms/oneshot.py), below single-copy's sizes (7).
     6. An allreduce in place on a piece of a shared array (``Group.shared_array``; NOTE
        [shared arrays] in comm/algorithms/shared.py) takes the shared algorithm from
        ``shared.SHARED_MIN_BYTES`` (512 KiB), before the one-shot, sync (the latency path
@@ -115,14 +117,17 @@ import numpy as np
 from .. import timeline
 from ..kernels import F16, compress, decompress
 from .algorithms import native, oneshot, oneshot_nodes, ring, segment, shared, single_copy, staged_rows
+from .buffers import dtype_name
 from .errors import CommError
 from .message import NO_GATE, Fused
 
 __all__ = ["Request", "Candidate", "CANDIDATES", "ALGORITHMS", "select", "able", "allreduce_views",
-           "allreduce_small", "broadcast", "allgather", "scatter", "reduce_scatter", "reduce", "barrier",
+           "allreduce_small", "gather_small", "broadcast_small", "broadcast", "allgather",
+           "scatter", "reduce_scatter", "reduce", "barrier",
            "send", "recv", "code_of", "name_of"]
 
 _REDUCING = frozenset({"allreduce", "reduce"})
+_COPIES = frozenset({"allgather", "gather", "broadcast"})  # the one-shot copies (NOTE [one-shot copies])
 _ALL = frozenset({"allreduce", "reduce", "broadcast", "allgather", "gather", "scatter", "reduce_scatter",
                   "barrier"})
 
@@ -182,8 +187,9 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("ring", 4, lambda g, r: g.mpi is not None and r.coll in _REDUCING),
     Algorithm("shared", 5, lambda g, r: r.shared is not None and r.coll == "allreduce" and g.shm is not None),
     Algorithm("single_copy", 6, lambda g, r: _reads_peers(g, r)),
-    Algorithm("oneshot", 7, lambda g, r: (
-        r.coll == "allreduce" and _one_node_shm(g, r) and r.nbytes <= oneshot.limit(g.shm))),
+    Algorithm("oneshot", 7, lambda g, r: _one_node_shm(g, r) and (
+        (r.coll == "allreduce" and r.nbytes <= oneshot.limit(g.shm))
+        or (r.coll in _COPIES and r.nbytes <= oneshot.copy_limit(g.shm)))),
     Algorithm("segment", 8, lambda g, r: (
         g.shm is not None and (g.nnodes == 1 or (r.coll in _REDUCING and g.uniform)) and r.coll in _ALL)),
     Algorithm("tcp", 10, lambda g, r: r.coll in _REDUCING and _whole_ring(g) is not None),
@@ -264,7 +270,7 @@ def _large_private(g, r: Request) -> str | None:  # 7
     return "single_copy" if fits and not g.force_mpi else None
 
 
-def _small_allreduce(g, r: Request) -> str | None:  # 5
+def _small_on_one_node(g, r: Request) -> str | None:  # 5
     return "oneshot" if ALGORITHMS["oneshot"].can(g, r) and not g.force_mpi else None
 
 
@@ -306,7 +312,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate(6, _in_shared_array),
     Candidate(4, _small_across_nodes),
     Candidate(7, _large_private),
-    Candidate(5, _small_allreduce),
+    Candidate(5, _small_on_one_node),
     Candidate(1, _staged_on_one_node),
     Candidate(4, _one_rank_per_node),
     Candidate(8, _large_on_free_cores),
@@ -632,10 +638,95 @@ def _small_plan(g, dtype: np.dtype, size: int, op: int, coll: str, ckind: int, s
     return call, bool(kind and not ckind), request, algorithm
 
 
+_U8 = np.dtype(np.uint8)  # the one-shot copies' view of every dtype (NOTE [one-shot copies] 3)
+
+
+def gather_small(g, x: np.ndarray, make_out, root: int = -1):
+    """The latency path of a sync allgather (``root`` -1) or gather of ``x`` on ``g``: the
+    result made by ``make_out()`` (a (size, *x.shape) array of x's dtype, or a tensor and its
+    NumPy view: ``(result, view)``), filled where this rank receives it, once done here; None
+    when ``x`` does not qualify and nothing ran (the caller takes the general path).
+    Qualifies: a C-contiguous array of a dtype comm moves that the one-shot takes, with no
+    async collective pending (NOTE [one-shot copies] in comm/algorithms/oneshot.py)."""
+    coll = "gather" if root >= 0 else "allgather"
+    plan = _copy_plan(g, coll, x, root)
+    if not plan or g.executor.pending or not x.flags.c_contiguous:
+        return None
+    call, request = plan
+    result, view = make_out()
+    src = (x if x.ndim == 1 else x.reshape(-1)).view(_U8)
+    if view.ndim != 2:
+        view = view.reshape(g.size, -1)
+    if timeline.enabled():
+        call = _spanned(call, coll, x.nbytes, "oneshot")
+    if not g.executor.run_if_idle(call, src, view.view(_U8)):
+        return None
+    if g.algorithm_log is not None:
+        _ran(g, request, "oneshot")
+    return result
+
+
+def broadcast_small(g, x: np.ndarray, root: int) -> bool:
+    """The latency path of a sync broadcast of ``x`` (in place) from ``root`` on ``g``: True when
+    done here, False when ``x`` does not qualify (as :func:`gather_small`). A read-only ``x``
+    off the root raises ValueError once the call is done (the plan's, comm/algorithms/oneshot.py)."""
+    plan = _copy_plan(g, "broadcast", x, root)
+    if not plan or g.executor.pending or not x.flags.c_contiguous:
+        return False
+    call, request = plan
+    flat = (x if x.ndim == 1 else x.reshape(-1)).view(_U8)
+    if timeline.enabled():
+        call = _spanned_one(call, x.nbytes)
+    if not g.executor.run_if_idle(call, flat):
+        return False
+    if g.algorithm_log is not None:
+        _ran(g, request, "oneshot")
+    return True
+
+
+def _spanned_one(call, nbytes: int):
+    def spanned(x):
+        with timeline.span("comm", "broadcast", args={"bytes": nbytes, "path": "oneshot"}):
+            call(x)
+
+    return spanned
+
+
+def _copy_plan(g, coll: str, x: np.ndarray, root: int):
+    """(the one-shot copy with everything but the arrays fixed, its request) for ``coll`` of
+    arrays like ``x`` from ``root``, or False where those do not take the one-shot; made once
+    per (collective, dtype, shape, root, pin) and kept with the latency path's plans."""
+    pin = g.pinned.get(coll) if g.pinned else None
+    key = (coll, x.dtype, x.shape, root, pin)
+    entries = g.small_plans
+    plan = entries.get(key)
+    if plan is None:
+        if len(entries) > 1024:
+            entries.clear()
+        plan = entries[key] = _make_copy_plan(g, coll, x, root)
+    return plan
+
+
+def _make_copy_plan(g, coll: str, x: np.ndarray, root: int):
+    name = dtype_name(x.dtype)
+    request = Request(coll, x.nbytes, F16 if name == "float16" else 0)
+    if g.size == 1 or name is None or select(g, request) != "oneshot":
+        return False
+    # The signature of the general path's call for the same array (its Buffer: 16-bit floats
+    # counted as their uint16 bits, the same count), so ranks may mix the two.
+    sig = g.signature_of(coll, 0, name, x.size, tuple(x.shape), root, code_of("oneshot"))
+    check = functools.partial(g.mismatch, coll)
+    if coll == "broadcast":
+        return oneshot.broadcast_plan(g.shm, sig, check, root), request
+    return oneshot.gather_plan(g.shm, coll, sig, check, root), request
+
+
 # -- the other collectives: the one-rank shortcut and the agreement, once; then the data -------
-def _agreed(g, coll: str, op: int, buf, root: int, r: Request) -> str:
-    """Select for ``r``, publish a single-copy call's addresses, agree; the algorithm's name."""
-    name = select(g, r)
+def _agreed(g, coll: str, op: int, buf, root: int, r: Request, name: str | None = None) -> str:
+    """Select for ``r`` (unless the caller did: ``name``), publish a single-copy call's
+    addresses, agree; the algorithm's name."""
+    if name is None:
+        name = select(g, r)
     if name == "single_copy":
         flat = buf.flat
         if not flat.flags.c_contiguous:  # not postable: every rank agrees on the path by signature
@@ -654,11 +745,26 @@ def _own(g, name: str):
 def broadcast(g, buf, root: int) -> None:
     """``buf`` (comm/buffers.py) of ``root`` into ``buf`` of every rank of ``g``."""
     if g.size > 1:
-        name = _agreed(g, "broadcast", 0, buf, root, Request("broadcast", buf.flat.nbytes, buf.kind))
+        r = Request("broadcast", buf.flat.nbytes, buf.kind)
+        name = select(g, r)
+        if name == "oneshot":  # its agreement is in its one board step (NOTE [one-shot copies])
+            _ran(g, r, name)
+            sig = g.signature("broadcast", 0, buf, root, name)
+            oneshot.broadcast_plan(g.shm, sig, functools.partial(g.mismatch, "broadcast"), root)(
+                buf.flat.view(np.uint8))
+            return
+        name = _agreed(g, "broadcast", 0, buf, root, r, name)
+        flat = buf.flat
+        refused = g.rank != root and not flat.flags.writeable
+        if refused:  # take part into a copy, so the peers complete the call, then refuse
+            flat = np.empty_like(flat)
         if name == "segment":
-            segment.broadcast(g.shm, buf.flat, root)
+            segment.broadcast(g.shm, flat, root)
         else:
-            native.broadcast(_own(g, name), buf.flat, root)
+            native.broadcast(_own(g, name), flat, root)
+        if refused:
+            raise ValueError(f"broadcast: x is read-only on rank {g.rank}, which receives rank {root}'s "
+                             f"data (the peers completed the call)")
 
 
 def allgather(g, buf, out: np.ndarray, root: int = -1) -> None:
@@ -667,7 +773,15 @@ def allgather(g, buf, out: np.ndarray, root: int = -1) -> None:
         out[0] = buf.flat
         return
     coll = "gather" if root >= 0 else "allgather"
-    name = _agreed(g, coll, 0, buf, root, Request(coll, buf.flat.nbytes, buf.kind))
+    r = Request(coll, buf.flat.nbytes, buf.kind)
+    name = select(g, r)
+    if name == "oneshot":  # NOTE [one-shot copies]
+        _ran(g, r, name)
+        sig = g.signature(coll, 0, buf, root, name)
+        oneshot.gather_plan(g.shm, coll, sig, functools.partial(g.mismatch, coll), root)(
+            buf.flat.view(np.uint8), out.view(np.uint8))
+        return
+    name = _agreed(g, coll, 0, buf, root, r, name)
     if name == "single_copy":
         single_copy.allgather(g.shm, buf.flat, out, root)
     elif name == "segment":

@@ -17,7 +17,8 @@ Modules:
   floats  float16 / bfloat16 held as uint16
   sync    step counters shared between processes: acquire loads, release stores, bounded spins
   entry   a kernel's compiled entry point for given argument types (no dispatch per call)
-  oneshot a small allreduce through shared rows (publish, wait, check, reduce) in one call
+  oneshot a small allreduce, allgather, gather or broadcast through shared rows (publish, wait,
+          check, reduce or copy) in one call
   shard   the parameter server's update rules applied to a shard under its lock
   geometry the crop boxes of random-resized-crop and center crop (pure arithmetic)
   taps    the resize's filter taps for a batch of crops, for resampling by matrix products

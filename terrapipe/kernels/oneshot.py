@@ -1,4 +1,5 @@
-"""One-shot allreduce of a small message through rows of shared memory, in one compiled call.
+"""One-shot collectives of a small message through rows of shared memory, in one compiled call:
+the allreduce, and the allgather, gather and broadcast that only copy.
 
 For small messages the cost of an allreduce is its fixed overhead, not its bytes, so every step
 runs in one call: copy the message into this process's row, publish the collective's signature
@@ -17,6 +18,10 @@ each array argument costs about 0.1 us of dispatch, a large part of a 4 KiB allr
 ``scratch`` is a private row of ``rows``' dtype and length; ``acc`` float32 scratch of at least
 ``reduce.TILE`` elements.
 
+The copying ones (:func:`oneshot_gather`, :func:`oneshot_broadcast`) move bytes: their messages
+and ``rows`` are uint8 whatever the caller's dtype (one compiled kernel for every dtype; a copy
+needs no type), and they take no scratch.
+
 Returns: ``-1`` done; ``r >= 0`` the signature of row ``r`` differs from row 0 (nothing was
 reduced); ``WAITING`` (-2) when a peer had not arrived within ``spins`` polls: the caller waits
 (looking at the clock and at its peers' liveness), checks the signatures and calls
@@ -33,7 +38,8 @@ from .floats import compress, decompress
 from .reduce import divide_16, divide_float, divide_int, reduce_many_16, reduce_many_native, reduce_rows_into
 from .sync import publish_step, rows_equal, spin_until
 
-__all__ = ["WAITING", "SLEEPERS_COL", "oneshot_allreduce", "finish", "collect"]
+__all__ = ["WAITING", "SLEEPERS_COL", "oneshot_allreduce", "finish", "collect", "oneshot_gather",
+           "gather_rows", "oneshot_broadcast", "copy_row"]
 
 WAITING = -2
 SLEEPERS_COL = 3  # the board's column counting the processes asleep on each step counter
@@ -153,3 +159,58 @@ def collect(dst, rows, h, part, kind):
         lo = min(j * part, n)
         hi = min(lo + part, n)
         _transfer(rows[j, h + lo:h + hi], dst[lo:hi], kind)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _copy(src, dst):
+    """``dst[:] = src`` for 1-D arrays of one length: a loop over 1-D views (2-D indexing with
+    an offset, ``rows[q, h + i]``, kept LLVM from turning it into a vector copy: a 64 KiB
+    allgather took 156 us at 2 ranks that way, MPICH's 18)."""
+    for i in range(src.shape[0]):
+        dst[i] = src[i]
+
+
+@njit(nogil=True, cache=True)
+def gather_rows(out, rows, h, order):
+    """``out[order[q], :] = rows[q, h : h + n]`` for every local row q (n = ``out.shape[1]``).
+    ``out``: (group size, n) uint8, C-contiguous, written; ``rows``: uint8, read only; ``order``:
+    int64, the group rank of each local row (on one node, every row of ``out`` is some row's)."""
+    n = out.shape[1]
+    for q in range(order.shape[0]):
+        _copy(rows[q, h:h + n], out[order[q]])
+
+
+@njit(nogil=True, cache=True)
+def oneshot_gather(src, out, rows, h, me, board, sig_col, sig, step, spins, order, collect):
+    """The whole allgather of this rank's ``src`` (1-D uint8, n bytes) into ``out`` ((group size,
+    n) uint8, written where ``collect``: every rank for an allgather, the root for a gather),
+    rows as in :func:`gather_rows`, the rest as in the module's layouts. Every rank publishes
+    its bytes with its signature, so a gather costs the root what an allgather does and the
+    others one copy."""
+    _copy(src, rows[me, h:h + src.shape[0]])
+    state = _meet(board, sig_col, me, sig, step, spins)
+    if state == -1 and collect:
+        gather_rows(out, rows, h, order)
+    return state
+
+
+@njit(nogil=True, cache=True)
+def copy_row(x, rows, h, q):
+    """``x[:] = rows[q, h : h + len(x)]``: a peer's published bytes. ``x``: 1-D uint8, written;
+    ``rows``: uint8, read only."""
+    _copy(rows[q, h:h + x.shape[0]], x)
+
+
+@njit(nogil=True, cache=True)
+def oneshot_broadcast(src, dst, rows, h, me, board, sig_col, sig, step, spins, root):
+    """The whole broadcast from local row ``root``: that rank publishes its ``src`` (1-D uint8,
+    read only) with its signature, the others only their signatures, and then copy the root's
+    row into their ``dst`` (1-D uint8, written). The root's ``dst`` and the others' ``src`` are
+    not touched (the root's message may be read-only: it is only read). Arguments as in
+    :func:`oneshot_gather`."""
+    if me == root:
+        _copy(src, rows[me, h:h + src.shape[0]])
+    state = _meet(board, sig_col, me, sig, step, spins)
+    if state == -1 and me != root:
+        copy_row(dst, rows, h, root)
+    return state

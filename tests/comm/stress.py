@@ -31,8 +31,8 @@ KIB, MIB = 1 << 10, 1 << 20
 # Bytes of float32 messages: each threshold of comm/group.py with its neighbours, odd lengths.
 SIZES = [0, 4, 28, 4 * KIB, 64 * KIB - 4, 64 * KIB, 64 * KIB + 4, 512 * KIB - 4, 512 * KIB + 4,
          MIB - 4, MIB, MIB + 4, 2 * MIB - 4, 2 * MIB, 2 * MIB + 4, 4 * 1_000_003, 16 * MIB + 12, 64 * MIB]
-OPS = ("allreduce", "allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter", "jit_allreduce",
-       "shared allreduce", "adasum")
+OPS = ("allreduce", "allreduce", "allreduce", "broadcast", "allgather", "gather", "reduce_scatter",
+       "jit_allreduce", "shared allreduce", "adasum")
 # In-place allreduces of pieces of a node-shared array (NOTE [shared arrays] in
 # comm/algorithms/shared.py): one slot per operation that can be in flight at once, each piece
 # at most this long.
@@ -43,7 +43,7 @@ _PATTERN_PERIOD = 13
 class _Expect:
     """One issued operation: its handle (or, when sync, its result), and what it must produce:
     ``wants[k]`` in ``targets[k]`` (the arrays reduced in place), or in the result itself when
-    ``targets`` is None."""
+    ``targets`` is None (a want of None: the result is None)."""
 
     def __init__(self, what: str, handle, targets: list | None, wants: list[np.ndarray]) -> None:
         self.what, self.handle, self.targets, self.wants = what, handle, targets, wants
@@ -69,7 +69,10 @@ def _numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def _same(got, want: np.ndarray, what: str) -> None:
+def _same(got, want: np.ndarray | None, what: str) -> None:
+    if want is None:  # a gather's result off its root
+        assert got is None, f"{what}: expected None off the root, got {type(got).__name__}"
+        return
     got = _numpy(got).reshape(-1).astype(want.dtype, copy=False)
     if not np.array_equal(got, want):
         bad = int(np.flatnonzero(got != want)[0])
@@ -90,7 +93,7 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
     for i in range(n_ops):
         kind = OPS[rng.integers(len(OPS))]
         nbytes = int(sizes[rng.integers(len(sizes))])
-        if kind == "allgather":
+        if kind in ("allgather", "gather"):
             nbytes = min(nbytes, 4 * MIB)  # p copies come back
         if kind == "shared allreduce":
             nbytes = min(nbytes, SHARED_SLOT_BYTES - 64)
@@ -126,6 +129,12 @@ def run(group: comm.Group, seed: int, n_ops: int, max_bytes: int = 64 * MIB, out
             x = _values(pattern, n, shift + r, dtype, as_torch)
             want = np.concatenate([pattern[:n] + np.float32(shift + q) for q in range(p)])
             expect = _Expect(what, comm.allgather(x, async_op=async_op, group=group), None, [want])
+        elif kind == "gather":
+            root = int(rng.integers(p))
+            x = _values(pattern, n, shift + r, dtype, as_torch)
+            want = np.concatenate([pattern[:n] + np.float32(shift + q) for q in range(p)])
+            expect = _Expect(what, comm.gather(x, root, async_op=async_op, group=group), None,
+                             [want if r == root else None])
         elif kind == "reduce_scatter":
             x = _values(pattern, n, shift + r, dtype, as_torch)
             want = np.array_split(everyone, p)[r]

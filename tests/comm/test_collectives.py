@@ -193,6 +193,110 @@ def test_latency_path_and_general_path_mix_across_ranks(world):
     assert np.all(y == p)
 
 
+@pytest.mark.mpi(ranks=(2, 4), timeout=180, ci_ranks=(2,))
+def test_one_shot_copies_mix_latency_and_general_paths_in_a_loop(world):
+    # Sync allgathers, gathers and broadcasts of plain arrays up to half a row take the
+    # one-shot's latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py); a rank
+    # with async calls queued, a strided or bfloat16 operand, or async_op takes the general
+    # path, which must run the same one-shot: same signature, same board step, same row half.
+    g = world
+    r, p = g.rank, g.size
+    log = g.record_algorithms()
+    limit = oneshot.copy_limit(g.shm) // 8  # float64 elements
+    rng = np.random.default_rng(7)  # the same draws on every rank
+    for i in range(300):
+        n = int(rng.choice([0, 1, 5, 513, 4096, limit - 1, limit, limit + 1]))
+        root = int(rng.integers(p))
+        coll = ("allgather", "gather", "broadcast")[i % 3]
+        how = (i + r) % 4  # 0 numpy, 1 torch, 2 strided numpy, 3 async
+        base = np.arange(n, dtype=np.float64) + 1000 * r + i
+        x = base if how != 2 else np.repeat(base, 2)[::2]
+        if how == 1:
+            x = torch.from_numpy(base)
+        others = np.stack([np.arange(n, dtype=np.float64) + 1000 * q + i for q in range(p)])
+        if coll == "allgather":
+            h = comm.allgather(x, async_op=how == 3)
+            got = h.wait() if how == 3 else h
+            np.testing.assert_array_equal(np.asarray(got), others, err_msg=f"{i}: {coll} of {n}")
+            assert type(got) is type(x) and got.shape == (p, n)
+        elif coll == "gather":
+            h = comm.gather(x, root, async_op=how == 3)
+            got = h.wait() if how == 3 else h
+            if r == root:
+                np.testing.assert_array_equal(np.asarray(got), others, err_msg=f"{i}: {coll} of {n}")
+            else:
+                assert got is None
+        else:
+            h = comm.broadcast(x, root, async_op=how == 3)
+            got = h.wait() if how == 3 else h
+            assert got is x
+            np.testing.assert_array_equal(np.asarray(x), others[root], err_msg=f"{i}: {coll} of {n}")
+    # Every dtype comm moves, as bytes (NOTE [one-shot copies] 3), NumPy and torch alike.
+    for dtype in sorted(d.name for d in comm.DTYPES):
+        t = torch.arange(7 * r, 7 * r + 7).to(getattr(torch, dtype)).reshape(7, 1)
+        want = torch.stack([torch.arange(7 * q, 7 * q + 7).to(t.dtype).reshape(7, 1) for q in range(p)])
+        for x in ([t] if dtype == "bfloat16" else [t, t.numpy()]):
+            got = comm.allgather(x)
+            assert type(got) is type(x) and got.dtype == x.dtype, dtype
+            assert torch.equal(torch.as_tensor(got), want), dtype
+            y = x.clone() if dtype == "bfloat16" or type(x) is torch.Tensor else x.copy()
+            assert torch.equal(torch.as_tensor(comm.broadcast(y, p - 1)), want[p - 1]), dtype
+    ran = {(c, a) for c, a, _ in log}
+    assert {("allgather", "oneshot"), ("gather", "oneshot"), ("broadcast", "oneshot")} <= ran, ran
+    # Above half a row: the segment's chunks, or single-copy from its size.
+    assert {("allgather", "segment"), ("allgather", "single_copy")} & ran, ran
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=120, ci_ranks=(2,))
+def test_a_broadcast_reads_a_read_only_root_and_refuses_a_read_only_receiver_after_the_call(world):
+    # Regression: the one-shot broadcast's kernel took one array for both sides, so a read-only
+    # array on the root (only read there; the engine broadcasts such) failed to compile.
+    r, p = world.rank, world.size
+    for n in (1, 1000, oneshot.copy_limit(world.shm) // 4 + 10):  # the one-shot, then the segment
+        for async_op in (False, True):
+            x = np.full(n, 7.0 if r == 0 else -1.0, np.float32)
+            x.flags.writeable = r != 0
+            h = comm.broadcast(x, 0, async_op=async_op)
+            assert (h.wait() if async_op else h) is x and np.all(x == 7.0)
+    for n in (100, oneshot.copy_limit(world.shm) + 10):  # the one-shot, the segment's chunks
+        y = np.full(n, float(r), np.float32)
+        y.flags.writeable = r != 1  # rank 1 receives into a read-only array
+        if r == 1:
+            with pytest.raises(ValueError, match="read-only on rank 1"):
+                comm.broadcast(y, 0)
+        else:
+            comm.broadcast(y, 0)  # completes: rank 1 took part
+            assert np.all(y == 0)
+    z = np.full(10, float(r), np.float32)
+    comm.allreduce(z)
+    assert np.all(z == p * (p - 1) / 2)
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=120, ci_ranks=(2,))
+def test_a_one_shot_copy_met_by_another_algorithm_or_collective_is_a_mismatch(mpi_comm):
+    # Rank 1 publishes a one-shot allgather while the others' larger one stops at the segment's
+    # agreement; then a broadcast met by an allgather. Each raises on every rank, and every later
+    # call is exact (NOTE [row halves] 3 in comm/transports/shm.py).
+    g = comm.init(timeout=30)
+    r, p = g.rank, g.size
+    big = oneshot.copy_limit(g.shm) // 4 + 1000
+    for _ in range(3):
+        with pytest.raises(comm.CollectiveMismatchError, match="ranks called it differently"):
+            comm.allgather(np.ones(100 if r == 1 else big, np.float32))
+        with pytest.raises(comm.CollectiveMismatchError, match="allgather|broadcast"):
+            x = np.ones(64, np.float32)
+            comm.broadcast(x, 0) if r == 1 else comm.allgather(x)
+        for i in range(50):
+            got = comm.allgather(np.full(64, i + r, np.float32))
+            np.testing.assert_array_equal(got[:, 0], i + np.arange(p, dtype=np.float32))
+            x = np.full(64, i + r, np.float32)
+            comm.broadcast(x, p - 1)
+            assert np.all(x == i + p - 1)
+            y = np.full(64, i + r, np.float32)
+            comm.allreduce(y)
+            assert y[0] == p * i + p * (p - 1) / 2
+
+
 # make test-full (CI time); CI keeps the one-node mismatch tests at 2 ranks and the real 2x2
 # cluster tests (tests/testing).
 @pytest.mark.mpi(ranks=(4,), timeout=180, one_node=True)
@@ -629,6 +733,23 @@ def test_missing_rank_times_out_naming_it(mpi_comm):
         with pytest.raises(comm.CommError, match="unusable"):
             comm.allreduce(np.zeros(10))
     mpi_comm.Barrier()  # rank 1 skipped the collective; both meet again over plain MPI
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_missing_rank_in_a_one_shot_copy_times_out_naming_it(mpi_comm):
+    # The one-shot allgather, gather and broadcast wait on the board as the allreduce does: a
+    # rank that never comes is named within the timeout, sync or async (NOTE [one-shot copies]).
+    calls = {"allgather": lambda g: comm.allgather(np.zeros(10), group=g),
+             "gather": lambda g: comm.gather(np.zeros(10), 1, async_op=True, group=g).wait(),
+             "broadcast": lambda g: comm.broadcast(np.zeros(10), 1, group=g)}
+    for coll, call in calls.items():
+        g = comm.Group(mpi_comm.Dup(), 2.0)
+        if g.rank == 0:
+            with pytest.raises(comm.CollectiveTimeoutError, match="waiting for rank 1") as e:
+                call(g)
+            assert e.value.ranks == [1], coll
+        mpi_comm.Barrier()
+        g.close()
 
 
 @pytest.mark.mpi(ranks=(2,), timeout=120)

@@ -99,7 +99,9 @@ def test_every_collective_over_every_algorithm_that_can_run_it(mpi_comm):
             must = {("allreduce", "segment"), ("allreduce", "mpi"), ("allreduce", "ring"), ("reduce", "ring"),
                     ("scatter", "mpi")}
             if g.nnodes == 1:  # across nodes the segment runs hierarchically, for allreduce only
-                must |= {("allreduce", "oneshot"), ("broadcast", "segment"), ("reduce_scatter", "segment")}
+                must |= {("allreduce", "oneshot"), ("broadcast", "segment"), ("reduce_scatter", "segment"),
+                         ("allgather", "oneshot"), ("gather", "oneshot"), ("broadcast", "oneshot"),
+                         ("allgather", "segment")}
             elif g.uniform:
                 must.add(("allreduce", "oneshot_nodes"))
             if g.shm is not None and g.shm.peers is not None and (g.nnodes == 1 or g.uniform):

@@ -252,3 +252,86 @@ def test_collect_gathers_each_rows_own_part(p, n, part, case):
     covered = np.arange(n) < p * part  # beyond p parts nothing is any row's: left alone
     want = np.where(covered, _to_f32(want, kind) if case == "compressed" else want, dst)
     np.testing.assert_array_equal(dst, want)
+
+
+# -- the one-shot copies: allgather, gather, broadcast (NOTE [one-shot copies]) ----------------
+
+def _copy_call(p, me, n, half, seed, late=None, bad=None):
+    """Rows of ``p`` simulated ranks holding their n-byte messages at half ``half``, this rank's
+    row cleared (the kernel writes it), the peers arrived with the same signature (but ``late``
+    one step behind, ``bad`` with one word changed)."""
+    rng = np.random.default_rng(seed)
+    row_len = 2 * (n + 5)
+    h = half * (row_len // 2)
+    rows = rng.integers(0, 256, (p, row_len), dtype=np.uint8)
+    msgs = rows[:, h:h + n].copy()
+    rows[me] = 0
+    board = np.zeros((p, 64), np.int64)
+    sig = np.arange(WORDS, dtype=np.int64) + 3
+    _peers(p, me, 9, sig, board)
+    if late is not None:
+        board[late, 0] = 8
+    if bad is not None:
+        board[bad, SIG_COL + 4] += 1
+    return rows, h, msgs, board, sig
+
+
+@given(p=st.integers(1, 4), n=st.integers(0, 700), half=st.sampled_from([0, 1]), collect=st.booleans(),
+       data=st.data())
+def test_oneshot_gather_publishes_and_places_every_row_in_rank_order(p, n, half, collect, data):
+    me = data.draw(st.integers(0, p - 1))
+    order = np.array(data.draw(st.permutations(range(p))), np.int64)  # group rank of each local row
+    rows, h, msgs, board, sig = _copy_call(p, me, n, half, n * 13 + p)
+    out = np.full((p, n), 0xAB, np.uint8)
+    state = oneshot.oneshot_gather(msgs[me].copy(), out, rows, h, me, board, SIG_COL, sig, 9, 100, order,
+                                   collect)
+    assert state == -1
+    assert board[me, 0] == 9 and np.array_equal(board[me, SIG_COL:SIG_COL + WORDS], sig)
+    np.testing.assert_array_equal(rows[me, h:h + n], msgs[me])  # published for the peers
+    want = np.empty_like(out)
+    want[order] = msgs
+    np.testing.assert_array_equal(out, want if collect else np.full((p, n), 0xAB, np.uint8))
+
+
+@given(p=st.integers(1, 4), n=st.integers(0, 700), half=st.sampled_from([0, 1]), data=st.data())
+def test_oneshot_broadcast_copies_the_roots_row_and_only_the_root_publishes_data(p, n, half, data):
+    me, root = data.draw(st.integers(0, p - 1)), data.draw(st.integers(0, p - 1))
+    rows, h, msgs, board, sig = _copy_call(p, me, n, half, n * 7 + p)
+    src = msgs[me].copy()
+    src.flags.writeable = False  # the root only reads it
+    dst = np.full(n, 0xCD, np.uint8)
+    state = oneshot.oneshot_broadcast(src, dst, rows, h, me, board, SIG_COL, sig, 9, 100, root)
+    assert state == -1 and board[me, 0] == 9
+    np.testing.assert_array_equal(dst, msgs[root] if me != root else np.full(n, 0xCD, np.uint8))
+    np.testing.assert_array_equal(rows[me, h:h + n], msgs[me] if me == root else np.zeros(n, np.uint8))
+
+
+def test_oneshot_copies_report_a_mismatch_and_copy_nothing():
+    order = np.arange(3, dtype=np.int64)
+    rows, h, msgs, board, sig = _copy_call(3, 1, 40, 1, 1, bad=2)
+    out = np.zeros((3, 40), np.uint8)
+    assert oneshot.oneshot_gather(msgs[1].copy(), out, rows, h, 1, board, SIG_COL, sig, 9, 100, order,
+                                  True) == 2
+    assert not out.any()
+    rows, h, msgs, board, sig = _copy_call(3, 0, 40, 0, 2, bad=1)
+    x = msgs[0].copy()
+    assert oneshot.oneshot_broadcast(x, x, rows, h, 0, board, SIG_COL, sig, 9, 100, 2) == 1
+    np.testing.assert_array_equal(x, msgs[0])
+
+
+def test_oneshot_copies_wait_for_a_late_peer_then_finish():
+    order = np.array([2, 0, 1], np.int64)
+    rows, h, msgs, board, sig = _copy_call(3, 1, 33, 0, 3, late=0)
+    out = np.zeros((3, 33), np.uint8)
+    state = oneshot.oneshot_gather(msgs[1].copy(), out, rows, h, 1, board, SIG_COL, sig, 9, 50, order, True)
+    assert state == oneshot.WAITING and not out.any()
+    np.testing.assert_array_equal(rows[1, h:h + 33], msgs[1])  # arrived: published before waiting
+    board[0, 0] = 9
+    oneshot.gather_rows(out, rows, h, order)
+    np.testing.assert_array_equal(out[order], msgs)
+    rows, h, msgs, board, sig = _copy_call(3, 2, 33, 1, 4, late=1)
+    x = msgs[2].copy()
+    assert oneshot.oneshot_broadcast(x, x, rows, h, 2, board, SIG_COL, sig, 9, 50, 0) == oneshot.WAITING
+    np.testing.assert_array_equal(x, msgs[2])
+    oneshot.copy_row(x, rows, h, 0)
+    np.testing.assert_array_equal(x, msgs[0])

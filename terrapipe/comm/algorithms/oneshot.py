@@ -1,9 +1,33 @@
-"""The one-shot allreduce: a small allreduce and its agreement in one compiled call
+"""The one-shot collectives: a small collective and its agreement in one compiled call
 (kernels/oneshot.py) over the node's shared segment. Each rank publishes its data and signature
-together in its row (one board step), and every rank reduces the whole message from every row
-into a private scratch row, never into its own shared row, which the others are still reading.
-One barrier where the other algorithms pay two or more; each rank reads p x n bytes, so it wins
-for small messages only (NOTE [algorithm selection] 5 in comm/select.py).
+together in its row (one board step). In the allreduce every rank reduces the whole message
+from every row into a private scratch row, never into its own shared row, which the others are
+still reading: one barrier where the other algorithms pay two or more; each rank reads p x n
+bytes, so it wins for small messages only (NOTE [algorithm selection] 5 in comm/select.py).
+The allgather, the gather and the broadcast (:func:`gather_plan`, :func:`broadcast_plan`) only
+copy: every rank (the broadcast's root) publishes its bytes with its signature and the ranks
+that receive copy the rows out, one board step where the segment's way pays the agreement's
+and then its chunk's (NOTE [one-shot copies]).
+
+NOTE [one-shot copies]
+    1. What the segment's way of an allgather or broadcast costs a small message is its two
+       board steps (the agreement, then the chunk's barrier) and the Python around each, not
+       its bytes: at 2 ranks a 4 KiB allgather took 26 us that way and a broadcast 21, where
+       MPICH's took 4.1 and 2.8; the one-shot takes 7.3 and 5.3, and from 64 KiB to half a
+       row runs level with MPICH or ahead (``python -m benchmarks.allgather_broadcast``,
+       ``allgather_broadcast_n{2,4}_2026-12-04.json``).
+    2. So they take the allreduce's shape: the signature published with the data in one
+       board step, in one compiled call, a plan per signature holding everything but the
+       arrays (for the latency path, comm/select.py ``copy_small``, and the general path
+       alike, so ranks may mix the two).
+    3. They move bytes: every dtype is its uint8 view, one kernel for all.
+    4. Up to half a row (a message is one row half, NOTE [row halves] in
+       comm/transports/shm.py): the segment's single chunk, with one board step fewer and no
+       Python per chunk; larger ones take the segment's chunks (or single-copy, from
+       ``single_copy.MIN_BYTES``). Unlike the allreduce, no ``ONESHOT_READ_BYTES`` bound: an
+       allgather's rank reads p x n bytes whichever way it runs.
+    5. A gather's ranks all publish, as in the allgather; only its root copies out. A
+       broadcast's other ranks publish only their signatures.
 
 NOTE [symmetric completion]
     A rank must not do first-call work after a collective's meeting point that its peers skip.
@@ -24,7 +48,8 @@ from ...kernels import entry_point, oneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 
-__all__ = ["allreduce", "plan", "limit", "ONESHOT_READ_BYTES", "ONESHOT_SPINS"]
+__all__ = ["allreduce", "plan", "limit", "copy_limit", "gather_plan", "broadcast_plan",
+           "ONESHOT_READ_BYTES", "ONESHOT_SPINS"]
 
 # The one-shot allreduce (one barrier: data and signature published together, every rank reduces
 # the whole message) has each rank read p x n bytes; it beats MPICH's Allreduce and our other
@@ -40,6 +65,12 @@ def limit(shm) -> int:
     row (a message fits a row half, NOTE [row halves] in comm/transports/shm.py), and at most
     ``ONESHOT_READ_BYTES`` read per rank."""
     return min(shm.row_bytes // 2, ONESHOT_READ_BYTES // max(shm.local_size, 1))
+
+
+def copy_limit(shm) -> int:
+    """The largest allgather, gather or broadcast (bytes each rank contributes; the broadcast's
+    message) the one-shot takes on ``shm``'s node: half a row (NOTE [one-shot copies] 4)."""
+    return shm.row_bytes // 2
 
 
 def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int, coll: str,
@@ -122,4 +153,100 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
 
     call.in_place = in_place
     call.run = run
+    return call
+
+
+def _cached(shm, key: tuple, build):
+    plans = shm.plans
+    made = plans.get(key)
+    if made is None:
+        if len(plans) > 256:
+            plans.clear()
+        made = plans[key] = build()
+    return made
+
+
+def gather_plan(shm, coll: str, sig: np.ndarray, check, root: int = -1):
+    """The one-shot allgather (``root`` -1) or gather to group rank ``root`` (NOTE [one-shot
+    copies]): a function ``(src, out)``, ``src`` this rank's message as 1-D uint8 (n bytes),
+    ``out`` (group size, n) uint8, C-contiguous, written on every rank (allgather) or the root's
+    only (gather). ``sig``: the call's signature; ``check(sigs, ranks)`` raises on a mismatch.
+    One node only, n at most :func:`copy_limit`. One per signature, kept on the transport."""
+    return _cached(shm, ("gather", coll, root, sig.tobytes()),
+                   lambda: _build_gather(shm, coll, sig, check, root))
+
+
+def broadcast_plan(shm, sig: np.ndarray, check, root: int):
+    """The one-shot broadcast from group rank ``root`` (NOTE [one-shot copies]): a function
+    ``(x)``, ``x`` the message as 1-D uint8, read on the root (it may be read-only there) and
+    written in place on the others (where a read-only ``x`` takes part in the call and then
+    raises ValueError, so the peers complete it). Arguments as in :func:`gather_plan`."""
+    return _cached(shm, ("broadcast", root, sig.tobytes()), lambda: _build_broadcast(shm, sig, check, root))
+
+
+def _build_gather(shm, coll: str, sig: np.ndarray, check, root: int):
+    rows = shm.rows(np.uint8)
+    half = rows.shape[1] // 2
+    board, me = shm.board, shm.local_rank
+    table, timeout = board.table, shm.timeout
+    order = np.asarray(board.ranks, np.int64)
+    collect = root < 0 or shm.rank == root
+    compiled = {}
+
+    def call(src: np.ndarray, out: np.ndarray) -> None:
+        # src: the caller's bytes, C-contiguous, perhaps read-only; out: always a new array's
+        # (C-contiguous, writeable), so only src's writeability changes the kernels' types.
+        key = src.flags.writeable
+        fns = compiled.get(key)
+        if fns is None:  # both kernels, before this rank publishes (NOTE [symmetric completion])
+            args = (src, out, rows, 0, me, table, 1, sig, 1, ONESHOT_SPINS, order, collect)
+            fns = compiled[key] = (entry_point(oneshot.oneshot_gather, args),
+                                   entry_point(oneshot.gather_rows, (out, rows, 0, order)))
+        h = shm.next_half() * half
+        step, col = board.reserve()
+        state = fns[0](src, out, rows, h, me, table, col, sig, step, ONESHOT_SPINS, order, collect)
+        if state == oneshot.WAITING:
+            board.wait(step, timeout, coll)
+            state = ksync.rows_equal(board.sigs(step))
+            if state < 0 and collect:
+                fns[1](out, rows, h, order)
+        if state >= 0:
+            check(board.sigs(step), board.ranks)
+
+    return call
+
+
+def _build_broadcast(shm, sig: np.ndarray, check, root: int):
+    rows = shm.rows(np.uint8)
+    half = rows.shape[1] // 2
+    board, me = shm.board, shm.local_rank
+    table, timeout = board.table, shm.timeout
+    lroot = board.ranks.index(root)
+    nothing = np.empty(0, np.uint8)  # the side of the call a rank does not use
+    compiled = {}
+
+    def call(x: np.ndarray) -> None:
+        read_only = me != lroot and not x.flags.writeable
+        src, dst = (x, nothing) if me == lroot else (nothing, shm.private_row(np.uint8)[:x.shape[0]]
+                                                     if read_only else x)
+        key = (src.flags.writeable, dst.flags.writeable)  # both C-contiguous (see gather's)
+        fns = compiled.get(key)
+        if fns is None:  # NOTE [symmetric completion]
+            args = (src, dst, rows, 0, me, table, 1, sig, 1, ONESHOT_SPINS, lroot)
+            fns = compiled[key] = (entry_point(oneshot.oneshot_broadcast, args),
+                                   entry_point(oneshot.copy_row, (dst, rows, 0, lroot)))
+        h = shm.next_half() * half
+        step, col = board.reserve()
+        state = fns[0](src, dst, rows, h, me, table, col, sig, step, ONESHOT_SPINS, lroot)
+        if state == oneshot.WAITING:
+            board.wait(step, timeout, "broadcast")
+            state = ksync.rows_equal(board.sigs(step))
+            if state < 0 and me != lroot:
+                fns[1](dst, rows, h, lroot)
+        if state >= 0:
+            check(board.sigs(step), board.ranks)
+        if read_only:
+            raise ValueError(f"broadcast: x is read-only on rank {shm.rank}, which receives rank "
+                             f"{root}'s data (the peers completed the call)")
+
     return call

@@ -1,0 +1,168 @@
+"""Allgather, gather and broadcast on one node: terrapipe vs MPI (mpi4py + MPICH) vs
+torch.distributed over Gloo, in one run.
+
+    python -m benchmarks.allgather_broadcast -n 2 [--max-mib 8] [--rounds 5]
+
+Cases, interleaved per size (float32, every rank its own values; a broadcast's root rotates
+with the round):
+
+* ``comm``: ``comm.allgather(x)``, ``comm.gather(x, root)``, ``comm.broadcast(x, root)`` as
+  selected: up to half a row the one-shot (NOTE [one-shot copies] in
+  comm/algorithms/oneshot.py), larger ones the segment's chunks or single-copy;
+* ``segment``: the same calls pinned to the segment (``Group.use_algorithm``): the agreement's
+  board step, then the chunk's, which is how they ran before the one-shot took them;
+* ``mpi``: ``Allgather`` / ``Gather`` / ``Bcast`` on MPI.COMM_WORLD (MPICH's shared-memory
+  collectives), into buffers made once;
+* ``gloo``: ``dist.all_gather_single`` (``all_gather_into_tensor``) / ``dist.gather`` /
+  ``dist.broadcast`` over Gloo, what a torch.distributed user on CPUs has.
+
+``comm``'s allgather and gather allocate their result per call (their API returns a new array);
+MPI's and Gloo's write buffers allocated once. A sample is the slowest rank's mean over the
+round's calls; reported: medians and the median of each round's ratio to ``comm`` (drift
+between rounds cancels out of those). The floor: an allgather's rank reads p x n bytes and a
+broadcast's n, so from a few hundred KiB they run at the speed of copying memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import statistics
+
+from .common import (
+    format_table,
+    interleave_ranks,
+    rank_sweep_args,
+    report_from_rank0,
+    save,
+    sweep_over_ranks,
+)
+
+COLLS = ("allgather", "gather", "broadcast")
+WAYS = ("comm", "segment", "mpi", "gloo")
+CASES = tuple(f"{c} {w}" for c in COLLS for w in WAYS)
+SIZES = (64, 4 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20, 8 << 20)
+
+
+def _worker(max_mib: int, rounds: int) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import terrapipe.comm as comm
+
+    comm.init()
+    mpi = MPI.COMM_WORLD
+    rank, p = mpi.rank, mpi.size
+    port = None
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = mpi.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
+    # all_gather_into_tensor's new name (the old one warns)
+    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    pinned = comm.Group(mpi.Dup(), 300.0)  # the segment's way, pinned for every copy
+    for c in COLLS:
+        pinned.use_algorithm(c, "segment")
+    results = {}
+    root = [0]  # the current root, rotated between rounds alike on every rank
+    for nbytes in [s for s in SIZES if s <= max_mib << 20]:
+        x = np.full(nbytes // 4, rank + 1, np.float32)
+        t = torch.from_numpy(x)
+        out = np.empty((p, x.size), np.float32)
+        tout = torch.from_numpy(out)
+        flat_out = tout.view(-1)
+        touts = list(tout.unbind(0))
+        steps = max(20, min(1000, (64 << 20) // (nbytes * p)))
+
+        def mine():
+            return rank == root[0]
+
+        calls = {
+            "allgather comm": lambda x=x: comm.allgather(x),
+            "allgather segment": lambda x=x: comm.allgather(x, group=pinned),
+            "allgather mpi": lambda x=x, out=out: mpi.Allgather(x, out),
+            "allgather gloo": lambda t=t, flat=flat_out: gather_into(flat, t),
+            "gather comm": lambda x=x: comm.gather(x, root[0]),
+            "gather segment": lambda x=x: comm.gather(x, root[0], group=pinned),
+            "gather mpi": lambda x=x, out=out: mpi.Gather(x, out if mine() else None, root=root[0]),
+            "gather gloo": lambda t=t, outs=touts: dist.gather(t, outs if mine() else None, dst=root[0]),
+            "broadcast comm": lambda x=x: comm.broadcast(x, root[0]),
+            "broadcast segment": lambda x=x: comm.broadcast(x, root[0], group=pinned),
+            "broadcast mpi": lambda x=x: mpi.Bcast(x, root=root[0]),
+            "broadcast gloo": lambda t=t: dist.broadcast(t, src=root[0]),
+        }
+
+        def step(case, calls=calls):
+            calls[case]()
+
+        for c in CASES:  # warm-up: compiles, connects
+            step(c)
+
+        def around(case):
+            root[0] = (root[0] + 1) % p
+            return contextlib.nullcontext()
+
+        results[nbytes] = interleave_ranks(step, CASES, rounds, steps, mpi, around)
+    pinned.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        report_from_rank0({"p": p, "samples": {str(k): v for k, v in results.items()}})
+
+
+def _label(nbytes: int) -> str:
+    if nbytes >= 1 << 20:
+        return f"{nbytes >> 20} MiB"
+    return f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 else f"{nbytes} B"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = rank_sweep_args(__doc__, argv)
+    data = sweep_over_ranks("benchmarks.allgather_broadcast", args, _worker)
+    if data is None:
+        return
+    table, rows = {}, []
+    for size, samples in data["samples"].items():
+        med = {c: statistics.median(v) for c, v in samples.items()}
+        ratios = {}
+        for coll in COLLS:
+            ours = samples[f"{coll} comm"]
+            for way in WAYS[1:]:
+                theirs = samples[f"{coll} {way}"]
+                per_round = (o / a for a, o in zip(ours, theirs, strict=True))
+                ratios[f"{coll} {way}/comm"] = statistics.median(per_round)
+        table[size] = {"median_s": med, "ratios_per_round_median": ratios}
+        for coll in COLLS:
+            rows.append([_label(int(size)), coll] + [f"{1e6 * med[f'{coll} {w}']:.1f}" for w in WAYS]
+                        + [f"{ratios[f'{coll} {w}/comm']:.2f}" for w in WAYS[1:]])
+    print(f"\n{data['p']} ranks on one node, float32, median of {args.rounds} interleaved rounds")
+    print(format_table(["size", "collective"] + [f"{w} us" for w in WAYS] + [f"{w}/comm" for w in WAYS[1:]],
+                       rows))
+    result = {"ranks": data["p"], "sizes": table, "samples_s": data["samples"]}
+
+    def plot():
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(COLLS), figsize=(11, 3.5), sharey=True)
+        xs = [int(s) for s in table]
+        for ax, coll in zip(axes, COLLS, strict=True):
+            for way in WAYS:
+                us = [1e6 * table[s]["median_s"][f"{coll} {way}"] for s in table]
+                ax.plot(xs, us, marker="o", label=way)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("bytes a rank sends")
+            ax.set_title(f"{coll}, {data['p']} ranks")
+        axes[0].set_ylabel("us per call")
+        axes[0].legend()
+        return fig
+
+    for f in save(f"allgather_broadcast_n{data['p']}", result, plot):
+        print(f"wrote {f}")
+
+
+if __name__ == "__main__":
+    main()
