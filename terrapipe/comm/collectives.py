@@ -365,7 +365,7 @@ def allgather(x, *, async_op: bool = False, group: Group | None = None):
     if not async_op:  # the latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py)
         arr = plain_array(x)
         if arr is not None:
-            out = select.gather_small(g, arr, _stacked(x, arr, g.size))
+            out = select.gather_small(g, arr, _maker(x, arr))
             if out is not None:
                 return out
 
@@ -387,7 +387,7 @@ def gather(x, root: int = 0, *, async_op: bool = False, group: Group | None = No
     if not async_op:  # the latency path, as allgather's
         arr = plain_array(x)
         if arr is not None:
-            out = select.gather_small(g, arr, _stacked(x, arr, g.size), root)
+            out = select.gather_small(g, arr, _maker(x, arr), root)
             if out is not None:
                 return out if g.rank == root else None
     buf = Buffer(x, "x")
@@ -438,6 +438,12 @@ def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group |
     parts split as ``np.array_split`` (sizes need not divide evenly)."""
     g = _g(group)
     code = kreduce.op_code(op)
+    if not async_op:  # the latency path (NOTE [one-shot copies] 6 in comm/algorithms/oneshot.py)
+        arr = plain_array(x)
+        if arr is not None:
+            out = select.reduce_scatter_small(g, arr, code, _maker(x, arr))
+            if out is not None:
+                return out
     buf = Buffer(x, "x")
     q, r = divmod(buf.size, g.size)
     n = q + (1 if g.rank < r else 0)
@@ -646,17 +652,18 @@ def _torch_dtype_name(t) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _stacked(x, arr: np.ndarray, n: int):
-    """``make_out`` for select.gather_small: a new (n, *x.shape) array of ``x``'s type (a CPU
-    tensor for a tensor) and its NumPy view, made only once the latency path takes the call."""
+def _maker(x, arr: np.ndarray):
+    """``make_out`` for the latency paths of select (gather_small, reduce_scatter_small):
+    ``make_out(shape)`` is a new array of ``x``'s type and dtype (a CPU tensor for a tensor)
+    and its NumPy view, made only once the latency path takes the call."""
     if type(x) is np.ndarray:
-        def array():
-            a = np.empty((n, *arr.shape), arr.dtype)
+        def array(shape: tuple):
+            a = np.empty(shape, arr.dtype)
             return a, a
         return array
 
-    def tensor():
-        t = sys.modules["torch"].empty((n, *arr.shape), dtype=x.dtype)
+    def tensor(shape: tuple):
+        t = sys.modules["torch"].empty(shape, dtype=x.dtype)
         return t, t.numpy()
     return tensor
 

@@ -69,9 +69,9 @@ NOTE [algorithm selection]
     5. On one node, an allreduce of at most ``oneshot.limit`` bytes is the one-shot: one
        barrier, signature and data together, each rank reading p x n bytes, kept within 4 MiB
        (2 MiB messages at 2 ranks, 1 MiB at 4: ``oneshot.ONESHOT_READ_BYTES``), where it beats
-       MPICH's Allreduce here (1.2-2x). So are an allgather, a gather and a broadcast of at most
-       half a row (``oneshot.copy_limit``; NOTE [one-shot copies] in
-       comm/algorithms/oneshot.py), below single-copy's sizes (7).
+       MPICH's Allreduce here (1.2-2x). So are an allgather, a gather, a broadcast and a
+       reduce-scatter of at most half a row (``oneshot.half_row_limit``; NOTE [one-shot copies]
+       in comm/algorithms/oneshot.py), below single-copy's sizes (7).
     6. An allreduce in place on a piece of a shared array (``Group.shared_array``; NOTE
        [shared arrays] in comm/algorithms/shared.py) takes the shared algorithm from
        ``shared.SHARED_MIN_BYTES`` (512 KiB), before the one-shot, sync (the latency path
@@ -122,12 +122,15 @@ from .errors import CommError
 from .message import NO_GATE, Fused
 
 __all__ = ["Request", "Candidate", "CANDIDATES", "ALGORITHMS", "select", "able", "allreduce_views",
-           "allreduce_small", "gather_small", "broadcast_small", "broadcast", "allgather",
+           "allreduce_small", "gather_small", "broadcast_small", "reduce_scatter_small", "broadcast",
+           "allgather",
            "scatter", "reduce_scatter", "reduce", "barrier",
            "send", "recv", "code_of", "name_of"]
 
 _REDUCING = frozenset({"allreduce", "reduce"})
-_COPIES = frozenset({"allgather", "gather", "broadcast"})  # the one-shot copies (NOTE [one-shot copies])
+# The one-shots of messages up to half a row: the copies and the reduce-scatter (NOTE [one-shot
+# copies] in comm/algorithms/oneshot.py).
+_HALF_ROW = frozenset({"allgather", "gather", "broadcast", "reduce_scatter"})
 _ALL = frozenset({"allreduce", "reduce", "broadcast", "allgather", "gather", "scatter", "reduce_scatter",
                   "barrier"})
 
@@ -189,7 +192,7 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
     Algorithm("single_copy", 6, lambda g, r: _reads_peers(g, r)),
     Algorithm("oneshot", 7, lambda g, r: _one_node_shm(g, r) and (
         (r.coll == "allreduce" and r.nbytes <= oneshot.limit(g.shm))
-        or (r.coll in _COPIES and r.nbytes <= oneshot.copy_limit(g.shm)))),
+        or (r.coll in _HALF_ROW and r.nbytes <= oneshot.half_row_limit(g.shm)))),
     Algorithm("segment", 8, lambda g, r: (
         g.shm is not None and (g.nnodes == 1 or (r.coll in _REDUCING and g.uniform)) and r.coll in _ALL)),
     Algorithm("tcp", 10, lambda g, r: r.coll in _REDUCING and _whole_ring(g) is not None),
@@ -643,9 +646,9 @@ _U8 = np.dtype(np.uint8)  # the one-shot copies' view of every dtype (NOTE [one-
 
 def gather_small(g, x: np.ndarray, make_out, root: int = -1):
     """The latency path of a sync allgather (``root`` -1) or gather of ``x`` on ``g``: the
-    result made by ``make_out()`` (a (size, *x.shape) array of x's dtype, or a tensor and its
-    NumPy view: ``(result, view)``), filled where this rank receives it, once done here; None
-    when ``x`` does not qualify and nothing ran (the caller takes the general path).
+    result made by ``make_out((size, *x.shape))`` (a new array of x's dtype, or a tensor, and
+    its NumPy view: ``(result, view)``), filled where this rank receives it, once done here;
+    None when ``x`` does not qualify and nothing ran (the caller takes the general path).
     Qualifies: a C-contiguous array of a dtype comm moves that the one-shot takes, with no
     async collective pending (NOTE [one-shot copies] in comm/algorithms/oneshot.py)."""
     coll = "gather" if root >= 0 else "allgather"
@@ -653,7 +656,7 @@ def gather_small(g, x: np.ndarray, make_out, root: int = -1):
     if not plan or g.executor.pending or not x.flags.c_contiguous:
         return None
     call, request = plan
-    result, view = make_out()
+    result, view = make_out((g.size, *x.shape))
     src = (x if x.ndim == 1 else x.reshape(-1)).view(_U8)
     if view.ndim != 2:
         view = view.reshape(g.size, -1)
@@ -664,6 +667,59 @@ def gather_small(g, x: np.ndarray, make_out, root: int = -1):
     if g.algorithm_log is not None:
         _ran(g, request, "oneshot")
     return result
+
+
+def reduce_scatter_small(g, x: np.ndarray, op: int, make_out):
+    """The latency path of a sync reduce-scatter of ``x`` (op code ``op``) on ``g``: this rank's
+    part (np.array_split's) in ``make_out((part,))`` (as :func:`gather_small`'s), or None
+    when ``x`` does not qualify: a C-contiguous array of a reducible dtype that the one-shot
+    takes (NOTE [one-shot copies] 6 in comm/algorithms/oneshot.py), no async call pending."""
+    pin = g.pinned.get("reduce_scatter") if g.pinned else None
+    key = ("reduce_scatter", x.dtype, x.shape, op, pin)
+    entries = g.small_plans
+    plan = entries.get(key)
+    if plan is None:
+        if len(entries) > 1024:
+            entries.clear()
+        plan = entries[key] = _make_reduce_scatter_plan(g, x, op)
+    if not plan or g.executor.pending or not x.flags.c_contiguous:
+        return None
+    call, request, count, as16 = plan
+    result, view = make_out((count,))
+    src = x if x.ndim == 1 else x.reshape(-1)
+    if as16:
+        src, view = src.view(np.uint16), view.view(np.uint16)
+    if timeline.enabled():
+        call = _spanned(call, "reduce_scatter", x.nbytes, "oneshot")
+    if not g.executor.run_if_idle(call, src, view):
+        return None
+    if g.algorithm_log is not None:
+        _ran(g, request, "oneshot")
+    return result
+
+
+def _make_reduce_scatter_plan(g, x: np.ndarray, op: int):
+    """(the one-shot with this rank's part fixed, its request, the part's length, whether the
+    arrays go as uint16 bits), or False: the general path's call, signature included."""
+    name = dtype_name(x.dtype)
+    kind = F16 if name == "float16" else 0
+    request = Request("reduce_scatter", x.nbytes, kind)
+    if (g.size == 1 or name not in ("float32", "float64", "int32", "int64", "float16")
+            or select(g, request) != "oneshot"):
+        return False
+    lo, count = _part(x.size, g)
+    sig = g.signature_of("reduce_scatter", op, name, x.size, tuple(x.shape), -1, code_of("oneshot"))
+    rows_dtype = np.dtype(np.uint16) if kind else x.dtype
+    call = oneshot.plan(g.shm, rows_dtype, op, kind, "reduce_scatter", sig,
+                        functools.partial(g.mismatch, "reduce_scatter"), lo)
+    return call, request, count, bool(kind)
+
+
+def _part(n: int, g) -> tuple[int, int]:
+    """(first element, length) of this rank's part of ``n`` elements, as np.array_split makes
+    them (what comm.reduce_scatter returns)."""
+    q, extra = divmod(n, g.size)
+    return g.rank * q + min(g.rank, extra), q + (g.rank < extra)
 
 
 def broadcast_small(g, x: np.ndarray, root: int) -> bool:
@@ -807,7 +863,17 @@ def reduce_scatter(g, buf, out: np.ndarray, op: int) -> None:
     if g.size == 1:
         out[...] = buf.flat
         return
-    name = _agreed(g, "reduce_scatter", op, buf, -1, Request("reduce_scatter", buf.flat.nbytes, buf.kind))
+    r = Request("reduce_scatter", buf.flat.nbytes, buf.kind)
+    name = select(g, r)
+    if name == "oneshot":  # this rank's part of the one-shot allreduce (NOTE [one-shot copies] 6)
+        _ran(g, r, name)
+        flat = buf.flat
+        lo, _ = _part(flat.shape[0], g)
+        sig = g.signature("reduce_scatter", op, buf, -1, name)
+        oneshot.reduce_scatter(g.shm, flat, out, flat.dtype, op, buf.kind, sig,
+                               functools.partial(g.mismatch, "reduce_scatter"), lo)
+        return
+    name = _agreed(g, "reduce_scatter", op, buf, -1, r, name)
     if name == "single_copy":
         single_copy.reduce_scatter(g.shm, buf.flat, out, op)
     elif name == "segment":

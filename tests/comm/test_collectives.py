@@ -132,6 +132,40 @@ def test_reduce_scatter_uneven_sizes(world):
             np.testing.assert_allclose(_np(part), ref, rtol=_tol(dtype, "sum", p), atol=_tol(dtype, "sum", p))
 
 
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=180, ci_ranks=(2,))
+def test_one_shot_reduce_scatter_every_op_and_dtype_against_the_segment_and_numpy(world):
+    # NOTE [one-shot copies] 6: up to half a row a reduce-scatter is the one-shot allreduce with
+    # each rank reducing its own part; the segment's way (pinned on a duplicate) and NumPy must
+    # agree with it, for every op, dtype and uneven split, on both sides of the limit.
+    r, p = world.rank, world.size
+    segment_way = world.split(0)
+    segment_way.use_algorithm("reduce_scatter", "segment")
+    log = world.record_algorithms()
+    limit = oneshot.half_row_limit(world.shm)
+    for dtype in DTYPES:
+        itemsize = 2 if dtype in ("float16", "bfloat16") else np.dtype(dtype).itemsize
+        for n in (1, p - 1, p + 1, 999, limit // itemsize, limit // itemsize + 1):
+            for op in OPS:
+                del log[:]
+                got = comm.reduce_scatter(_data(r, n, dtype, seed=n), op)
+                want = comm.reduce_scatter(_data(r, n, dtype, seed=n), op, group=segment_way)
+                what = f"{op} of {n} {dtype}"
+                ran = [a for _, a, _ in log]
+                if n <= 999:
+                    assert ran == ["oneshot"], what
+                elif n * itemsize > limit:  # above it single-copy takes private arrays, from 1 MiB
+                    assert ran in (["segment"], ["single_copy"]), what
+                assert len(got) == len(np.array_split(np.empty(n), p)[r]), what
+                if dtype.startswith("int"):
+                    np.testing.assert_array_equal(_np(got), _np(want), err_msg=what)
+                else:
+                    ref = np.array_split(_reference(p, n, dtype, op, seed=n), p)[r]
+                    tol = _tol(dtype, op, p)
+                    np.testing.assert_allclose(_np(got), ref, rtol=tol, atol=tol, err_msg=what)
+                    np.testing.assert_allclose(_np(got), _np(want), rtol=tol, atol=tol, err_msg=what)
+    segment_way.close()
+
+
 @pytest.mark.mpi(ranks=(1, 2, 4), timeout=180)
 def test_jit_allreduce_mixed_shapes_dtypes_and_compression(world):
     r, p = comm.rank(), comm.size()
@@ -193,21 +227,21 @@ def test_latency_path_and_general_path_mix_across_ranks(world):
     assert np.all(y == p)
 
 
-@pytest.mark.mpi(ranks=(2, 4), timeout=180, ci_ranks=(2,))
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=180, ci_ranks=(2,))
 def test_one_shot_copies_mix_latency_and_general_paths_in_a_loop(world):
-    # Sync allgathers, gathers and broadcasts of plain arrays up to half a row take the
-    # one-shot's latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py); a rank
+    # Sync allgathers, gathers, broadcasts and reduce-scatters of plain arrays up to half a row
+    # take the one-shot's latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py); a rank
     # with async calls queued, a strided or bfloat16 operand, or async_op takes the general
     # path, which must run the same one-shot: same signature, same board step, same row half.
     g = world
     r, p = g.rank, g.size
     log = g.record_algorithms()
-    limit = oneshot.copy_limit(g.shm) // 8  # float64 elements
+    limit = oneshot.half_row_limit(g.shm) // 8  # float64 elements
     rng = np.random.default_rng(7)  # the same draws on every rank
     for i in range(300):
         n = int(rng.choice([0, 1, 5, 513, 4096, limit - 1, limit, limit + 1]))
         root = int(rng.integers(p))
-        coll = ("allgather", "gather", "broadcast")[i % 3]
+        coll = ("allgather", "gather", "broadcast", "reduce_scatter")[i % 4]
         how = (i + r) % 4  # 0 numpy, 1 torch, 2 strided numpy, 3 async
         base = np.arange(n, dtype=np.float64) + 1000 * r + i
         x = base if how != 2 else np.repeat(base, 2)[::2]
@@ -226,11 +260,16 @@ def test_one_shot_copies_mix_latency_and_general_paths_in_a_loop(world):
                 np.testing.assert_array_equal(np.asarray(got), others, err_msg=f"{i}: {coll} of {n}")
             else:
                 assert got is None
-        else:
+        elif coll == "broadcast":
             h = comm.broadcast(x, root, async_op=how == 3)
             got = h.wait() if how == 3 else h
             assert got is x
             np.testing.assert_array_equal(np.asarray(x), others[root], err_msg=f"{i}: {coll} of {n}")
+        else:
+            h = comm.reduce_scatter(x, "sum", async_op=how == 3)
+            got = h.wait() if how == 3 else h
+            want = np.array_split(others.sum(0), p)[r]
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{i}: {coll} of {n}")
     # Every dtype comm moves, as bytes (NOTE [one-shot copies] 3), NumPy and torch alike.
     for dtype in sorted(d.name for d in comm.DTYPES):
         t = torch.arange(7 * r, 7 * r + 7).to(getattr(torch, dtype)).reshape(7, 1)
@@ -242,7 +281,8 @@ def test_one_shot_copies_mix_latency_and_general_paths_in_a_loop(world):
             y = x.clone() if dtype == "bfloat16" or type(x) is torch.Tensor else x.copy()
             assert torch.equal(torch.as_tensor(comm.broadcast(y, p - 1)), want[p - 1]), dtype
     ran = {(c, a) for c, a, _ in log}
-    assert {("allgather", "oneshot"), ("gather", "oneshot"), ("broadcast", "oneshot")} <= ran, ran
+    assert {("allgather", "oneshot"), ("gather", "oneshot"), ("broadcast", "oneshot"),
+            ("reduce_scatter", "oneshot")} <= ran, ran
     # Above half a row: the segment's chunks, or single-copy from its size.
     assert {("allgather", "segment"), ("allgather", "single_copy")} & ran, ran
 
@@ -252,13 +292,13 @@ def test_a_broadcast_reads_a_read_only_root_and_refuses_a_read_only_receiver_aft
     # Regression: the one-shot broadcast's kernel took one array for both sides, so a read-only
     # array on the root (only read there; the engine broadcasts such) failed to compile.
     r, p = world.rank, world.size
-    for n in (1, 1000, oneshot.copy_limit(world.shm) // 4 + 10):  # the one-shot, then the segment
+    for n in (1, 1000, oneshot.half_row_limit(world.shm) // 4 + 10):  # the one-shot, then the segment
         for async_op in (False, True):
             x = np.full(n, 7.0 if r == 0 else -1.0, np.float32)
             x.flags.writeable = r != 0
             h = comm.broadcast(x, 0, async_op=async_op)
             assert (h.wait() if async_op else h) is x and np.all(x == 7.0)
-    for n in (100, oneshot.copy_limit(world.shm) + 10):  # the one-shot, the segment's chunks
+    for n in (100, oneshot.half_row_limit(world.shm) + 10):  # the one-shot, the segment's chunks
         y = np.full(n, float(r), np.float32)
         y.flags.writeable = r != 1  # rank 1 receives into a read-only array
         if r == 1:
@@ -279,13 +319,16 @@ def test_a_one_shot_copy_met_by_another_algorithm_or_collective_is_a_mismatch(mp
     # call is exact (NOTE [row halves] 3 in comm/transports/shm.py).
     g = comm.init(timeout=30)
     r, p = g.rank, g.size
-    big = oneshot.copy_limit(g.shm) // 4 + 1000
+    big = oneshot.half_row_limit(g.shm) // 4 + 1000
     for _ in range(3):
         with pytest.raises(comm.CollectiveMismatchError, match="ranks called it differently"):
             comm.allgather(np.ones(100 if r == 1 else big, np.float32))
         with pytest.raises(comm.CollectiveMismatchError, match="allgather|broadcast"):
             x = np.ones(64, np.float32)
             comm.broadcast(x, 0) if r == 1 else comm.allgather(x)
+        with pytest.raises(comm.CollectiveMismatchError, match="reduce_scatter|allreduce"):
+            x = np.ones(64, np.float32)  # the same one-shot kernel, another collective
+            comm.reduce_scatter(x) if r == 1 else comm.allreduce(x)
         for i in range(50):
             got = comm.allgather(np.full(64, i + r, np.float32))
             np.testing.assert_array_equal(got[:, 0], i + np.arange(p, dtype=np.float32))

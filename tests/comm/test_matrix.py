@@ -75,7 +75,7 @@ def _check(coll: str, g, n: int, dtype: str, label: str) -> None:
                                       err_msg=what)
 
 
-@pytest.mark.mpi(ranks=(2, 4), timeout=600, ci_ranks=(2,))
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=600, ci_ranks=(2,))  # 3 and 4: make test-full
 def test_every_collective_over_every_algorithm_that_can_run_it(mpi_comm):
     world = comm.init(timeout=120)
     for label, g in stress.groups_under_test(world).items():
@@ -101,7 +101,7 @@ def test_every_collective_over_every_algorithm_that_can_run_it(mpi_comm):
             if g.nnodes == 1:  # across nodes the segment runs hierarchically, for allreduce only
                 must |= {("allreduce", "oneshot"), ("broadcast", "segment"), ("reduce_scatter", "segment"),
                          ("allgather", "oneshot"), ("gather", "oneshot"), ("broadcast", "oneshot"),
-                         ("allgather", "segment")}
+                         ("reduce_scatter", "oneshot"), ("allgather", "segment")}
             elif g.uniform:
                 must.add(("allreduce", "oneshot_nodes"))
             if g.shm is not None and g.shm.peers is not None and (g.nnodes == 1 or g.uniform):

@@ -12,10 +12,10 @@ and then its chunk's (NOTE [one-shot copies]).
 NOTE [one-shot copies]
     1. What the segment's way of an allgather or broadcast costs a small message is its two
        board steps (the agreement, then the chunk's barrier) and the Python around each, not
-       its bytes: at 2 ranks a 4 KiB allgather took 26 us that way and a broadcast 21, where
-       MPICH's took 4.1 and 2.8; the one-shot takes 7.3 and 5.3, and from 64 KiB to half a
-       row runs level with MPICH or ahead (``python -m benchmarks.allgather_broadcast``,
-       ``allgather_broadcast_n{2,4}_2026-12-04.json``).
+       its bytes: at 2 ranks a 4 KiB allgather took 30 us that way and a broadcast 22, where
+       MPICH's took 4.6 and 5.2; the one-shot takes 10.0 and 5.5, and from 64 KiB to half a
+       row runs level with MPICH or ahead (``python -m benchmarks.collectives``,
+       ``collectives_n{2,4}_2026-12-04.json``).
     2. So they take the allreduce's shape: the signature published with the data in one
        board step, in one compiled call, a plan per signature holding everything but the
        arrays (for the latency path, comm/select.py ``copy_small``, and the general path
@@ -28,6 +28,12 @@ NOTE [one-shot copies]
        allgather's rank reads p x n bytes whichever way it runs.
     5. A gather's ranks all publish, as in the allgather; only its root copies out. A
        broadcast's other ranks publish only their signatures.
+    6. A reduce-scatter of up to half a row is the allreduce's one-shot with each rank
+       reducing only its own part of the message (the kernel's ``lo``, as the one-shot across
+       nodes reduces a local rank's part): one board step where the segment's way paid the
+       agreement's and two per chunk (data in, parts reduced), and each rank reads p parts of
+       its length, n bytes in all. 16-bit floats are reduced in float32 in the kernel, where
+       the segment's way ran a whole allreduce for them.
 
 NOTE [symmetric completion]
     A rank must not do first-call work after a collective's meeting point that its peers skip.
@@ -48,7 +54,8 @@ from ...kernels import entry_point, oneshot
 from ...kernels import reduce as kreduce
 from ...kernels import sync as ksync
 
-__all__ = ["allreduce", "plan", "limit", "copy_limit", "gather_plan", "broadcast_plan",
+__all__ = ["allreduce", "reduce_scatter", "plan", "limit", "half_row_limit", "gather_plan",
+           "broadcast_plan",
            "ONESHOT_READ_BYTES", "ONESHOT_SPINS"]
 
 # The one-shot allreduce (one barrier: data and signature published together, every rank reduces
@@ -67,9 +74,10 @@ def limit(shm) -> int:
     return min(shm.row_bytes // 2, ONESHOT_READ_BYTES // max(shm.local_size, 1))
 
 
-def copy_limit(shm) -> int:
-    """The largest allgather, gather or broadcast (bytes each rank contributes; the broadcast's
-    message) the one-shot takes on ``shm``'s node: half a row (NOTE [one-shot copies] 4)."""
+def half_row_limit(shm) -> int:
+    """The largest allgather, gather, broadcast or reduce-scatter (bytes each rank contributes;
+    the broadcast's message) the one-shot takes on ``shm``'s node: half a row (NOTE [one-shot
+    copies] 4 and 6)."""
     return shm.row_bytes // 2
 
 
@@ -82,24 +90,36 @@ def allreduce(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, k
     plan(shm, dtype, op, kind, coll, sig, check)(src, dst)
 
 
-def plan(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check):
+def plan(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check, lo: int = 0):
     """:func:`allreduce` with everything but the arrays fixed: a function ``(src, dst)``, one per
     signature (kept on the transport for the general path and the latency path alike,
     comm/select.py), which calls the compiled overload directly once it knows the argument
     types (skipping Numba's per-call type dispatch). Its attributes split a call in two for
     the latency path, which keeps the first half's answer: ``in_place(x)``, how a call in place
-    on arrays like ``x`` runs, and ``run(src, dst, how)``, the call."""
+    on arrays like ``x`` runs, and ``run(src, dst, how)``, the call. ``lo``: ``dst`` receives
+    elements ``[lo, lo + len(dst))`` of the result only, the whole message still published
+    (the one-shot reduce-scatter: :func:`reduce_scatter`)."""
     plans = shm.plans
-    key = (dtype, op, kind, coll, sig.tobytes())
+    key = (dtype, op, kind, coll, sig.tobytes(), lo)
     made = plans.get(key)
     if made is None:
         if len(plans) > 256:
             plans.clear()
-        made = plans[key] = _build(shm, dtype, op, kind, coll, sig, check)
+        made = plans[key] = _build(shm, dtype, op, kind, coll, sig, check, lo)
     return made
 
 
-def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check):
+def reduce_scatter(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int,
+                   sig: np.ndarray, check, lo: int) -> None:
+    """``dst`` = elements ``[lo, lo + len(dst))`` of op over every local rank's ``src`` (this
+    rank's part of a reduce-scatter), with the agreement on ``sig``: every rank publishes its
+    whole message and reduces its own part of it, one board step, each rank reading p parts
+    of its length (NOTE [one-shot copies] 6). Arrays as in :func:`allreduce`, ``dst`` apart
+    from ``src``; the message at most :func:`half_row_limit` bytes."""
+    plan(shm, dtype, op, kind, "reduce_scatter", sig, check, lo)(src, dst)
+
+
+def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, check, lo: int):
     rows, scratch = shm.rows(dtype), shm.private_row(dtype)
     half = rows.shape[1] // 2
     board, me, acc = shm.board, shm.local_rank, shm.acc
@@ -142,12 +162,12 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         h = shm.next_half() * half
         step, col = board.reserve()
         state = fns[0](src, dst, rows, h, me, table, col, sig, step, op, divisor, kind, scratch, acc,
-                       ONESHOT_SPINS, 0)
+                       ONESHOT_SPINS, lo)
         if state == oneshot.WAITING:
             board.wait(step, timeout, coll)
             state = ksync.rows_equal(board.sigs(step))
             if state < 0:
-                fns[1](dst, rows, h, op, divisor, kind, scratch, acc)
+                fns[1](dst, rows, h + lo, op, divisor, kind, scratch, acc)
         if state >= 0:
             check(board.sigs(step), board.ranks)
 
@@ -171,7 +191,7 @@ def gather_plan(shm, coll: str, sig: np.ndarray, check, root: int = -1):
     copies]): a function ``(src, out)``, ``src`` this rank's message as 1-D uint8 (n bytes),
     ``out`` (group size, n) uint8, C-contiguous, written on every rank (allgather) or the root's
     only (gather). ``sig``: the call's signature; ``check(sigs, ranks)`` raises on a mismatch.
-    One node only, n at most :func:`copy_limit`. One per signature, kept on the transport."""
+    One node only, n at most :func:`half_row_limit`. One per signature, kept on the transport."""
     return _cached(shm, ("gather", coll, root, sig.tobytes()),
                    lambda: _build_gather(shm, coll, sig, check, root))
 

@@ -1,26 +1,30 @@
-"""Allgather, gather and broadcast on one node: terrapipe vs MPI (mpi4py + MPICH) vs
-torch.distributed over Gloo, in one run.
+"""The collectives besides allreduce on one node (allgather, gather, broadcast, reduce-scatter):
+terrapipe vs MPI (mpi4py + MPICH) vs torch.distributed over Gloo, in one run.
 
-    python -m benchmarks.allgather_broadcast -n 2 [--max-mib 8] [--rounds 5]
+    python -m benchmarks.collectives -n 2 [--max-mib 8] [--rounds 5]
 
-Cases, interleaved per size (float32, every rank its own values; a broadcast's root rotates
-with the round):
+Cases, interleaved per size (float32, every rank its own values; a gather's and a broadcast's
+root rotates from case to case, alike on every rank):
 
-* ``comm``: ``comm.allgather(x)``, ``comm.gather(x, root)``, ``comm.broadcast(x, root)`` as
-  selected: up to half a row the one-shot (NOTE [one-shot copies] in
-  comm/algorithms/oneshot.py), larger ones the segment's chunks or single-copy;
+* ``comm``: ``comm.allgather(x)``, ``comm.gather(x, root)``, ``comm.broadcast(x, root)``,
+  ``comm.reduce_scatter(x)`` as selected: up to half a row the one-shot (NOTE [one-shot
+  copies] in comm/algorithms/oneshot.py), larger ones the segment's chunks or single-copy;
 * ``segment``: the same calls pinned to the segment (``Group.use_algorithm``): the agreement's
-  board step, then the chunk's, which is how they ran before the one-shot took them;
-* ``mpi``: ``Allgather`` / ``Gather`` / ``Bcast`` on MPI.COMM_WORLD (MPICH's shared-memory
-  collectives), into buffers made once;
+  board step, then the chunk's (two for a reduce-scatter), which is how they ran before the
+  one-shot took them;
+* ``mpi``: ``Allgather`` / ``Gather`` / ``Bcast`` / ``Reduce_scatter`` on MPI.COMM_WORLD
+  (MPICH's shared-memory collectives), into buffers made once;
 * ``gloo``: ``dist.all_gather_single`` (``all_gather_into_tensor``) / ``dist.gather`` /
-  ``dist.broadcast`` over Gloo, what a torch.distributed user on CPUs has.
+  ``dist.broadcast`` / ``dist.reduce_scatter_single`` (``reduce_scatter_tensor``) over Gloo,
+  what a torch.distributed user on CPUs has.
 
-``comm``'s allgather and gather allocate their result per call (their API returns a new array);
-MPI's and Gloo's write buffers allocated once. A sample is the slowest rank's mean over the
-round's calls; reported: medians and the median of each round's ratio to ``comm`` (drift
-between rounds cancels out of those). The floor: an allgather's rank reads p x n bytes and a
-broadcast's n, so from a few hundred KiB they run at the speed of copying memory.
+A size is the bytes each rank sends (a reduce-scatter's whole message; Gloo's takes the first
+p x (n // p) elements). ``comm``'s results are new arrays per call (its API returns them);
+MPI's and Gloo's go to buffers made once. A sample is the slowest rank's mean over the round's
+calls; reported: medians and the median of each round's ratio to ``comm`` (drift between
+rounds cancels out of those). The floor: an allgather's rank reads p x n bytes, a broadcast's
+n and a reduce-scatter's n (its part of every rank's message), so from a few hundred KiB they
+run at the speed of copying memory.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from .common import (
     sweep_over_ranks,
 )
 
-COLLS = ("allgather", "gather", "broadcast")
+COLLS = ("allgather", "gather", "broadcast", "reduce_scatter")
 WAYS = ("comm", "segment", "mpi", "gloo")
 CASES = tuple(f"{c} {w}" for c in COLLS for w in WAYS)
 SIZES = (64, 4 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20, 8 << 20)
@@ -64,6 +68,7 @@ def _worker(max_mib: int, rounds: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     # all_gather_into_tensor's new name (the old one warns)
     gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     pinned = comm.Group(mpi.Dup(), 300.0)  # the segment's way, pinned for every copy
     for c in COLLS:
         pinned.use_algorithm(c, "segment")
@@ -76,6 +81,9 @@ def _worker(max_mib: int, rounds: int) -> None:
         tout = torch.from_numpy(out)
         flat_out = tout.view(-1)
         touts = list(tout.unbind(0))
+        counts = [len(c) for c in np.array_split(x, p)]  # comm.reduce_scatter's parts
+        part = np.empty(counts[rank], np.float32)
+        tpart, tfull = torch.empty(x.size // p), t[:p * (x.size // p)]  # Gloo's: equal parts
         steps = max(20, min(1000, (64 << 20) // (nbytes * p)))
 
         def mine():
@@ -94,6 +102,10 @@ def _worker(max_mib: int, rounds: int) -> None:
             "broadcast segment": lambda x=x: comm.broadcast(x, root[0], group=pinned),
             "broadcast mpi": lambda x=x: mpi.Bcast(x, root=root[0]),
             "broadcast gloo": lambda t=t: dist.broadcast(t, src=root[0]),
+            "reduce_scatter comm": lambda x=x: comm.reduce_scatter(x),
+            "reduce_scatter segment": lambda x=x: comm.reduce_scatter(x, group=pinned),
+            "reduce_scatter mpi": lambda x=x, part=part, counts=counts: mpi.Reduce_scatter(x, part, counts),
+            "reduce_scatter gloo": lambda t=tfull, tpart=tpart: scatter_into(tpart, t),
         }
 
         def step(case, calls=calls):
@@ -121,7 +133,7 @@ def _label(nbytes: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = rank_sweep_args(__doc__, argv)
-    data = sweep_over_ranks("benchmarks.allgather_broadcast", args, _worker)
+    data = sweep_over_ranks("benchmarks.collectives", args, _worker)
     if data is None:
         return
     table, rows = {}, []
@@ -146,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     def plot():
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(COLLS), figsize=(11, 3.5), sharey=True)
+        fig, axes = plt.subplots(1, len(COLLS), figsize=(14, 3.5), sharey=True)
         xs = [int(s) for s in table]
         for ax, coll in zip(axes, COLLS, strict=True):
             for way in WAYS:
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         axes[0].legend()
         return fig
 
-    for f in save(f"allgather_broadcast_n{data['p']}", result, plot):
+    for f in save(f"collectives_n{data['p']}", result, plot):
         print(f"wrote {f}")
 
 
