@@ -22,8 +22,8 @@ def world(mpi_comm):
     return comm.init(timeout=60)
 
 
-# 3 and 4: make test-full (CI time); 3, a rank count no power of two: the split's groups are
-# of 2 and 1, the halving of the shm's rows uneven, Adasum refused (the schedule swaps it out).
+# 3 and 4: make test-full (CI time). 3 is no power of two: the split's groups are of 2 ranks
+# and 1, parts of messages uneven, and Adasum refused (the schedule swaps it for an allreduce).
 @pytest.mark.mpi(ranks=(2, 3, 4), timeout=600, ci_ranks=(2,))
 def test_storm_over_world_split_and_duplicate(world):
     ran = 0
