@@ -247,6 +247,25 @@ def run_under_torchrun(module: str, nodes: int, per_node: int, link: str, worker
         return json.loads(out.read_text())
 
 
+def run_torchrun_here(module: str, per_node: int, worker_args: list[str], timeout: float) -> dict:
+    """Run ``python -m <module> --worker OUT <worker_args>`` as ``torchrun --standalone`` of
+    ``per_node`` ranks on this machine and return the JSON its rank 0 wrote to OUT (what
+    :func:`run_under_torchrun` does across an emulated cluster). Exits naming the exit code if
+    the run fails."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI"))}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={per_node}",
+               "-m", module, "--worker", str(out), *worker_args]
+        print(" ".join(cmd), flush=True)
+        code = subprocess.run(cmd, env=env, timeout=timeout).returncode
+        if code != 0 or not out.exists():
+            sys.exit(f"benchmark failed (exit code {code})")
+        return json.loads(out.read_text())
+
+
 def round_order(cases, k: int) -> list:
     """The order of round ``k`` of interleaved ``cases``: a permutation drawn from ``k`` alone, so
     the same on every rank and every run. A rotation (round k starting with case k) left every

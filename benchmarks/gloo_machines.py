@@ -2,6 +2,7 @@
 through the same group, and torch.distributed's all_reduce alone.
 
     python -m benchmarks.gloo_machines --cluster 2x2 --link 1gbit [--rounds 7]   # as root
+    python -m benchmarks.gloo_machines --cluster 1x2                              # one machine
 
 Starts an emulated cluster (``terrapipe.testing.cluster``) and one torchrun per node. Every
 rank's ``comm.init`` makes a group over Gloo that keeps each machine's shared memory (NOTE
@@ -15,7 +16,9 @@ agreement), and ``torch.distributed.all_reduce`` on the default group (Gloo's, n
 sample is the slowest rank's time per call over a batch. Reported: medians, the median
 per-round ratios of Gloo's own through the group and of torch's own to the selected path, and
 each case's share of the link's bound (a ring between nodes sends and receives 2(N-1)/N of the
-data over each node's link).
+data over each node's link). ``--cluster 1xK`` runs one ``torchrun --standalone`` of K ranks
+on this machine instead, no links: its group is the machine's segment (NOTE [machines over
+Gloo] 9), and "gloo (same group)" is what such a job's ``comm.allreduce`` ran before it was.
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import format_table, link_bits_per_second, round_order, run_under_torchrun, save
+from .common import (
+    format_table,
+    link_bits_per_second,
+    round_order,
+    run_torchrun_here,
+    run_under_torchrun,
+    save,
+)
 
 CASES = ("selected", "segment", "gloo (same group)", "dist.all_reduce")
 _PINNED = {"segment": "segment", "gloo (same group)": "gloo"}  # "selected": None, as comm chooses
@@ -42,7 +52,7 @@ def _worker(out: str, rounds: int, max_mib: int) -> None:
     import terrapipe.comm as comm
 
     g = comm.init(timeout=300)
-    if g.cross is None:
+    if g.shm is None or (g.cross is None and g.nnodes > 1):
         sys.exit(f"rank {g.rank}: no shared memory tier (nodes {g.nnodes}, local size {g.local_size})")
     sizes, b = [], 4 << 10
     while b <= max_mib << 20:
@@ -92,8 +102,11 @@ def main(argv: list[str] | None = None) -> None:
         _worker(args.worker, args.rounds, args.max_mib)
         return
     nodes, per_node = (int(v) for v in args.cluster.split("x"))
-    data = run_under_torchrun("benchmarks.gloo_machines", nodes, per_node, args.link,
-                              ["--rounds", str(args.rounds), "--max-mib", str(args.max_mib)], 1800)
+    worker_args = ["--rounds", str(args.rounds), "--max-mib", str(args.max_mib)]
+    if nodes == 1:
+        data = run_torchrun_here("benchmarks.gloo_machines", per_node, worker_args, 1800)
+    else:
+        data = run_under_torchrun("benchmarks.gloo_machines", nodes, per_node, args.link, worker_args, 1800)
     rate = link_bits_per_second(args.link)
     med = {c: {int(b): statistics.median(v) for b, v in s.items()} for c, s in data["samples"].items()}
     rows, records = [], []
@@ -102,20 +115,23 @@ def main(argv: list[str] | None = None) -> None:
                                                        data["samples"]["selected"][str(b)], strict=True))
 
     for b in sorted(med["selected"]):
-        bound = 2 * (nodes - 1) / nodes * b * 8 / rate
+        bound = 2 * (nodes - 1) / nodes * b * 8 / rate  # 0 on one machine: no link to bound it
         ratios = {c: over_selected(c, b) for c in CASES[1:]}
         rows.append([f"{b >> 10} KiB", *(f"{1e3 * med[c][b]:.3f}" for c in CASES),
                      *(f"{ratios[c]:.2f}x" for c in CASES[1:]),
-                     "/".join(f"{bound / med[c][b]:.0%}" for c in CASES)])
+                     "/".join(f"{bound / med[c][b]:.0%}" for c in CASES) if nodes > 1 else "-"])
         records.append({"bytes": b, "seconds": {c: med[c][b] for c in CASES},
                         "over_selected": ratios, "of_link_bound": {c: bound / med[c][b] for c in CASES},
                         "samples_s": {c: data["samples"][c][str(b)] for c in CASES}})
-    print(f"\n{nodes} emulated nodes x {per_node} ranks under torchrun, {args.link} links, float32 sum in "
-          f"place, median of {args.rounds} interleaved rounds (ms per call, slowest rank)")
+    where = (f"{nodes} emulated nodes x {per_node} ranks under torchrun, {args.link} links" if nodes > 1
+             else f"{per_node} ranks under torchrun --standalone on one machine")
+    print(f"\n{where}, float32 sum in place, median of {args.rounds} interleaved rounds (ms per call, "
+          f"slowest rank)")
     print(format_table(["size", *(f"{c} ms" for c in CASES), *(f"{c} / selected" for c in CASES[1:]),
                         "of link bound"], rows))
-    for f in save(f"gloo_machines_{nodes}x{per_node}_{args.link}",
-                  {"nodes": nodes, "ranks_per_node": per_node, "link": args.link, "records": records}):
+    link = args.link if nodes > 1 else None
+    for f in save(f"gloo_machines_{nodes}x{per_node}" + (f"_{link}" if link else "_one_machine"),
+                  {"nodes": nodes, "ranks_per_node": per_node, "link": link, "records": records}):
         print(f"wrote {f}")
 
 

@@ -23,7 +23,9 @@ NOTE [algorithm selection]
        comm/algorithms/staged_rows.py).
     2. Over Gloo (torchrun, or an elastic generation across machines) every collective is
        Gloo's own, except reductions where the group spans machines of as many ranks each (NOTE
-       [machines over Gloo] in comm/group.py). With two or more per machine those run as
+       [machines over Gloo] in comm/group.py), and everything where all its ranks are on one
+       machine: there the group has the machine's segment and takes the rows below as a group
+       over MPI on one node does (clause 9 of that NOTE). With two or more per machine those run as
        across nodes under MPI (4): an allreduce up to the one-shot's limit is the one-shot
        across nodes, its exchange around each local rank's ring of TCP streams among nnodes
        ranks (NOTE [a ring over TCP] in comm/transports/tcp.py; NOTE [one-shot across nodes]
@@ -249,7 +251,8 @@ def _machines_over_gloo(g, r: Request) -> str | None:  # 2
 
 
 def _under_torchrun(g, r: Request) -> str | None:  # 2
-    return "gloo" if g.gloo is not None else None
+    # On one machine the segment takes everything (NOTE [machines over Gloo] 9 in group.py).
+    return "gloo" if g.gloo is not None and not (g.shm is not None and g.nnodes == 1) else None
 
 
 def _flat_over_mpi(g, r: Request) -> str | None:  # 3

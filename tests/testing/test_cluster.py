@@ -277,7 +277,7 @@ TORCHRUN = textwrap.dedent("""
         y = np.full(70_000, r + 1.0, wide)
         comm.allreduce(y, group=sub)
         ok &= bool(np.all(y == sum(q + 1.0 for q in range(n) if color_of(q) == color_of(r))))
-        splits.append([sub.size, sub.nnodes, sub.local_size, sub.cross is not None])
+        splits.append([sub.size, sub.nnodes, sub.local_size, sub.cross is not None, sub.shm is not None])
     # NOTE [a ring's schedule in compiled code] 10: the halving threshold measured on these
     # links when the group was made is one number on every rank (else a rank halves where its
     # peer doubles)
@@ -323,9 +323,10 @@ def test_torchrun_per_node_crosses_the_same_links_with_shared_memory_on_each(tmp
              else [["allreduce", "oneshot_nodes"], ["allreduce", "tcp"], ["broadcast", "gloo"],
                    ["reduce", "tcp"]])
     assert all(d["paths"] == paths for d in reports), [d["paths"] for d in reports]
-    # [size, nnodes, local_size, joined by rings] of the whole world, q % 2 and q // 2
-    splits = ([[4, 2, 2, True], [2, 2, 1, True], [2, 1, 2, False]] if per_node > 1
-              else [[4, 4, 1, True], [2, 2, 1, True], [2, 2, 1, True]])
+    # [size, nnodes, local_size, joined by rings, a segment] of the whole world, q % 2 and q // 2
+    # (at 2x2 q // 2 is one machine's ranks: its segment alone, NOTE [machines over Gloo] 9)
+    splits = ([[4, 2, 2, True, True], [2, 2, 1, True, True], [2, 1, 2, False, True]] if per_node > 1
+              else [[4, 4, 1, True, True], [2, 2, 1, True, True], [2, 2, 1, True, True]])
     assert all(d["splits"] == splits for d in reports), reports
     halving = [d["halving"] for d in reports]
     assert halving == [halving[0]] * 4 and halving[0][0] == (nodes == 4), halving
