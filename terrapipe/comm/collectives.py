@@ -56,7 +56,9 @@ def init(backend: str = "auto", timeout: float = 300.0) -> Group:
     """Join the world (idempotent) and return it.
 
     Under ``mpiexec`` (or ``terrapipe run``) the world comes from mpi4py; under ``torchrun`` (or
-    SLURM with MASTER_ADDR) from torch.distributed over Gloo; a lone process needs nothing.
+    SLURM with MASTER_ADDR) from torch.distributed over Gloo, with each machine's shared memory
+    (NOTE [machines over Gloo] in comm/group.py; on one machine every collective takes it); a
+    lone process needs nothing.
     ``timeout``: seconds a collective waits for the other ranks before raising
     CollectiveTimeoutError. ``TERRAPIPE_NODE_SIZE=k`` groups ranks k per node (to emulate
     several nodes on one machine). ``backend`` (or ``TERRAPIPE_COMM_BACKEND``) "mpi" routes every
