@@ -103,14 +103,34 @@ def plan(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray, c
     on arrays like ``x`` runs, and ``run(src, dst, how)``, the call. ``lo``: ``dst`` receives
     elements ``[lo, lo + len(dst))`` of the result only, the whole message still published
     (the one-shot reduce-scatter: :func:`reduce_scatter`)."""
+    return _cached(shm, (dtype, op, kind, coll, sig.tobytes(), lo),
+                   lambda: _build(shm, dtype, op, kind, coll, sig, check, lo))
+
+
+def _cached(shm, key: tuple, build):
+    """The plan kept on ``shm`` under ``key``, made by ``build()`` the first time (at most a few
+    hundred kept: a job's calls have few distinct signatures)."""
     plans = shm.plans
-    key = (dtype, op, kind, coll, sig.tobytes(), lo)
     made = plans.get(key)
     if made is None:
         if len(plans) > 256:
             plans.clear()
-        made = plans[key] = _build(shm, dtype, op, kind, coll, sig, check, lo)
+        made = plans[key] = build()
     return made
+
+
+def _settle(board, state: int, step: int, timeout: float, coll: str, check) -> bool:
+    """After a one-shot's compiled call that did not return done (-1): ``state`` WAITING, a peer
+    was late (wait for it as every wait does, then compare the signatures), or the first row
+    whose signature differs (``check`` raises, naming every rank's call). True when the caller's
+    finishing kernel must still run: it waited, and every signature agrees."""
+    late = state == oneshot.WAITING
+    if late:
+        board.wait(step, timeout, coll)
+        state = ksync.rows_equal(board.sigs(step))
+    if state >= 0:
+        check(board.sigs(step), board.ranks)
+    return late
 
 
 def reduce_scatter(shm, src: np.ndarray, dst: np.ndarray, dtype: np.dtype, op: int, kind: int,
@@ -167,27 +187,12 @@ def _build(shm, dtype: np.dtype, op: int, kind: int, coll: str, sig: np.ndarray,
         step, col = board.reserve()
         state = fns[0](src, dst, rows, h, me, table, col, sig, step, op, divisor, kind, scratch, acc,
                        ONESHOT_SPINS, lo)
-        if state == oneshot.WAITING:
-            board.wait(step, timeout, coll)
-            state = ksync.rows_equal(board.sigs(step))
-            if state < 0:
-                fns[1](dst, rows, h + lo, op, divisor, kind, scratch, acc)
-        if state >= 0:
-            check(board.sigs(step), board.ranks)
+        if state != -1 and _settle(board, state, step, timeout, coll, check):
+            fns[1](dst, rows, h + lo, op, divisor, kind, scratch, acc)
 
     call.in_place = in_place
     call.run = run
     return call
-
-
-def _cached(shm, key: tuple, build):
-    plans = shm.plans
-    made = plans.get(key)
-    if made is None:
-        if len(plans) > 256:
-            plans.clear()
-        made = plans[key] = build()
-    return made
 
 
 def gather_plan(shm, coll: str, sig: np.ndarray, check, root: int = -1):
@@ -229,13 +234,8 @@ def _build_gather(shm, coll: str, sig: np.ndarray, check, root: int):
         h = shm.next_half() * half
         step, col = board.reserve()
         state = fns[0](src, out, rows, h, me, table, col, sig, step, ONESHOT_SPINS, order, collect)
-        if state == oneshot.WAITING:
-            board.wait(step, timeout, coll)
-            state = ksync.rows_equal(board.sigs(step))
-            if state < 0 and collect:
-                fns[1](out, rows, h, order)
-        if state >= 0:
-            check(board.sigs(step), board.ranks)
+        if state != -1 and _settle(board, state, step, timeout, coll, check) and collect:
+            fns[1](out, rows, h, order)
 
     return call
 
@@ -262,13 +262,8 @@ def _build_broadcast(shm, sig: np.ndarray, check, root: int):
         h = shm.next_half() * half
         step, col = board.reserve()
         state = fns[0](src, dst, rows, h, me, table, col, sig, step, ONESHOT_SPINS, lroot)
-        if state == oneshot.WAITING:
-            board.wait(step, timeout, "broadcast")
-            state = ksync.rows_equal(board.sigs(step))
-            if state < 0 and me != lroot:
-                fns[1](dst, rows, h, lroot)
-        if state >= 0:
-            check(board.sigs(step), board.ranks)
+        if state != -1 and _settle(board, state, step, timeout, "broadcast", check) and me != lroot:
+            fns[1](dst, rows, h, lroot)
         if read_only:
             raise ValueError(f"broadcast: x is read-only on rank {shm.rank}, which receives rank "
                              f"{root}'s data (the peers completed the call)")
