@@ -558,15 +558,11 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
     signature and step accounting as the general path, so ranks may mix the two."""
     # The signature's shape is part of the plan (the call's signature is made once, here).
     key = (x.dtype, x.shape, op, coll, ckind, g.pinned.get("allreduce") if g.pinned else None, sig_shape)
-    entries = g.small_plans
-    plan = entries.get(key)
+    plan = g.small_plans.get(key)
     if plan is None:
-        if len(entries) > 1024:
-            entries.clear()
-        plan = entries[key] = _small_plan(g, x.dtype, x.size, op, coll, ckind,
-                                          x.shape if sig_shape is None else sig_shape)
-    executor = g.executor
-    if not plan or executor.pending or not x.flags.c_contiguous:
+        plan = _keep_plan(g, key, _small_plan(g, x.dtype, x.size, op, coll, ckind,
+                                              x.shape if sig_shape is None else sig_shape))
+    if not plan or g.executor.pending or not x.flags.c_contiguous:
         return False
     if not ckind and _shared_may_take(g, x.nbytes) and g.shm.locate(x) is not None:
         return False  # the shared algorithm's, sync or async alike (NOTE [algorithm selection] 6)
@@ -574,10 +570,27 @@ def allreduce_small(g, x: np.ndarray, op: int, coll: str = "allreduce", ckind: i
     flat = x if x.ndim == 1 else x.reshape(-1)
     if as16:
         flat = flat.view(np.uint16)
-    # Every step here is paid per call by the smallest allreduces: no closure, one lock.
+    return _run_small(g, call, request, algorithm, coll, x.nbytes, flat, flat)
+
+
+def _keep_plan(g, key: tuple, plan):
+    """``plan`` kept on ``g`` for the latency paths' later calls like this one (False: such
+    calls do not take them), at most about a thousand kept."""
+    entries = g.small_plans
+    if len(entries) > 1024:
+        entries.clear()
+    entries[key] = plan
+    return plan
+
+
+def _run_small(g, call, request: Request, algorithm: str, coll: str, nbytes: int, *args) -> bool:
+    """A latency path's ``call(*args)`` in the caller's thread, when no async collective is
+    pending (False: nothing ran), spanned on the timeline and logged as the general path's
+    would be. Every step here is paid per call by the smallest collectives: no closure, one
+    lock."""
     if timeline.enabled():
-        call = _spanned(call, coll, x.nbytes, algorithm)
-    if not executor.run_if_idle(call, flat, flat):
+        call = _spanned(call, coll, nbytes, algorithm)
+    if not g.executor.run_if_idle(call, *args):
         return False
     if g.algorithm_log is not None:
         _ran(g, request, algorithm)
@@ -614,9 +627,9 @@ def small_lane(g, x: np.ndarray, op: int):
 
 
 def _spanned(call, coll: str, nbytes: int, algorithm: str):
-    def spanned(src, dst):
+    def spanned(*args):
         with timeline.span("comm", coll, args={"bytes": nbytes, "path": algorithm}):
-            call(src, dst)
+            call(*args)
 
     return spanned
 
@@ -663,13 +676,7 @@ def gather_small(g, x: np.ndarray, make_out, root: int = -1):
     src = (x if x.ndim == 1 else x.reshape(-1)).view(_U8)
     if view.ndim != 2:
         view = view.reshape(g.size, -1)
-    if timeline.enabled():
-        call = _spanned(call, coll, x.nbytes, "oneshot")
-    if not g.executor.run_if_idle(call, src, view.view(_U8)):
-        return None
-    if g.algorithm_log is not None:
-        _ran(g, request, "oneshot")
-    return result
+    return result if _run_small(g, call, request, "oneshot", coll, x.nbytes, src, view.view(_U8)) else None
 
 
 def reduce_scatter_small(g, x: np.ndarray, op: int, make_out):
@@ -679,12 +686,9 @@ def reduce_scatter_small(g, x: np.ndarray, op: int, make_out):
     takes (NOTE [one-shot copies] 6 in comm/algorithms/oneshot.py), no async call pending."""
     pin = g.pinned.get("reduce_scatter") if g.pinned else None
     key = ("reduce_scatter", x.dtype, x.shape, op, pin)
-    entries = g.small_plans
-    plan = entries.get(key)
+    plan = g.small_plans.get(key)
     if plan is None:
-        if len(entries) > 1024:
-            entries.clear()
-        plan = entries[key] = _make_reduce_scatter_plan(g, x, op)
+        plan = _keep_plan(g, key, _make_reduce_scatter_plan(g, x, op))
     if not plan or g.executor.pending or not x.flags.c_contiguous:
         return None
     call, request, count, as16 = plan
@@ -692,13 +696,7 @@ def reduce_scatter_small(g, x: np.ndarray, op: int, make_out):
     src = x if x.ndim == 1 else x.reshape(-1)
     if as16:
         src, view = src.view(np.uint16), view.view(np.uint16)
-    if timeline.enabled():
-        call = _spanned(call, "reduce_scatter", x.nbytes, "oneshot")
-    if not g.executor.run_if_idle(call, src, view):
-        return None
-    if g.algorithm_log is not None:
-        _ran(g, request, "oneshot")
-    return result
+    return result if _run_small(g, call, request, "oneshot", "reduce_scatter", x.nbytes, src, view) else None
 
 
 def _make_reduce_scatter_plan(g, x: np.ndarray, op: int):
@@ -734,21 +732,7 @@ def broadcast_small(g, x: np.ndarray, root: int) -> bool:
         return False
     call, request = plan
     flat = (x if x.ndim == 1 else x.reshape(-1)).view(_U8)
-    if timeline.enabled():
-        call = _spanned_one(call, x.nbytes)
-    if not g.executor.run_if_idle(call, flat):
-        return False
-    if g.algorithm_log is not None:
-        _ran(g, request, "oneshot")
-    return True
-
-
-def _spanned_one(call, nbytes: int):
-    def spanned(x):
-        with timeline.span("comm", "broadcast", args={"bytes": nbytes, "path": "oneshot"}):
-            call(x)
-
-    return spanned
+    return _run_small(g, call, request, "oneshot", "broadcast", x.nbytes, flat)
 
 
 def _copy_plan(g, coll: str, x: np.ndarray, root: int):
@@ -757,13 +741,8 @@ def _copy_plan(g, coll: str, x: np.ndarray, root: int):
     per (collective, dtype, shape, root, pin) and kept with the latency path's plans."""
     pin = g.pinned.get(coll) if g.pinned else None
     key = (coll, x.dtype, x.shape, root, pin)
-    entries = g.small_plans
-    plan = entries.get(key)
-    if plan is None:
-        if len(entries) > 1024:
-            entries.clear()
-        plan = entries[key] = _make_copy_plan(g, coll, x, root)
-    return plan
+    plan = g.small_plans.get(key)
+    return _keep_plan(g, key, _make_copy_plan(g, coll, x, root)) if plan is None else plan
 
 
 def _make_copy_plan(g, coll: str, x: np.ndarray, root: int):
