@@ -340,19 +340,17 @@ class Group:
         self.local_rank, self.local_size = same.index(self.rank), len(same)
         self.nnodes = len(names)
         self.uniform = len(set(collections.Counter(nodes).values())) == 1
-        if self.nnodes == 1 and self.size > 1:  # 9: one machine, its segment for everything
-            local = StoreComm(store, f"{prefix}/0", self.rank, self.size, self.timeout, abandon)
-            cores = set().union(*map(set, local.allgather(sorted(os.sched_getaffinity(0)))))
-            self.oversubscribed = self.size > len(cores)
-            self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout)
-            self.control = self.shm
-            return
-        if not Group.spans_machines_evenly(nodes):
+        one_machine = self.nnodes == 1 and self.size > 1
+        if not (one_machine or Group.spans_machines_evenly(nodes)):
             return
         local = StoreComm(store, f"{prefix}/{names.index(nodes[self.rank])}", self.local_rank,
                           self.local_size, self.timeout, abandon)
         cores = set().union(*map(set, local.allgather(sorted(os.sched_getaffinity(0)))))
         self.oversubscribed = self.local_size > len(cores)
+        if one_machine:  # 9: the machine's segment for everything, no ring
+            self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout)
+            self.control = self.shm
+            return
         # 2; 8: on machines of one rank each, one ring of them all
         _, self.cross = Group._cross_group(nodes, self.rank, store, prefix, self.timeout, abandon)
         self.shm = ShmTransport(local, self.rank, self.size, same, self.timeout, self.cross)
