@@ -79,7 +79,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_NODE_SIZE", "count", 0,
             "Group ranks k per node to emulate several nodes on one machine (0: by host)", "comm"),
     Setting("TERRAPIPE_WAIT", "choice", "sleep",
-            "How a rank waits for late peers: `sleep` (futex after a short spin) or `spin`", "comm",
+            "How a rank waits for late peers: `sleep` (after a short spin: on a futex in a node, in "
+            "`poll` on a TCP stream between machines) or `spin`", "comm",
             ("sleep", "spin")),
     Setting("TERRAPIPE_SHM_ROW_BYTES", "bytes", None,
             "Bytes of each rank's row of the node segment (default: 8 MiB / ranks, at least 1 MiB)",

@@ -606,7 +606,8 @@ def test_each_stream_gets_its_own_wake_threshold():
     for fd in (a.fileno(), b.fileno()):
         tcp_native.start(st, 0)
         until = time.monotonic_ns() + 2_000_000
-        code = tcp_native.advance(st, sends, recvs, fd, fd, buf.ctypes.data, 0, 1 << 18, until, cells, clock)
+        code = tcp_native.advance(st, sends, recvs, fd, fd, buf.ctypes.data, 0, 1 << 18, 0, until, cells,
+                                  clock)
         assert code == tcp_native.PENDING  # nothing sent: it waited in poll
     assert a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1000
     assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1000
@@ -614,3 +615,64 @@ def test_each_stream_gets_its_own_wake_threshold():
         c.close()
         s.close()
     server.close()
+
+
+@pytest.mark.mpi(ranks=(2,), timeout=120)
+def test_an_exchanges_wait_polls_before_it_sleeps_and_the_rings_sleeps_at_once(mpi_comm, monkeypatch):
+    # NOTE [a ring's schedule in compiled code] 11: rank 1 sends 4 KiB 20 ms after rank 0
+    # starts waiting. A wait run as an exchange polls for st[S_SPIN_NS] (here longer than
+    # the delay) and never sleeps in poll; the same wait run as a ring transfer sleeps at once;
+    # TERRAPIPE_WAIT=spin makes an exchange poll until each nap.
+    t = TcpTransport(mpi_comm, timeout=60, members=[0, 1], exchange=True)
+    ring = t.ring_comm
+    assert ring.st[tcp_native.S_SPIN_NS] == tcp_native.EXCHANGE_SPIN_NS
+    data = np.arange(4096, dtype=np.uint8)
+    ring.st[tcp_native.S_SPIN_NS] = 5_000_000_000
+    for exchange in (True, False, True, False):
+        mpi_comm.Barrier()
+        if mpi_comm.Get_rank() == 1:
+            time.sleep(0.02)
+            ring.right.setblocking(True)
+            ring.right.sendall(data)
+            ring.right.setblocking(False)
+            continue
+        got = np.zeros_like(data)
+        start = time.monotonic()
+        t._run(_receive_only(got.nbytes), got, "receiving", exchange=exchange)
+        np.testing.assert_array_equal(got, data)
+        assert time.monotonic() - start >= 0.015  # it did wait for the late peer
+        polls = int(ring.st[tcp_native.S_POLLS])
+        assert (polls == 0) if exchange else (polls >= 1), (exchange, polls)
+    mpi_comm.Barrier()
+    t.close()
+    monkeypatch.setenv("TERRAPIPE_WAIT", "spin")
+    spinning = TcpTransport(mpi_comm, timeout=60, members=[0, 1])
+    assert spinning.ring_comm.st[tcp_native.S_SPIN_NS] >= 10_000_000
+    spinning.close()
+
+
+@pytest.mark.mpi(ranks=(4,), timeout=300, ci_ranks=(4,))
+def test_recursive_doublings_waits_poll_for_the_streams_spin_before_sleeping(mpi_comm):
+    # NOTE [a ring's schedule in compiled code] 11 for the rounds of clause 9: rank 0 comes 20
+    # ms late, so ranks 2 and 3 wait for it (or for rank 1, which waits for it) in the last
+    # round. With the streams' spin longer than that they never sleep there; with none they
+    # do. Either way the sum is every rank's.
+    t = TcpTransport(mpi_comm, timeout=30, members=list(range(4)), exchange=True)
+    rank, p = t.rank, t.size
+    inbox, head = _inbox(t, 1, 256)
+    pair = np.zeros((2, -(-(p // 2 * head + 256) // 64) * 64), np.uint8)
+    st = t.ring_comm.st
+    for spin in (5_000_000_000, 0, 5_000_000_000, 0):
+        st[tcp_native.S_SPIN_NS] = spin
+        partial = inbox[rank, head:head + 256].view(np.float32)
+        partial[:] = rank + 1
+        inbox.view(np.int64)[rank, t.frame_word(head)] = head + 256
+        mpi_comm.Barrier()
+        if rank == 0:
+            time.sleep(0.02)
+        t._doubling("test", inbox, head, head + 256, pair, (partial, kreduce.SUM, 0))
+        assert np.all(partial == 10), partial
+        if rank >= 2:
+            polls = int(st[tcp_native.S_POLLS])
+            assert (polls == 0) if spin else (polls >= 1), (spin, polls)
+    t.close()

@@ -521,8 +521,8 @@ def _fused_tcp(src, dst, fx, h, step, col, lo, hi, whole, until_ns):
                                    fx.cells, fx.clock, False)
     else:
         tcp_native.start(st, fx.first)
-        code = tcp_native.advance(st, fx.sends, fx.recvs, fx.right, fx.left, fx.base, 0, fx.lowat, until_ns,
-                                  fx.cells, fx.clock)
+        code = tcp_native.advance(st, fx.sends, fx.recvs, fx.right, fx.left, fx.base, 0, fx.lowat,
+                                  st[tcp_native.S_SPIN_NS], until_ns, fx.cells, fx.clock)
     if code != tcp_native.DONE:
         return mpi_native.PENDING
     if not ksync.tables_agree(words, head // 8, TABLE_COLS, words[node, :TABLE_COLS - 1]):

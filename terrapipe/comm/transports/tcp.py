@@ -98,7 +98,7 @@ from ..message import NO_GATE, Fused, divide, reduce_flat
 from ..sockets import connect_ranks
 from . import tcp_native
 from .base import NodeTables
-from .board import TABLE_COLS
+from .board import TABLE_COLS, wait_mode
 
 __all__ = ["TcpTransport", "TcpRing"]
 
@@ -124,32 +124,40 @@ class TcpRing:
             sock.setblocking(False)
         self.fds = np.array([sock.fileno() for sock in self.partners], np.int64)
         self.round_sends, self.round_recvs = tcp_native.new_round_tables()
-        self.st, self.cells, self.clock = tcp_native.new_state()
+        # an exchange's waits poll a while before they sleep, or never sleep (TERRAPIPE_WAIT=spin:
+        # until each nap, when Python looks at the timeout): NOTE [a ring's schedule in compiled
+        # code] 11
+        spin = tcp_native.EXCHANGE_SPIN_NS if wait_mode() == "sleep" else _NAP_NS
+        self.st, self.cells, self.clock = tcp_native.new_state(spin)
         # Compiled (or loaded from Numba's cache) now, with the streams, not inside the first
         # collective's wait, where its seconds would count against the peers' timeout.
         self.run(tcp_native.allgather_schedule(0, size, rank), np.empty(0, np.uint8), np.empty(0, np.uint8),
                  time.monotonic_ns)
 
-    def run(self, schedule, base: np.ndarray, spare: np.ndarray, until_ns, reduce=None, resume=False) -> int:
+    def run(self, schedule, base: np.ndarray, spare: np.ndarray, until_ns, reduce=None, resume=False,
+            exchange: bool = False) -> int:
         """Run ``schedule`` ((sends, recvs, first) from tcp_native) over ``base`` (the message,
         C-contiguous; offsets in its bytes) with ``spare`` (uint8, the reduce-scatter's
         receives) until it is done (DONE) or fails (CLOSED_LEFT, CLOSED_RIGHT, STALLED,
         BAD_FRAME, the errno in ``st``). ``until_ns()``: the time (CLOCK_MONOTONIC ns) of the
         next look from Python, or None when the wait has run out (then PENDING). ``reduce(i)``:
         reduces receive i from ``spare`` into ``base`` (REDUCE). ``resume``: go on with the
-        schedule a compiled caller started (NOTE [a ring's schedule in compiled code] 8)."""
+        schedule a compiled caller started (NOTE [a ring's schedule in compiled code] 8).
+        ``exchange``: a transfer of a few rounds trips, whose waits poll ``st[S_SPIN_NS]``
+        before they sleep (clause 11 there); else they sleep at once."""
         sends, recvs, first = schedule
         st = self.st
         if not resume:
             tcp_native.start(st, first)
         right, left = self.right.fileno(), self.left.fileno()
         at, spare_at = base.ctypes.data, spare.ctypes.data
+        spin = int(st[tcp_native.S_SPIN_NS]) if exchange else 0
         while True:
             until = until_ns()
             if until is None:
                 return tcp_native.PENDING
-            code = tcp_native.advance(st, sends, recvs, right, left, at, spare_at, _LOWAT_BYTES, until,
-                                      self.cells, self.clock)
+            code = tcp_native.advance(st, sends, recvs, right, left, at, spare_at, _LOWAT_BYTES, spin,
+                                      until, self.cells, self.clock)
             if code == tcp_native.REDUCE:
                 reduce(int(st[tcp_native.S_RECEIVED]))
             elif code != tcp_native.PENDING:
@@ -229,12 +237,14 @@ class TcpTransport(NodeTables):
         return f"rank {rank} on {self.hosts[self.members.index(rank)]}"
 
     # -- running a schedule -------------------------------------------------------------------
-    def _run(self, schedule, base: np.ndarray, what: str, reduce=None, resume=False) -> None:
+    def _run(self, schedule, base: np.ndarray, what: str, reduce=None, resume=False,
+             exchange: bool = False) -> None:
         """Run ``schedule`` over ``base`` (NOTE [a ring's schedule in compiled code] in
         comm/transports/tcp_native.py), marked waiting afar while it lasts; raise
         CollectiveTimeoutError naming the peer waited for (its left neighbour while a receive is
         due, else its right one: NOTE [a ring over TCP] 5) after the timeout or at once when a
-        stream closed, CommError where this rank ended the streams."""
+        stream closed, CommError where this rank ended the streams. ``exchange``: as for
+        :meth:`TcpRing.run`."""
         ring = self.ring_comm
 
         def peers() -> tuple[int, int, int]:
@@ -242,7 +252,7 @@ class TcpTransport(NodeTables):
             return (left if ring.waiting_on_left(schedule[1]) else right), left, right
 
         def go(until_ns) -> int:
-            return ring.run(schedule, base, self.ring_scratch, until_ns, reduce, resume)
+            return ring.run(schedule, base, self.ring_scratch, until_ns, reduce, resume, exchange)
 
         self._drive(what, go, peers)
 
@@ -318,12 +328,14 @@ class TcpTransport(NodeTables):
     def allgather(self, flat: np.ndarray, out: np.ndarray) -> None:
         """``out[q]`` = rank q's ``flat`` (``out``: (size, n) C-contiguous, the same dtype),
         around the ring: at step s this rank forwards row (rank - s) and receives row
-        (rank - s - 1)."""
+        (rank - s - 1). Rows below ``ring_bytes`` are an exchange, whose waits poll before they
+        sleep (NOTE [a ring's schedule in compiled code] 11)."""
         p, r = self.size, self.rank
         out[r] = flat
         if p == 1:
             return
-        self._run(tcp_native.allgather_schedule(out[0].nbytes, p, r), out, "allgather between machines")
+        self._run(tcp_native.allgather_schedule(out[0].nbytes, p, r), out, "allgather between machines",
+                  exchange=out[0].nbytes < self.ring_bytes)
 
     def allreduce_array(self, buf: np.ndarray, op: int, kind: int, what: str) -> None:
         """In place on ``buf`` (1-D, C-contiguous; uint16 bits for ``kind``): op over every rank's
@@ -384,7 +396,8 @@ class TcpTransport(NodeTables):
         elif self.size > 1:
             schedule = tcp_native.framed_schedule(inbox.shape[1], head, frame * 8, self.size, self.rank)
             # the one-shot across nodes' compiled call may have started it (tcp_native clause 8)
-            self._run(schedule, inbox, coll, resume=tcp_native.under_way(self.ring_comm.st))
+            self._run(schedule, inbox, coll, resume=tcp_native.under_way(self.ring_comm.st),
+                      exchange=True)
         return words[:, frame].tolist()
 
     def _doubling(self, what: str, inbox: np.ndarray, head: int, nbytes: int, pair: np.ndarray,

@@ -19,9 +19,10 @@ NOTE [a ring's schedule in compiled code]
        A stream keeps its bytes in order, so that is all the matching there is: no tags, no
        requests (NOTE [a ring over TCP] 2 in comm/transports/tcp.py).
     3. How. :func:`advance` writes what the stream to the right takes and reads what the one
-       from the left holds, both non-blocking, and sleeps in ``poll`` on what it waits for,
-       until the schedule is done. A receive into the spare buffer that is complete hands back
-       to the caller (REDUCE, the receive's index in ``st``), who reduces it and calls again;
+       from the left holds, both non-blocking, and sleeps in ``poll`` on what it waits for
+       (an exchange polls a while first: clause 11), until the schedule is done. A receive
+       into the spare buffer that is complete hands back to the caller (REDUCE, the
+       receive's index in ``st``), who reduces it and calls again;
        it is compiled once, in bytes, not once per dtype (its reductions are the caller's
        kernels): a first run compiles it once per process, on every rank at once.
     4. Nothing in compiled code decides to give up. Past ``until_ns`` (the caller's nap) it
@@ -90,6 +91,21 @@ NOTE [a ring's schedule in compiled code]
        (AMD EPYC, 2 cores, pinned, interleaved), us whole / by halves: over 1gbit 16 KiB 269-276 /
        325-360, 32 KiB 538-545 / 408-432 (the links' bound by halves 393), 64 KiB 934-3771 /
        805-819 (786); over 10gbit 64 KiB 475 / 390.
+    11. An exchange's wait polls before it sleeps, as every wait on a peer does (NOTE [waiting
+       for a peer] 2-3 in comm/wait.py): for ``spin_ns`` from when nothing moved it asks
+       ``poll`` with no timeout, yielding the core between asks, and only then sleeps in it.
+       The exchanges (recursive doubling, the framed schedule of the agreement, an allgather
+       of rows below the ring's threshold) pass ``st[S_SPIN_NS]``, EXCHANGE_SPIN_NS unless
+       ``TERRAPIPE_WAIT=spin`` (then until each nap); the ring's large transfers pass 0: their
+       waits last milliseconds and they sleep at once, as clause 5 wants. A round trip of a
+       few KiB costs about its wire time; a rank that slept woke tens of microseconds after
+       its bytes were in, and an exchange pays that at every round: at 4 machines x 1 under
+       torchrun over 1gbit, interleaved (AMD EPYC, 2 cores, 2026-12-04), us, sleeping at
+       once / after 50 us / after 200 us: 4 KiB whole rounds 183 / 131 / 140, by halves 267 /
+       201 / 240; 16 KiB by halves 280 / 232 / 217, whole rounds 269-275 every way, which the
+       link bounds (``python -m benchmarks.exchange_wait``). The group's halving threshold,
+       measured with these waits, fell to 15.7 KiB, and a torchrun job's 16 KiB allreduce at
+       4 x 1 took 205 us against MPICH's 203 (277 against 219 before, docs/benchmarks.md).
 
 Why one module: the libc functions bound by name, the tables' layout and the compiled loop that
 reads them are one contract (the columns of the tables, the slots of ``st``); the transport
@@ -111,11 +127,12 @@ from ..message import segments
 from .board import TABLE_COLS
 from .mpi_native import halving_block
 
-__all__ = ["advance", "start", "under_way", "doubling", "new_round_tables", "ring_schedule",
-           "allgather_schedule", "framed_schedule", "new_state", "DONE", "PENDING", "REDUCE", "CLOSED_LEFT",
+__all__ = ["EXCHANGE_SPIN_NS", "advance", "start", "under_way", "doubling", "new_round_tables",
+           "ring_schedule", "allgather_schedule", "framed_schedule", "new_state", "DONE", "PENDING", "REDUCE",
+           "CLOSED_LEFT",
            "CLOSED_RIGHT", "STALLED", "BAD_FRAME", "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS", "S_OPEN",
-           "S_ROUND", "S_PHASE", "S_HALVING", "S_LOWAT", "S_LOWAT_FD", "W_OFFSET", "W_BYTES", "W_LEN_AT",
-           "N_W", "R_OFFSET", "R_BYTES", "R_REDUCE",
+           "S_ROUND", "S_PHASE", "S_HALVING", "S_SPIN_NS", "S_LOWAT", "S_LOWAT_FD", "W_OFFSET", "W_BYTES",
+           "W_LEN_AT", "N_W", "R_OFFSET", "R_BYTES", "R_REDUCE",
            "R_RELEASES", "R_AFTER_SEND", "R_LEN_AT", "R_LEN_LESS", "N_R", "N_ST"]
 
 DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
@@ -126,10 +143,11 @@ DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
 # tests), then, kept across schedules, SO_RCVLOWAT as last set and the stream it was set on
 # (clause 5), whether a schedule was started and has not run to its end (clause 8), the round
 # of a recursive doubling under way (its distance, 1, 2, 4, ...; 0: none) and its phase (0 the
-# tables' and the reduce-scatter's, 1 the allgather's), and the smallest payload that
-# recursive doubling reduce-scatters and allgathers (0: none; clause 10).
+# tables' and the reduce-scatter's, 1 the allgather's), the smallest payload that recursive
+# doubling reduce-scatters and allgathers (0: none; clause 10), and how long an exchange's
+# waits poll before they sleep (clause 11).
 S_SENT, S_SENT_BYTES, S_RECEIVED, S_RECEIVED_BYTES, S_MAY_SEND, S_HANDED, S_ERRNO, S_POLLS, S_LOWAT, \
-    S_LOWAT_FD, S_OPEN, S_ROUND, S_PHASE, S_HALVING, N_ST = range(15)
+    S_LOWAT_FD, S_OPEN, S_ROUND, S_PHASE, S_HALVING, S_SPIN_NS, N_ST = range(16)
 _PER_SCHEDULE = S_LOWAT  # slots [0, S_LOWAT) start over with each schedule
 
 # The sends' columns: offset, bytes, where its frame is (clause 7: -1, none; else the send's
@@ -155,6 +173,12 @@ _setsockopt = types.ExternalFunction("setsockopt", types.intc(types.intc, types.
                                                               types.uint32))
 _errno_location = types.ExternalFunction("__errno_location", types.uintp())
 _clock_gettime = types.ExternalFunction("clock_gettime", types.intc(types.intc, types.uintp))
+_sched_yield = types.ExternalFunction("sched_yield", types.intc())
+
+# How long a wait of an exchange polls, yielding the core between polls, before it sleeps in
+# ``poll`` (clause 11; ``st[S_SPIN_NS]``, which the streams' owner sets): longer than a 16 KiB
+# round's wire time over 1gbit.
+EXCHANGE_SPIN_NS = 200_000
 
 
 @intrinsic
@@ -216,14 +240,17 @@ def _recv_bytes(recvs, i, base):
     return _length(recvs[i, R_BYTES], recvs[i, R_LEN_AT], recvs[i, R_LEN_LESS], base)
 
 
-def new_state() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A pair of streams' ``st`` (int64, N_ST), ``cells`` (int32 scratch: two ``pollfd`` and the
-    socket option's value) and ``clock`` (int64 scratch: a ``timespec``), for :func:`advance`."""
-    return np.zeros(N_ST, np.int64), np.zeros(8, np.int32), np.zeros(2, np.int64)
+def new_state(spin_ns: int = EXCHANGE_SPIN_NS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A pair of streams' ``st`` (int64, N_ST; its exchanges' waits poll ``spin_ns`` before
+    they sleep, clause 11), ``cells`` (int32 scratch: two ``pollfd`` and the socket option's
+    value) and ``clock`` (int64 scratch: a ``timespec``), for :func:`advance`."""
+    st = np.zeros(N_ST, np.int64)
+    st[S_SPIN_NS] = spin_ns
+    return st, np.zeros(8, np.int32), np.zeros(2, np.int64)
 
 
 @njit(nogil=True, cache=True)
-def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, clock):
+def advance(st, sends, recvs, right, left, base, spare, lowat, spin_ns, until_ns, cells, clock):
     """Run the schedule (``sends``: (n, N_W) int64; ``recvs``: (m, N_R) int64, NOTE [a ring's
     schedule in compiled code] 2, 7) on the non-blocking sockets ``right`` (written)
     and ``left`` (read), offsets from address ``base`` (the spare buffer's at address
@@ -233,12 +260,14 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
     (the schedule waits on nothing it can reach: a bad table); BAD_FRAME (a frame out of
     bounds, clause 7: the send's or receive's index in ``st``, nothing of it moved). ``st``:
     from :func:`new_state`, readied for each schedule by :func:`start`; ``lowat``: the most
-    bytes a wait for a receive gathers before it wakes (clause 5). The caller keeps every buffer
+    bytes a wait for a receive gathers before it wakes (clause 5); ``spin_ns``: how long a wait
+    polls and yields before it sleeps (clause 11; 0: it sleeps at once). The caller keeps every buffer
     alive and unchanged but by this call until it returns DONE or fails."""
     n_sends, n_recvs = sends.shape[0], recvs.shape[0]
     if st[S_HANDED]:  # the caller reduced the receive handed back: it is in
         _received(st, recvs, st[S_RECEIVED])
         st[S_HANDED] = 0
+    idle_since = 0  # when this wait began (clause 11); 0: something moved since
     while True:
         moved = False
         while st[S_SENT] < st[S_MAY_SEND]:
@@ -296,6 +325,7 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
             st[S_OPEN] = 0
             return DONE
         if moved:
+            idle_since = 0
             continue
         # Nothing moved: sleep on what this rank waits for (clause 3), never past until_ns.
         nfds = 0
@@ -320,6 +350,12 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, until_ns, cells, 
         now = clock[0] * 1_000_000_000 + clock[1]
         if now >= until_ns:
             return PENDING
+        if idle_since == 0:
+            idle_since = now
+        if now - idle_since < spin_ns:  # clause 11: poll without sleeping, the core yielded
+            if _poll(cells.ctypes.data, nfds, 0) == 0:
+                _sched_yield()
+            continue
         st[S_POLLS] += 1
         _poll(cells.ctypes.data, nfds, max(1, (until_ns - now + 999_999) // 1_000_000))
 
@@ -485,7 +521,7 @@ def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, pa
             recvs[1, R_LEN_AT], recvs[1, R_LEN_LESS] = theirs_at + frame * 8, tables
             start(st, 1)
         fd = fds[_log2(m)]
-        code = advance(st, sends, recvs, fd, fd, base, 0, lowat, until_ns, cells, clock)
+        code = advance(st, sends, recvs, fd, fd, base, 0, lowat, st[S_SPIN_NS], until_ns, cells, clock)
         if code != DONE:
             return code
         theirs = pair[1 - slot]
@@ -523,7 +559,7 @@ def doubling(st, fds, sends, recvs, inbox, head, frame, nbytes, pair, pair_t, pa
             recvs[0, R_LEN_AT], recvs[0, R_LEN_LESS] = -1, 0
             start(st, 1)
         fd = fds[_log2(m)]
-        code = advance(st, sends, recvs[:1], fd, fd, at, 0, lowat, until_ns, cells, clock)
+        code = advance(st, sends, recvs[:1], fd, fd, at, 0, lowat, st[S_SPIN_NS], until_ns, cells, clock)
         if code != DONE:
             return code
         st[S_ROUND] = m >> 1
