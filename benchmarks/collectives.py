@@ -9,6 +9,8 @@ root rotates from case to case, alike on every rank):
 * ``comm``: ``comm.allgather(x)``, ``comm.gather(x, root)``, ``comm.broadcast(x, root)``,
   ``comm.reduce_scatter(x)`` as selected: up to half a row the one-shot (NOTE [one-shot
   copies] in comm/algorithms/oneshot.py), larger ones the segment's chunks or single-copy;
+* ``out``: ``comm.allgather(x, out=...)`` and ``comm.reduce_scatter(x, out=...)`` into an
+  output made once, as MPI's and Gloo's cases write theirs (``comm`` makes a new result per call);
 * ``segment``: the same calls pinned to the segment (``Group.use_algorithm``): the agreement's
   board step, then the chunk's (two for a reduce-scatter), which is how they ran before the
   one-shot took them;
@@ -19,8 +21,8 @@ root rotates from case to case, alike on every rank):
   what a torch.distributed user on CPUs has.
 
 A size is the bytes each rank sends (a reduce-scatter's whole message; Gloo's takes the first
-p x (n // p) elements). ``comm``'s results are new arrays per call (its API returns them);
-MPI's and Gloo's go to buffers made once. A sample is the slowest rank's mean over the round's
+p x (n // p) elements). ``comm``'s results are new arrays per call, ``out``'s and MPI's and
+Gloo's go to buffers made once. A sample is the slowest rank's mean over the round's
 calls; reported: medians and the median of each round's ratio to ``comm`` (drift between
 rounds cancels out of those). The floor: an allgather's rank reads p x n bytes, a broadcast's
 n and a reduce-scatter's n (its part of every rank's message), so from a few hundred KiB they
@@ -43,8 +45,9 @@ from .common import (
 )
 
 COLLS = ("allgather", "gather", "broadcast", "reduce_scatter")
-WAYS = ("comm", "segment", "mpi", "gloo")
-CASES = tuple(f"{c} {w}" for c in COLLS for w in WAYS)
+WAYS = ("comm", "out", "segment", "mpi", "gloo")
+OUT_COLLS = ("allgather", "reduce_scatter")  # the collectives with an ``out=``
+CASES = tuple(f"{c} {w}" for c in COLLS for w in WAYS if w != "out" or c in OUT_COLLS)
 SIZES = (64, 4 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20, 8 << 20)
 
 
@@ -83,6 +86,7 @@ def _worker(max_mib: int, rounds: int) -> None:
         touts = list(tout.unbind(0))
         counts = [len(c) for c in np.array_split(x, p)]  # comm.reduce_scatter's parts
         part = np.empty(counts[rank], np.float32)
+        ours_out, ours_part = np.empty((p, x.size), np.float32), np.empty(counts[rank], np.float32)
         tpart, tfull = torch.empty(x.size // p), t[:p * (x.size // p)]  # Gloo's: equal parts
         steps = max(20, min(1000, (64 << 20) // (nbytes * p)))
 
@@ -91,6 +95,7 @@ def _worker(max_mib: int, rounds: int) -> None:
 
         calls = {
             "allgather comm": lambda x=x: comm.allgather(x),
+            "allgather out": lambda x=x, o=ours_out: comm.allgather(x, out=o),
             "allgather segment": lambda x=x: comm.allgather(x, group=pinned),
             "allgather mpi": lambda x=x, out=out: mpi.Allgather(x, out),
             "allgather gloo": lambda t=t, flat=flat_out: gather_into(flat, t),
@@ -103,6 +108,7 @@ def _worker(max_mib: int, rounds: int) -> None:
             "broadcast mpi": lambda x=x: mpi.Bcast(x, root=root[0]),
             "broadcast gloo": lambda t=t: dist.broadcast(t, src=root[0]),
             "reduce_scatter comm": lambda x=x: comm.reduce_scatter(x),
+            "reduce_scatter out": lambda x=x, o=ours_part: comm.reduce_scatter(x, out=o),
             "reduce_scatter segment": lambda x=x: comm.reduce_scatter(x, group=pinned),
             "reduce_scatter mpi": lambda x=x, part=part, counts=counts: mpi.Reduce_scatter(x, part, counts),
             "reduce_scatter gloo": lambda t=tfull, tpart=tpart: scatter_into(tpart, t),
@@ -143,13 +149,17 @@ def main(argv: list[str] | None = None) -> None:
         for coll in COLLS:
             ours = samples[f"{coll} comm"]
             for way in WAYS[1:]:
-                theirs = samples[f"{coll} {way}"]
+                theirs = samples.get(f"{coll} {way}")
+                if theirs is None:
+                    continue
                 per_round = (o / a for a, o in zip(ours, theirs, strict=True))
                 ratios[f"{coll} {way}/comm"] = statistics.median(per_round)
         table[size] = {"median_s": med, "ratios_per_round_median": ratios}
         for coll in COLLS:
-            rows.append([_label(int(size)), coll] + [f"{1e6 * med[f'{coll} {w}']:.1f}" for w in WAYS]
-                        + [f"{ratios[f'{coll} {w}/comm']:.2f}" for w in WAYS[1:]])
+            rows.append([_label(int(size)), coll]
+                        + [f"{1e6 * med[f'{coll} {w}']:.1f}" if f"{coll} {w}" in med else "-" for w in WAYS]
+                        + [f"{ratios[f'{coll} {w}/comm']:.2f}" if f"{coll} {w}/comm" in ratios else "-"
+                           for w in WAYS[1:]])
     print(f"\n{data['p']} ranks on one node, float32, median of {args.rounds} interleaved rounds")
     print(format_table(["size", "collective"] + [f"{w} us" for w in WAYS] + [f"{w}/comm" for w in WAYS[1:]],
                        rows))
@@ -162,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
         xs = [int(s) for s in table]
         for ax, coll in zip(axes, COLLS, strict=True):
             for way in WAYS:
+                if f"{coll} {way}" not in data["samples"][next(iter(table))]:
+                    continue
                 us = [1e6 * table[s]["median_s"][f"{coll} {way}"] for s in table]
                 ax.plot(xs, us, marker="o", label=way)
             ax.set_xscale("log", base=2)

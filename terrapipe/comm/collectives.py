@@ -361,23 +361,40 @@ def broadcast(x, root: int = 0, *, async_op: bool = False, group: Group | None =
     return _nccl_or_staged(g, x, "broadcast", 0, root, on_nccl, staged, async_op)
 
 
-def allgather(x, *, async_op: bool = False, group: Group | None = None):
-    """Every rank's ``x`` stacked: a new array/tensor of shape (size, *x.shape)."""
+def allgather(x, *, out=None, async_op: bool = False, group: Group | None = None):
+    """Every rank's ``x`` stacked: a new array/tensor of shape (size, *x.shape), or ``out``,
+    written and returned: an array or tensor of ``x``'s type, dtype and device with size *
+    x.numel() elements in any shape (as ``torch.distributed.all_gather_into_tensor``'s output),
+    rank r's ``x`` in its r-th block of x.numel() elements, C order. With ``out`` nothing is
+    allocated per call, where a new result costs its pages' first touch at every call."""
     g = _g(group)
+    if out is not None:
+        _check_out(out, x, g.size * _numel(x), "allgather")
     if not async_op:  # the latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py)
         arr = plain_array(x)
-        if arr is not None:
-            out = select.gather_small(g, arr, _maker(x, arr))
-            if out is not None:
-                return out
+        maker = _maker(x, arr, out) if arr is not None else None
+        if maker is not None:
+            made = select.gather_small(g, arr, maker)
+            if made is not None:
+                return made
 
     def staged(buf: Buffer):
-        out, obuf = buf.like((g.size, *buf.shape))
+        if out is None:
+            made, obuf = buf.like((g.size, *buf.shape))
+        else:
+            made, obuf = out, Buffer(out, "out")
         select.allgather(g, buf, obuf.flat.reshape(g.size, buf.size))
-        return _like_input(out, x)
+        if out is not None:
+            obuf.commit()
+            return out
+        return _like_input(made, x)
 
     def on_nccl(transport, t):
-        return transport.allgather(t)
+        made = transport.allgather(t)
+        if out is None:
+            return made
+        out.copy_(made.reshape(out.shape))  # on the device: NCCL's result is a tensor of its own
+        return out
 
     return _nccl_or_staged(g, x, "allgather", 0, -1, on_nccl, staged, async_op)
 
@@ -435,25 +452,33 @@ def reduce(x, op: str = "sum", root: int = 0, *, async_op: bool = False, group: 
     return _run(g, body, async_op, "reduce", x)
 
 
-def reduce_scatter(x, op: str = "sum", *, async_op: bool = False, group: Group | None = None):
+def reduce_scatter(x, op: str = "sum", *, out=None, async_op: bool = False, group: Group | None = None):
     """Reduce the flat ``x`` over ranks and return this rank's part of it, a 1-D array/tensor:
-    parts split as ``np.array_split`` (sizes need not divide evenly)."""
+    parts split as ``np.array_split`` (sizes need not divide evenly). ``out``: written with
+    the part and returned instead (``x``'s type, dtype and device, the part's number of
+    elements in any shape, as ``torch.distributed.reduce_scatter_tensor``'s output)."""
     g = _g(group)
     code = kreduce.op_code(op)
+    q, r = divmod(_numel(x), g.size)
+    n = q + (1 if g.rank < r else 0)
+    if out is not None:
+        _check_out(out, x, n, "reduce_scatter")
     if not async_op:  # the latency path (NOTE [one-shot copies] 6 in comm/algorithms/oneshot.py)
         arr = plain_array(x)
-        if arr is not None:
-            out = select.reduce_scatter_small(g, arr, code, _maker(x, arr))
-            if out is not None:
-                return out
+        maker = _maker(x, arr, out) if arr is not None else None
+        if maker is not None:
+            made = select.reduce_scatter_small(g, arr, code, maker)
+            if made is not None:
+                return made
     buf = Buffer(x, "x")
-    q, r = divmod(buf.size, g.size)
-    n = q + (1 if g.rank < r else 0)
-    out, obuf = buf.like((n,))
+    made, obuf = buf.like((n,)) if out is None else (out, Buffer(out, "out"))
 
     def body():
         select.reduce_scatter(g, buf, obuf.flat, code)
-        return _like_input(out, x)
+        if out is not None:
+            obuf.commit()
+            return out
+        return _like_input(made, x)
 
     return _run(g, body, async_op, "reduce_scatter", x)
 
@@ -654,10 +679,20 @@ def _torch_dtype_name(t) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _maker(x, arr: np.ndarray):
+def _maker(x, arr: np.ndarray, out=None):
     """``make_out`` for the latency paths of select (gather_small, reduce_scatter_small):
     ``make_out(shape)`` is a new array of ``x``'s type and dtype (a CPU tensor for a tensor)
-    and its NumPy view, made only once the latency path takes the call."""
+    and its NumPy view, made only once the latency path takes the call; or ``out`` (checked by
+    :func:`_check_out`) and its view in that shape, or None where ``out`` has no plain view (a
+    strided, bfloat16 or CUDA one: the general path then takes the call)."""
+    if out is not None:
+        view = plain_array(out)
+        if view is None:
+            return None
+
+        def given(shape: tuple):
+            return out, view.reshape(shape)
+        return given
     if type(x) is np.ndarray:
         def array(shape: tuple):
             a = np.empty(shape, arr.dtype)
@@ -668,6 +703,37 @@ def _maker(x, arr: np.ndarray):
         t = sys.modules["torch"].empty(shape, dtype=x.dtype)
         return t, t.numpy()
     return tensor
+
+
+def _numel(x) -> int:
+    """Elements of an array or tensor (``x.size`` is a method on a tensor)."""
+    if isinstance(x, np.ndarray):
+        return x.size
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a numpy array or torch tensor, got {type(x).__name__}")
+    return x.numel()
+
+
+def _check_out(out, x, count: int, coll: str) -> None:
+    """Raise unless ``out`` can take a result of ``count`` elements of ``x``'s dtype: the same
+    type of container as ``x`` (a NumPy array, or a tensor on ``x``'s device), writable."""
+    if isinstance(x, np.ndarray):
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"{coll}: out must be a numpy array like x, got {type(out).__name__}")
+        if not out.flags.writeable:
+            raise ValueError(f"{coll}: out is read-only")
+        same = out.dtype == x.dtype and out.size == count
+        where = ""
+    else:
+        torch = sys.modules["torch"]  # x is a tensor, so torch is imported
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{coll}: out must be a tensor like x, got {type(out).__name__}")
+        same = out.dtype == x.dtype and out.numel() == count and out.device == x.device
+        where = f" on {x.device}"
+    if not same:
+        got = f"{out.dtype} of {_numel(out)} elements" + (f" on {out.device}" if where else "")
+        raise ValueError(f"{coll}: out must be {x.dtype} of {count} elements{where}, got {got}")
 
 
 def _like_input(out, x):

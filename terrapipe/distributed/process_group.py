@@ -385,6 +385,10 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
         opts = opts if opts is not None else c10d.AllgatherOptions()
         if not self._ours([input, output]) or output.numel() != input.numel() * self.size():
             return self._g._allgather_base(output, input, opts)
+        if output.dtype == input.dtype and output.device == input.device:
+            # straight into the output: no result allocated and copied per call
+            h = _as_handle(_allgather(input, out=output, async_op=_async(opts), group=self._group))
+            return self._chain([h], lambda: [h.wait()], [output])
         h = _as_handle(_allgather(input, async_op=_async(opts), group=self._group))
 
         def finish():
@@ -446,6 +450,11 @@ class ProcessGroupTerrapipe(dist.ProcessGroup):
             return self._g._reduce_scatter_base(output, input, opts)
         if factor is not None:
             input = input * factor
+        if output.dtype == input.dtype and output.device == input.device:
+            # straight into the output: no part allocated and copied per call
+            h = _as_handle(_reduce_scatter(input.contiguous(), op, out=output, async_op=_async(opts),
+                                           group=self._group))
+            return self._chain([h], lambda: [h.wait()], [output])
         h = _as_handle(_reduce_scatter(input.contiguous(), op, async_op=_async(opts), group=self._group))
 
         def finish():
