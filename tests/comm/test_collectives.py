@@ -132,7 +132,8 @@ def test_reduce_scatter_uneven_sizes(world):
             np.testing.assert_allclose(_np(part), ref, rtol=_tol(dtype, "sum", p), atol=_tol(dtype, "sum", p))
 
 
-@pytest.mark.mpi(ranks=(2, 3, 4), timeout=180, ci_ranks=(2,))
+# one_node: the one-shot copies are one node's (NOTE [jobs across an emulated cluster] 2)
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=180, ci_ranks=(2,), one_node=True)
 def test_one_shot_reduce_scatter_every_op_and_dtype_against_the_segment_and_numpy(world):
     # NOTE [one-shot copies] 6: up to half a row a reduce-scatter is the one-shot allreduce with
     # each rank reducing its own part; the segment's way (pinned on a duplicate) and NumPy must
@@ -227,7 +228,8 @@ def test_latency_path_and_general_path_mix_across_ranks(world):
     assert np.all(y == p)
 
 
-@pytest.mark.mpi(ranks=(2, 3, 4), timeout=180, ci_ranks=(2,))
+# one_node: the one-shot copies are one node's (NOTE [jobs across an emulated cluster] 2)
+@pytest.mark.mpi(ranks=(2, 3, 4), timeout=180, ci_ranks=(2,), one_node=True)
 def test_one_shot_copies_mix_latency_and_general_paths_in_a_loop(world):
     # Sync allgathers, gathers, broadcasts and reduce-scatters of plain arrays up to half a row
     # take the one-shot's latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py); a rank
