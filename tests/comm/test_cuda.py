@@ -131,6 +131,9 @@ def test_nccl_collectives_on_cuda_tensors(mpi_comm):
     assert torch.equal(y.cpu(), torch.arange(6.0).reshape(2, 3).t())
     out = comm.allgather(torch.full((2,), float(r), device=dev))
     assert out.is_cuda and torch.equal(out.cpu(), torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    flat = torch.full((4,), -1.0, device=dev)
+    assert comm.allgather(torch.full((2,), float(r), device=dev), out=flat) is flat
+    assert torch.equal(flat.cpu(), torch.tensor([0.0, 0.0, 1.0, 1.0]))
     x = torch.full((2, 3), float(r + 1), device=dev)
     out = torch.empty_like(x)
     assert comm.allreduce(x, "sum", out=out) is out
@@ -144,6 +147,32 @@ def test_nccl_collectives_on_cuda_tensors(mpi_comm):
             comm.allreduce(torch.ones(4, device=dev))
         else:
             comm.allreduce(np.ones(4, np.float32))
+
+
+@cuda
+@pytest.mark.mpi(ranks=(2,), timeout=300)
+def test_allgather_and_reduce_scatter_of_cuda_tensors_into_out(mpi_comm, monkeypatch):
+    # out= on the device (staged through host memory, which two ranks on one GPU take): the
+    # caller's tensor is written and returned, strided too; a host tensor for a CUDA x is refused.
+    monkeypatch.setenv("TERRAPIPE_CUDA_COMM", "staged")
+    g = comm.init(timeout=120)
+    r, p = g.rank, g.size
+    dev = _device()
+    for n in (3, 300_001):
+        x = torch.arange(n, dtype=torch.float32, device=dev) + 1000 * r
+        want = torch.stack([torch.arange(n, dtype=torch.float32) + 1000 * q for q in range(p)])
+        out = torch.full((p, n), -1.0, device=dev)
+        assert comm.allgather(x, out=out) is out
+        assert torch.equal(out.cpu(), want)
+        wide = torch.full((p * n, 2), -1.0, device=dev)
+        assert comm.allgather(x, out=wide[:, 1]) is not None
+        assert torch.equal(wide[:, 1].cpu(), want.reshape(-1)) and torch.all(wide[:, 0] == -1)
+        part = torch.empty(len(np.array_split(np.empty(n), p)[r]), device=dev)
+        assert comm.reduce_scatter(x, "sum", out=part) is part
+        full = want.sum(0)
+        assert torch.equal(part.cpu(), torch.from_numpy(np.array_split(full.numpy(), p)[r]))
+    with pytest.raises(ValueError, match="allgather: out must be torch.float32 of 6 elements on cuda"):
+        comm.allgather(torch.zeros(3, device=dev), out=torch.empty(6))
 
 
 def test_cuda_comm_setting_is_checked(monkeypatch):
