@@ -366,7 +366,8 @@ def allgather(x, *, out=None, async_op: bool = False, group: Group | None = None
     written and returned: an array or tensor of ``x``'s type, dtype and device with size *
     x.numel() elements in any shape (as ``torch.distributed.all_gather_into_tensor``'s output),
     rank r's ``x`` in its r-th block of x.numel() elements, C order. With ``out`` nothing is
-    allocated per call, where a new result costs its pages' first touch at every call."""
+    allocated per call (a new result too large for the allocator to reuse is fresh pages,
+    faulted in at every call)."""
     g = _g(group)
     if out is not None:
         _check_out(out, x, g.size * _numel(x), "allgather")

@@ -143,7 +143,7 @@ class TcpRing:
         next look from Python, or None when the wait has run out (then PENDING). ``reduce(i)``:
         reduces receive i from ``spare`` into ``base`` (REDUCE). ``resume``: go on with the
         schedule a compiled caller started (NOTE [a ring's schedule in compiled code] 8).
-        ``exchange``: a transfer of a few rounds trips, whose waits poll ``st[S_SPIN_NS]``
+        ``exchange``: a transfer of a few round trips, whose waits poll ``st[S_SPIN_NS]``
         before they sleep (clause 11 there); else they sleep at once."""
         sends, recvs, first = schedule
         st = self.st

@@ -97,9 +97,9 @@ NOTE [a ring's schedule in compiled code]
        The exchanges (recursive doubling, the framed schedule of the agreement, an allgather
        of rows below the ring's threshold) pass ``st[S_SPIN_NS]``, EXCHANGE_SPIN_NS unless
        ``TERRAPIPE_WAIT=spin`` (then until each nap); the ring's large transfers pass 0: their
-       waits last milliseconds and they sleep at once, as clause 5 wants. A round trip of a
-       few KiB costs about its wire time; a rank that slept woke tens of microseconds after
-       its bytes were in, and an exchange pays that at every round: at 4 machines x 1 under
+       waits last milliseconds and they sleep at once, as clause 5 wants. A round of a few
+       KiB should cost its wire time, but a rank that slept woke tens of microseconds after its
+       bytes were in, and an exchange paid that at every round: at 4 machines x 1 under
        torchrun over 1gbit, interleaved (AMD EPYC, 2 cores, 2026-12-04), us, sleeping at
        once / after 50 us / after 200 us: 4 KiB whole rounds 183 / 131 / 140, by halves 267 /
        201 / 240; 16 KiB by halves 280 / 232 / 217, whole rounds 269-275 every way, which the
@@ -128,11 +128,10 @@ from .board import TABLE_COLS
 from .mpi_native import halving_block
 
 __all__ = ["EXCHANGE_SPIN_NS", "advance", "start", "under_way", "doubling", "new_round_tables",
-           "ring_schedule", "allgather_schedule", "framed_schedule", "new_state", "DONE", "PENDING", "REDUCE",
-           "CLOSED_LEFT",
-           "CLOSED_RIGHT", "STALLED", "BAD_FRAME", "S_SENT", "S_RECEIVED", "S_ERRNO", "S_POLLS", "S_OPEN",
-           "S_ROUND", "S_PHASE", "S_HALVING", "S_SPIN_NS", "S_LOWAT", "S_LOWAT_FD", "W_OFFSET", "W_BYTES",
-           "W_LEN_AT", "N_W", "R_OFFSET", "R_BYTES", "R_REDUCE",
+           "ring_schedule", "allgather_schedule", "framed_schedule", "new_state", "DONE", "PENDING",
+           "REDUCE", "CLOSED_LEFT", "CLOSED_RIGHT", "STALLED", "BAD_FRAME", "S_SENT", "S_RECEIVED",
+           "S_ERRNO", "S_POLLS", "S_OPEN", "S_ROUND", "S_PHASE", "S_HALVING", "S_SPIN_NS", "S_LOWAT",
+           "S_LOWAT_FD", "W_OFFSET", "W_BYTES", "W_LEN_AT", "N_W", "R_OFFSET", "R_BYTES", "R_REDUCE",
            "R_RELEASES", "R_AFTER_SEND", "R_LEN_AT", "R_LEN_LESS", "N_R", "N_ST"]
 
 DONE, PENDING, REDUCE, CLOSED_LEFT, CLOSED_RIGHT, STALLED, BAD_FRAME = range(7)
@@ -261,8 +260,8 @@ def advance(st, sends, recvs, right, left, base, spare, lowat, spin_ns, until_ns
     bounds, clause 7: the send's or receive's index in ``st``, nothing of it moved). ``st``:
     from :func:`new_state`, readied for each schedule by :func:`start`; ``lowat``: the most
     bytes a wait for a receive gathers before it wakes (clause 5); ``spin_ns``: how long a wait
-    polls and yields before it sleeps (clause 11; 0: it sleeps at once). The caller keeps every buffer
-    alive and unchanged but by this call until it returns DONE or fails."""
+    polls and yields before it sleeps (clause 11; 0: it sleeps at once). The caller keeps every
+    buffer alive and unchanged but by this call until it returns DONE or fails."""
     n_sends, n_recvs = sends.shape[0], recvs.shape[0]
     if st[S_HANDED]:  # the caller reduced the receive handed back: it is in
         _received(st, recvs, st[S_RECEIVED])
