@@ -10,6 +10,7 @@ Modules:
   resample_ir the resize's two passes as LLVM IR at the CPU's vector width (llvmlite, Numba's
           own backend), called from image's Numba code through a function pointer
   object_cache llvmlite's machine code kept on disk beside Numba's cache
+  cache_stamp Numba's cache judged by the files of the modules a compiled function imports too
   llvm_ir small LLVM IR building blocks (loops, splats, transposes) for resample_ir
   reduce  ``dst op= src`` and multi-source reductions over chunks, for collectives
   adasum  Adasum's dot products and norms, and its scaled sum, over a piece of fused tensors
@@ -24,8 +25,16 @@ Modules:
   taps    the resize's filter taps for a batch of crops, for resampling by matrix products
 """
 
+# ruff: noqa: E402 (the imports below come after the cache's stamp is installed)
+
+from . import cache_stamp
+
+# Before any compiled function below is made: NOTE [a cached caller of a changed callee] 3.
+cache_stamp.install()
+
 from . import (
     adasum,
+    cache_stamp,
     entry,
     floats,
     geometry,

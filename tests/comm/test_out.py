@@ -40,7 +40,8 @@ def test_allgather_and_reduce_scatter_write_into_out_on_every_path(groups):
                 out = np.full(g.size * n, -7, dtype)
                 got = comm.allgather(x, out=out, group=g)
                 assert got is out, (name, n, dtype)
-                np.testing.assert_array_equal(out.reshape(g.size, n), np.stack(rows), err_msg=f"{name} {n} {dtype}")
+                np.testing.assert_array_equal(out.reshape(g.size, n), np.stack(rows),
+                                              err_msg=f"{name} {n} {dtype}")
                 # a torch tensor stacked as (size, n), and one strided (every other element)
                 t = torch.from_numpy(x)
                 stacked = torch.full((g.size, n), -7, dtype=t.dtype)
@@ -109,7 +110,7 @@ def test_an_out_that_cannot_take_the_result_is_refused_naming_it(groups):
     ro = np.empty(g.size * 10, np.float32)
     ro.flags.writeable = False
     bad["read-only"] = (ro, ValueError, "out is read-only")
-    for what, (out, err, msg) in bad.items():
+    for out, err, msg in bad.values():
         with pytest.raises(err, match=f"allgather: {msg}"):
             comm.allgather(x, out=out)
     with pytest.raises(ValueError, match="reduce_scatter: out must be float32 of 5 elements"):

@@ -1,0 +1,139 @@
+"""Numba's on-disk cache made to see changes in the modules a compiled function calls into.
+
+NOTE [a cached caller of a changed callee]
+    1. Numba keeps a compiled function with the code of every compiled function it calls, and
+       judges the entry fresh from a hash of the caller's own file alone. So a change to a
+       callee in another module left its callers in other files running the old code from the
+       cache, silently, until their own file changed (Numba documents the limit; numba issue
+       1833). Found on 2026-12-04: ``comm/algorithms/oneshot_nodes._fused_tcp`` went on running
+       the ``tcp_native.advance`` of before a change, while ``advance`` called from Python ran
+       the new one. An install upgraded in place keeps the old entries beside the new sources.
+    2. What. For the functions of the packages given to :func:`install` (terrapipe), the stamp
+       an entry is judged by also holds :func:`stamp_of` the function's module: a hash of that
+       module's file and of the file of every module of those packages it imports, directly or
+       through others, read from their import statements (``ast``, nothing executed). A change
+       to any of them makes the entry stale and the function compiles again, once; an entry
+       whose modules did not change still loads.
+    3. How. Numba asks a function's cache locator for the stamp when it sets up the function's
+       cache, at decoration; :func:`install` wraps the constructor of Numba's cache
+       implementation so a matching function's locator answers Numba's stamp and ours, and
+       must run before the first decorated function of those packages is made: from the top
+       of ``terrapipe.kernels``, which every compiled module of terrapipe imports first.
+    4. Where Numba's classes are not as expected (another version's internals), nothing is
+       wrapped and Numba's own judgement stands: :func:`install` returns False and
+       ``tests/kernels/test_cache_stamp.py`` fails, saying so.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import sys
+from pathlib import Path
+
+__all__ = ["install", "stamp_of", "modules_reached"]
+
+_PACKAGES: set[str] = set()
+
+
+@functools.cache
+def _file_of(module: str) -> Path | None:
+    """The source file of ``module`` (imported or not), found from its top package's folder."""
+    top = sys.modules.get(module.split(".")[0])
+    if top is None or not getattr(top, "__file__", None):
+        return None
+    base = Path(top.__file__).parent.joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+@functools.cache
+def _imported(module: str, path: Path) -> frozenset[str]:
+    """The modules of ``module``'s top package that its file imports, absolute or relative.
+    ``from package import submodule`` reads the submodule, not the package's ``__init__``
+    (which imports every submodule, so every module would reach every other); ``from package
+    import name`` of anything else reads the ``__init__``."""
+    top = module.split(".")[0]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == top)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != top:
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names}
+            modules = {m for m in subs if _file_of(m) is not None}
+            found.update(modules)
+            if len(modules) < len(subs):  # names of the package's own: its __init__ is read too
+                found.add(target)
+    return frozenset(m for m in found if _file_of(m) is not None)
+
+
+@functools.cache
+def modules_reached(module: str) -> tuple[str, ...]:
+    """``module`` and every module of its top package it imports, directly or through others,
+    sorted (clause 2)."""
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        path = _file_of(m)
+        if path is not None:
+            todo.extend(_imported(m, path) - seen)
+    return tuple(sorted(m for m in seen if _file_of(m) is not None))
+
+
+@functools.cache
+def stamp_of(module: str) -> str:
+    """A hash of the files of :func:`modules_reached` from ``module`` (clause 2), hex."""
+    h = hashlib.sha256()
+    for m in modules_reached(module):
+        h.update(m.encode() + b"\0" + _file_hash(m))
+    return h.hexdigest()
+
+
+@functools.cache
+def _file_hash(module: str) -> bytes:
+    return hashlib.sha256(_file_of(module).read_bytes()).digest()
+
+
+def install(packages: tuple[str, ...] = ("terrapipe",)) -> bool:
+    """Make the on-disk cache of every compiled function of ``packages`` set up from now on
+    judge its entries by :func:`stamp_of` its module too (NOTE [a cached caller of a changed
+    callee]). Idempotent; False where Numba's internals are not as expected (clause 4)."""
+    from numba.core import caching
+
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
+    if impl is None or not callable(getattr(impl, "__init__", None)):
+        return False
+    _PACKAGES.update(packages)
+    if getattr(impl.__init__, "_terrapipe_stamped", False):
+        return True
+    original = impl.__init__
+
+    @functools.wraps(original)
+    def init(self, py_func):
+        original(self, py_func)
+        module = getattr(py_func, "__module__", None) or ""
+        locator = getattr(self, "_locator", None)
+        if module.split(".")[0] not in _PACKAGES or locator is None:
+            return
+        numba_stamp = locator.get_source_stamp
+        ours = stamp_of(module)
+        locator.get_source_stamp = lambda: (numba_stamp(), ours)
+
+    init._terrapipe_stamped = True
+    impl.__init__ = init
+    return True
