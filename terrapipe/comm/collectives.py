@@ -371,6 +371,7 @@ def allgather(x, *, out=None, async_op: bool = False, group: Group | None = None
     g = _g(group)
     if out is not None:
         _check_out(out, x, g.size * _numel(x), "allgather")
+        x = _unaliased(x, out)
     if not async_op:  # the latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py)
         arr = plain_array(x)
         maker = _maker(x, arr, out) if arr is not None else None
@@ -464,6 +465,7 @@ def reduce_scatter(x, op: str = "sum", *, out=None, async_op: bool = False, grou
     n = q + (1 if g.rank < r else 0)
     if out is not None:
         _check_out(out, x, n, "reduce_scatter")
+        x = _unaliased(x, out)
     if not async_op:  # the latency path (NOTE [one-shot copies] 6 in comm/algorithms/oneshot.py)
         arr = plain_array(x)
         maker = _maker(x, arr, out) if arr is not None else None
@@ -735,6 +737,21 @@ def _check_out(out, x, count: int, coll: str) -> None:
     if not same:
         got = f"{out.dtype} of {_numel(out)} elements" + (f" on {out.device}" if where else "")
         raise ValueError(f"{coll}: out must be {x.dtype} of {count} elements{where}, got {got}")
+
+
+def _unaliased(x, out):
+    """``x``, or a private copy of it where its memory may overlap ``out``'s: an in-place
+    allgather (``x`` a block of ``out``, as FSDP's all-gather passes it) or a part written over
+    its own input. MPI refuses aliased buffers ("Buffers must not be aliased"), and a transport
+    that writes ``out`` while it still reads ``x`` would read what it wrote. The copy is of
+    ``x`` alone, 1 / size of an allgather's result."""
+    if isinstance(x, np.ndarray):
+        return x.copy() if np.may_share_memory(x, out) else x
+    if x.is_cuda != out.is_cuda or x.numel() == 0 or out.numel() == 0:
+        return x
+    if x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        return x.clone()
+    return x
 
 
 def _like_input(out, x):

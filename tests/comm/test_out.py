@@ -119,3 +119,34 @@ def test_an_out_that_cannot_take_the_result_is_refused_naming_it(groups):
         comm.reduce_scatter(torch.from_numpy(x), "sum", out=np.empty(5, np.float32))
     # nothing was sent: the next calls agree and are right
     np.testing.assert_array_equal(comm.allgather(x).reshape(-1), np.tile(x, g.size))
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=300, ci_ranks=(2,))  # 4: make test-full (CI time)
+def test_an_input_inside_out_in_place_as_fsdp_passes_it_on_every_algorithm(groups):
+    # FSDP2's all-gather passes its input as this rank's block of the output (an in-place
+    # allgather); MPI refuses aliased buffers ("Buffers must not be aliased": the cluster run of
+    # FSDP2 failed so before the input was copied). A reduce-scatter into the start of its own
+    # input reads every part before it writes its own. Every algorithm that can take the call.
+    g = groups["world"]
+    pinned = g.split(0)
+    for algorithm in (None, "oneshot", "segment", "single_copy", "mpi"):
+        pinned.use_algorithm("allgather", algorithm)
+        pinned.use_algorithm("reduce_scatter", algorithm)
+        for n in (3, 1000, 300_000):
+            if algorithm == "oneshot" and 4 * n * g.size > 1 << 20:
+                continue  # beyond the one-shot's half row
+            if algorithm in ("segment", "single_copy", "oneshot") and g.nnodes > 1:
+                continue  # one node's algorithms
+            rows = _rows(g, n, "float32", 7 + n)
+            out = np.zeros(g.size * n, np.float32)
+            mine = out[g.rank * n:(g.rank + 1) * n]
+            mine[:] = rows[g.rank]
+            assert comm.allgather(mine, out=out, group=pinned) is out
+            np.testing.assert_array_equal(out, np.concatenate(rows), err_msg=f"{algorithm} {n}")
+            t = torch.from_numpy(np.concatenate(rows))  # every rank the same: sums are exact
+            part = len(_part(np.empty(g.size * n), g))
+            head = t[:part]
+            assert comm.reduce_scatter(t, "sum", out=head, group=pinned) is head
+            want = _part(np.concatenate(rows) * g.size, g)
+            assert np.array_equal(head.numpy(), want), (algorithm, n)
+    pinned.close()
