@@ -21,7 +21,8 @@ NOTE [a cached caller of a changed callee]
        of ``terrapipe.kernels``, which every compiled module of terrapipe imports first.
     4. Where Numba's classes are not as expected (another version's internals), nothing is
        wrapped and Numba's own judgement stands: :func:`install` returns False and
-       ``tests/kernels/test_cache_stamp.py`` fails, saying so.
+       ``tests/kernels/test_cache_stamp.py`` fails, saying so. A module whose sources cannot be
+       read or parsed keeps Numba's stamp alone: the stamp never stops a module importing.
 """
 
 from __future__ import annotations
@@ -130,8 +131,11 @@ def install(packages: tuple[str, ...] = ("terrapipe",)) -> bool:
         locator = getattr(self, "_locator", None)
         if module.split(".")[0] not in _PACKAGES or locator is None:
             return
+        try:
+            ours = stamp_of(module)
+        except (OSError, SyntaxError, ValueError):  # an unreadable source: Numba's stamp alone
+            return
         numba_stamp = locator.get_source_stamp
-        ours = stamp_of(module)
         locator.get_source_stamp = lambda: (numba_stamp(), ours)
 
     init._terrapipe_stamped = True

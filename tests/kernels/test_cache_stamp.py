@@ -79,3 +79,20 @@ def test_every_cached_compiled_function_of_terrapipe_carries_the_stamp():
             assert isinstance(stamp, tuple) and stamp[1] == cache_stamp.stamp_of(name), obj
             checked += 1
     assert checked > 50, checked
+
+
+def test_a_source_that_cannot_be_parsed_keeps_numbas_stamp_and_still_imports(tmp_path):
+    # clause 4: the stamp never stops a module importing. The caller imports a module whose
+    # file is not Python (the stamp cannot parse it) through a loader that does not need it.
+    pkg = tmp_path / "stampdemo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "callee.py").write_text(_callee(5))
+    (pkg / "broken.py").write_text("def (:\n")  # not Python: never imported, only named
+    (pkg / "caller.py").write_text("from numba import njit\n\nfrom . import callee\n\n"
+                                   "if False:\n    from . import broken  # noqa\n\n\n"
+                                   "@njit(cache=True)\ndef g():\n    return callee.f() + 10\n")
+    value, hits, misses = _run(tmp_path)
+    assert (value, misses) == (15, 1)
+    value, hits, misses = _run(tmp_path)
+    assert (value, hits, misses) == (15, 1, 0)  # Numba's own stamp, cached as before
