@@ -370,8 +370,7 @@ def allgather(x, *, out=None, async_op: bool = False, group: Group | None = None
     faulted in at every call)."""
     g = _g(group)
     if out is not None:
-        _check_out(out, x, g.size * _numel(x), "allgather")
-        x = _unaliased(x, out)
+        x = _input_for_out(x, out, g.size * _numel(x), "allgather")
     if not async_op:  # the latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py)
         arr = plain_array(x)
         maker = _maker(x, arr, out) if arr is not None else None
@@ -381,15 +380,9 @@ def allgather(x, *, out=None, async_op: bool = False, group: Group | None = None
                 return made
 
     def staged(buf: Buffer):
-        if out is None:
-            made, obuf = buf.like((g.size, *buf.shape))
-        else:
-            made, obuf = out, Buffer(out, "out")
+        made, obuf = _result(buf, (g.size, *buf.shape), out)
         select.allgather(g, buf, obuf.flat.reshape(g.size, buf.size))
-        if out is not None:
-            obuf.commit()
-            return out
-        return _like_input(made, x)
+        return _delivered(made, obuf, out, x)
 
     def on_nccl(transport, t):
         made = transport.allgather(t)
@@ -464,8 +457,7 @@ def reduce_scatter(x, op: str = "sum", *, out=None, async_op: bool = False, grou
     q, r = divmod(_numel(x), g.size)
     n = q + (1 if g.rank < r else 0)
     if out is not None:
-        _check_out(out, x, n, "reduce_scatter")
-        x = _unaliased(x, out)
+        x = _input_for_out(x, out, n, "reduce_scatter")
     if not async_op:  # the latency path (NOTE [one-shot copies] 6 in comm/algorithms/oneshot.py)
         arr = plain_array(x)
         maker = _maker(x, arr, out) if arr is not None else None
@@ -474,14 +466,11 @@ def reduce_scatter(x, op: str = "sum", *, out=None, async_op: bool = False, grou
             if made is not None:
                 return made
     buf = Buffer(x, "x")
-    made, obuf = buf.like((n,)) if out is None else (out, Buffer(out, "out"))
+    made, obuf = _result(buf, (n,), out)
 
     def body():
         select.reduce_scatter(g, buf, obuf.flat, code)
-        if out is not None:
-            obuf.commit()
-            return out
-        return _like_input(made, x)
+        return _delivered(made, obuf, out, x)
 
     return _run(g, body, async_op, "reduce_scatter", x)
 
@@ -686,7 +675,7 @@ def _maker(x, arr: np.ndarray, out=None):
     """``make_out`` for the latency paths of select (gather_small, reduce_scatter_small):
     ``make_out(shape)`` is a new array of ``x``'s type and dtype (a CPU tensor for a tensor)
     and its NumPy view, made only once the latency path takes the call; or ``out`` (checked by
-    :func:`_check_out`) and its view in that shape, or None where ``out`` has no plain view (a
+    :func:`_input_for_out`) and its view in that shape, or None where ``out`` has no plain view (a
     strided, bfloat16 or CUDA one: the general path then takes the call)."""
     if out is not None:
         view = plain_array(out)
@@ -718,9 +707,11 @@ def _numel(x) -> int:
     return x.numel()
 
 
-def _check_out(out, x, count: int, coll: str) -> None:
-    """Raise unless ``out`` can take a result of ``count`` elements of ``x``'s dtype: the same
-    type of container as ``x`` (a NumPy array, or a tensor on ``x``'s device), writable."""
+def _input_for_out(x, out, count: int, coll: str):
+    """``x`` for a collective that writes its result of ``count`` elements into ``out``, copied
+    where the two overlap (:func:`_unaliased`); raise unless ``out`` can take the result: ``x``'s
+    dtype, the same type of container (a NumPy array, or a tensor on ``x``'s device),
+    writable."""
     if isinstance(x, np.ndarray):
         if not isinstance(out, np.ndarray):
             raise TypeError(f"{coll}: out must be a numpy array like x, got {type(out).__name__}")
@@ -737,6 +728,7 @@ def _check_out(out, x, count: int, coll: str) -> None:
     if not same:
         got = f"{out.dtype} of {_numel(out)} elements" + (f" on {out.device}" if where else "")
         raise ValueError(f"{coll}: out must be {x.dtype} of {count} elements{where}, got {got}")
+    return _unaliased(x, out)
 
 
 def _unaliased(x, out):
@@ -747,11 +739,24 @@ def _unaliased(x, out):
     ``x`` alone, 1 / size of an allgather's result."""
     if isinstance(x, np.ndarray):
         return x.copy() if np.may_share_memory(x, out) else x
-    if x.is_cuda != out.is_cuda or x.numel() == 0 or out.numel() == 0:
+    if x.numel() == 0 or out.numel() == 0:  # empty storages may all have address 0
         return x
-    if x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
-        return x.clone()
-    return x
+    return x.clone() if x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr() else x
+
+
+def _result(buf: Buffer, shape: tuple, out):
+    """A general path's result and its Buffer: a new one of ``buf``'s type in ``shape``, or
+    ``out``'s (checked by :func:`_input_for_out`)."""
+    return buf.like(shape) if out is None else (out, Buffer(out, "out"))
+
+
+def _delivered(made, obuf: Buffer, out, x):
+    """The result :func:`_result` made, once written: ``out`` with its Buffer committed (strided
+    or device memory written back), or the new result on ``x``'s device."""
+    if out is None:
+        return _like_input(made, x)
+    obuf.commit()
+    return out
 
 
 def _like_input(out, x):

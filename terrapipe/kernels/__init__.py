@@ -34,7 +34,6 @@ cache_stamp.install()
 
 from . import (
     adasum,
-    cache_stamp,
     entry,
     floats,
     geometry,

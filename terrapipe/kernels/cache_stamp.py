@@ -52,11 +52,12 @@ def _file_of(module: str) -> Path | None:
 
 
 @functools.cache
-def _imported(module: str, path: Path) -> frozenset[str]:
+def _imported(module: str) -> frozenset[str]:
     """The modules of ``module``'s top package that its file imports, absolute or relative.
     ``from package import submodule`` reads the submodule, not the package's ``__init__``
     (which imports every submodule, so every module would reach every other); ``from package
-    import name`` of anything else reads the ``__init__``."""
+    import name`` of anything else reads the ``__init__``. ``module`` has a file."""
+    path = _file_of(module)
     top = module.split(".")[0]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
@@ -83,17 +84,16 @@ def _imported(module: str, path: Path) -> frozenset[str]:
 @functools.cache
 def modules_reached(module: str) -> tuple[str, ...]:
     """``module`` and every module of its top package it imports, directly or through others,
-    sorted (clause 2)."""
+    sorted (clause 2); empty where ``module`` has no source file."""
+    if _file_of(module) is None:
+        return ()
     seen, todo = set(), [module]
     while todo:
         m = todo.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        path = _file_of(m)
-        if path is not None:
-            todo.extend(_imported(m, path) - seen)
-    return tuple(sorted(m for m in seen if _file_of(m) is not None))
+        if m not in seen:
+            seen.add(m)
+            todo.extend(_imported(m) - seen)  # every one with a file
+    return tuple(sorted(seen))
 
 
 @functools.cache
@@ -117,7 +117,7 @@ def install(packages: tuple[str, ...] = ("terrapipe",)) -> bool:
     from numba.core import caching
 
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
-    if impl is None or not callable(getattr(impl, "__init__", None)):
+    if impl is None:
         return False
     _PACKAGES.update(packages)
     if getattr(impl.__init__, "_terrapipe_stamped", False):
