@@ -53,8 +53,9 @@ NOTE [a kernel generated for the machine at hand]
      Zen 3), it still wins: on a Zen 4 (``python -m benchmarks.kernels --photos DIR``, both
      arithmetics interleaved, 200 photographs) 130 against 145 us at 16 lanes, and with AVX2
      code (8 lanes, compiled for ``znver3`` through ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``:
-     :func:`target`) 134 against 180 us. Zen 1-3 kept the exact arithmetic until then; a Zen 3
-     itself is not measured. The benchmark times both arithmetics on the machine at hand.
+     :func:`target`) 134 against 180 us; on a Zen 3 itself (AVX2 only, 8 lanes) 169 against
+     198 us (``kernels_zen3_avx2_2026-12-07.json``). Zen 1-3 had kept the exact arithmetic until
+     then. The benchmark times both arithmetics on the machine at hand.
      ``narrow=True`` or ``False`` runs at any width.
 7. With the 16-bit passes, a lut of 4-byte entries (float32 normalization) is applied after the
    byte transpose of clause 3's identity path: each output row's R levels index the channel's
