@@ -1,7 +1,7 @@
 """The collectives besides allreduce on one node (allgather, gather, broadcast, reduce-scatter):
 terrapipe vs MPI (mpi4py + MPICH) vs torch.distributed over Gloo, in one run.
 
-    python -m benchmarks.collectives -n 2 [--max-mib 8] [--rounds 5]
+    python -m benchmarks.collectives -n 2 [--max-mib 8] [--rounds 5] [--written-input]
 
 Cases, interleaved per size (float32, every rank its own values; a gather's and a broadcast's
 root rotates from case to case, alike on every rank):
@@ -27,6 +27,17 @@ calls; reported: medians and the median of each round's ratio to ``comm`` (drift
 rounds cancels out of those). The floor: an allgather's rank reads p x n bytes, a broadcast's
 n and a reduce-scatter's n (its part of every rank's message), so from a few hundred KiB they
 run at the speed of copying memory.
+
+``--written-input``: every rank writes its whole input (the same values, in place) before each
+call, in every case alike, as a training step writes the gradients or parameters it then
+exchanges; the write alone is timed too (``write_s``), to subtract. Without it the input is
+written once, and a path that reads a peer's input straight from its memory (single-copy) finds
+the peer's lines already in its own cache from the call before, which a training step never
+does. Probed on a 2-core AMD EPYC (Zen 3, 2026-12-07), 2 ranks, 1 MiB allgathers, each process
+a sample: single-copy took 233-290 us with an unchanged input and 360-740 us with a written
+one; the one-shot 206-471 and 271-561. Every shared-memory path (MPICH's too) ran at one of
+two speeds about 2x apart, fixed for a process's life: where the VM's two cores were placed
+(docs/benchmarks.md). Compare ratios within one run.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ CASES = tuple(f"{c} {w}" for c in COLLS for w in WAYS if w != "out" or c in OUT_
 SIZES = (64, 4 << 10, 64 << 10, 512 << 10, 1 << 20, 4 << 20, 8 << 20)
 
 
-def _worker(max_mib: int, rounds: int) -> None:
+def _worker(max_mib: int, rounds: int, written_input: bool = False) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -114,7 +125,9 @@ def _worker(max_mib: int, rounds: int) -> None:
             "reduce_scatter gloo": lambda t=tfull, tpart=tpart: scatter_into(tpart, t),
         }
 
-        def step(case, calls=calls):
+        def step(case, calls=calls, x=x, value=rank + 1):
+            if written_input:
+                x.fill(value)  # every line of the input written: as a training step leaves it
             calls[case]()
 
         for c in CASES:  # warm-up: compiles, connects
@@ -125,6 +138,9 @@ def _worker(max_mib: int, rounds: int) -> None:
             return contextlib.nullcontext()
 
         results[nbytes] = interleave_ranks(step, CASES, rounds, steps, mpi, around)
+        if written_input:
+            write = interleave_ranks(lambda case, x=x, v=rank + 1: x.fill(v), ("write",), rounds, steps, mpi)
+            results[nbytes]["write"] = write["write"]
     pinned.close()
     dist.destroy_process_group()
     if rank == 0:
@@ -138,7 +154,7 @@ def _label(nbytes: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = rank_sweep_args(__doc__, argv)
+    args = rank_sweep_args(__doc__, argv, written=True)
     data = sweep_over_ranks("benchmarks.collectives", args, _worker)
     if data is None:
         return
@@ -160,10 +176,15 @@ def main(argv: list[str] | None = None) -> None:
                         + [f"{1e6 * med[f'{coll} {w}']:.1f}" if f"{coll} {w}" in med else "-" for w in WAYS]
                         + [f"{ratios[f'{coll} {w}/comm']:.2f}" if f"{coll} {w}/comm" in ratios else "-"
                            for w in WAYS[1:]])
-    print(f"\n{data['p']} ranks on one node, float32, median of {args.rounds} interleaved rounds")
+    written = " (inputs written before each call, in every case)" if args.written_input else ""
+    print(f"\n{data['p']} ranks on one node, float32, median of {args.rounds} interleaved rounds{written}")
     print(format_table(["size", "collective"] + [f"{w} us" for w in WAYS] + [f"{w}/comm" for w in WAYS[1:]],
                        rows))
-    result = {"ranks": data["p"], "sizes": table, "samples_s": data["samples"]}
+    result = {"ranks": data["p"], "written_input": args.written_input, "sizes": table,
+              "samples_s": data["samples"]}
+    if args.written_input:
+        writes = {size: 1e6 * statistics.median(got["write"]) for size, got in data["samples"].items()}
+        print("the write alone, us: " + ", ".join(f"{_label(int(k))} {v:.1f}" for k, v in writes.items()))
 
     def plot():
         import matplotlib.pyplot as plt
@@ -184,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
         axes[0].legend()
         return fig
 
-    for f in save(f"collectives_n{data['p']}", result, plot):
+    for f in save(f"collectives{'_written' if args.written_input else ''}_n{data['p']}", result, plot):
         print(f"wrote {f}")
 
 

@@ -311,11 +311,12 @@ def report_from_rank0(payload: dict) -> None:
 
 
 def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = False,
-                    cluster: bool = False):
+                    cluster: bool = False, written: bool = False):
     """The command line of a benchmark that sweeps message sizes over ranks: ``-n`` ranks,
     ``--max-mib``, ``--rounds`` and the hidden ``--worker`` that :func:`run_ranks` passes
     (``algorithms``: also ``--algorithms``; ``cluster``: also ``--cluster NxK`` and ``--link``,
-    an emulated cluster's shape and link rate)."""
+    an emulated cluster's shape and link rate; ``written``: also ``--written-input``, which
+    :func:`sweep_over_ranks` hands its workers as ``written_input``)."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -325,6 +326,9 @@ def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = 
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     if algorithms:
         p.add_argument("--algorithms", action="store_true", help="time each path, forced")
+    if written:
+        p.add_argument("--written-input", action="store_true",
+                       help="each rank writes its input before every call, as a training step does")
     if cluster:
         def shape(text: str):
             if text == "x":  # what the launcher passes its workers: "inside a cluster"
@@ -337,18 +341,23 @@ def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = 
         p.add_argument("--cluster", type=shape, default=None,
                        help="NODESxRANKS: run across an emulated cluster (needs root)")
         p.add_argument("--link", default="1gbit", help="the emulated links' rate (tc syntax)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_mib < 1:  # every sweep's sizes reach 1 MiB; below it none would be left
+        p.error(f"--max-mib must be at least 1, got {args.max_mib}")
+    return args
 
 
 def sweep_over_ranks(module: str, args, worker: Callable[[int, int], None]) -> dict | None:
     """Both sides of a size sweep's ``main`` over :func:`rank_sweep_args`' ``args``: as a rank
-    (``--worker``), ``worker(max_mib, rounds)`` and None; as the launcher, ``args.n`` ranks of
+    (``--worker``), ``worker(max_mib, rounds)`` (and ``written_input=True`` where
+    ``--written-input`` was given) and None; as the launcher, ``args.n`` ranks of
     ``python -m <module>`` (one OpenMP thread each) and what their rank 0 reported."""
+    written = getattr(args, "written_input", False)
     if args.worker:
-        worker(args.max_mib, args.rounds)
+        worker(args.max_mib, args.rounds, **({"written_input": True} if written else {}))
         return None
-    return run_ranks(module, args.n, ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)],
-                     env={"OMP_NUM_THREADS": "1"})
+    return run_ranks(module, args.n, ["--max-mib", str(args.max_mib), "--rounds", str(args.rounds)]
+                     + (["--written-input"] if written else []), env={"OMP_NUM_THREADS": "1"})
 
 
 def link_bits_per_second(rate: str) -> float:
