@@ -36,8 +36,8 @@ the peer's lines already in its own cache from the call before, which a training
 does. Probed on a 2-core AMD EPYC (Zen 3, 2026-12-07), 2 ranks, 1 MiB allgathers, each process
 a sample: single-copy took 233-290 us with an unchanged input and 360-740 us with a written
 one; the one-shot 206-471 and 271-561. Every shared-memory path (MPICH's too) ran at one of
-two speeds about 2x apart, fixed for a process's life: where the VM's two cores were placed
-(docs/benchmarks.md). Compare ratios within one run.
+two speeds about 2x apart, mostly for a whole process: where the VM's two cores were placed
+(docs/benchmarks.md). Compare ratios of interleaved rounds only.
 """
 
 from __future__ import annotations
