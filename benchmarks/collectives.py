@@ -30,14 +30,14 @@ run at the speed of copying memory.
 
 ``--written-input``: every rank writes its whole input (the same values, in place) before each
 call, in every case alike, as a training step writes the gradients or parameters it then
-exchanges; the write alone is timed too (``write_s``), to subtract. Without it the input is
-written once, and a path that reads a peer's input straight from its memory (single-copy) finds
-the peer's lines already in its own cache from the call before, which a training step never
-does. Probed on a 2-core AMD EPYC (Zen 3, 2026-12-07), 2 ranks, 1 MiB allgathers, each process
-a sample: single-copy took 233-290 us with an unchanged input and 360-740 us with a written
-one; the one-shot 206-471 and 271-561. Every shared-memory path (MPICH's too) ran at one of
-two speeds about 2x apart, mostly for a whole process: where the VM's two cores were placed
-(docs/benchmarks.md). Compare ratios of interleaved rounds only.
+exchanges; the write alone is a case of its own (``write``), interleaved, to subtract. Without
+it the input is written once, and a path that reads a peer's input straight from its memory
+(single-copy) finds the peer's lines already in its own cache from the call before, which a
+training step never does. Probed on a 2-core AMD EPYC (Zen 3, 2026-12-07), 2 ranks, 1 MiB
+allgathers, each process a sample: single-copy took 233-290 us with an unchanged input and
+360-740 us with a written one; the one-shot 206-471 and 271-561. Every shared-memory path
+(MPICH's too) ran at one of two speeds about 2x apart, mostly for a whole process: where the
+VM's two cores were placed (docs/benchmarks.md). Compare ratios of interleaved rounds only.
 """
 
 from __future__ import annotations
@@ -125,9 +125,17 @@ def _worker(max_mib: int, rounds: int, written_input: bool = False) -> None:
             "reduce_scatter gloo": lambda t=tfull, tpart=tpart: scatter_into(tpart, t),
         }
 
-        def step(case, calls=calls, x=x, value=rank + 1):
+        def write(x=x, value=rank + 1):
+            x.fill(value)  # every line of the input written: as a training step leaves it
+
+        cases = CASES
+        if written_input:  # the write alone, a case interleaved with the others
+            calls["write"] = lambda: None
+            cases += ("write",)
+
+        def step(case, calls=calls):
             if written_input:
-                x.fill(value)  # every line of the input written: as a training step leaves it
+                write()
             calls[case]()
 
         for c in CASES:  # warm-up: compiles, connects
@@ -137,10 +145,7 @@ def _worker(max_mib: int, rounds: int, written_input: bool = False) -> None:
             root[0] = (root[0] + 1) % p
             return contextlib.nullcontext()
 
-        results[nbytes] = interleave_ranks(step, CASES, rounds, steps, mpi, around)
-        if written_input:
-            write = interleave_ranks(lambda case, x=x, v=rank + 1: x.fill(v), ("write",), rounds, steps, mpi)
-            results[nbytes]["write"] = write["write"]
+        results[nbytes] = interleave_ranks(step, cases, rounds, steps, mpi, around)
     pinned.close()
     dist.destroy_process_group()
     if rank == 0:

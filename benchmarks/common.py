@@ -342,7 +342,7 @@ def rank_sweep_args(doc: str | None, argv: list[str] | None, algorithms: bool = 
                        help="NODESxRANKS: run across an emulated cluster (needs root)")
         p.add_argument("--link", default="1gbit", help="the emulated links' rate (tc syntax)")
     args = p.parse_args(argv)
-    if args.max_mib < 1:  # every sweep's sizes reach 1 MiB; below it none would be left
+    if args.max_mib < 1:  # a sweep keeps the sizes up to --max-mib MiB: at 0 none is left
         p.error(f"--max-mib must be at least 1, got {args.max_mib}")
     return args
 
