@@ -33,11 +33,9 @@ call, in every case alike, as a training step writes the gradients or parameters
 exchanges; the write alone is a case of its own (``write``), interleaved, to subtract. Without
 it the input is written once, and a path that reads a peer's input straight from its memory
 (single-copy) finds the peer's lines already in its own cache from the call before, which a
-training step never does. Probed on a 2-core AMD EPYC (Zen 3, 2026-12-07), 2 ranks, 1 MiB
-allgathers, each process a sample: single-copy took 233-290 us with an unchanged input and
-360-740 us with a written one; the one-shot 206-471 and 271-561. Every shared-memory path
-(MPICH's too) ran at one of two speeds about 2x apart, mostly for a whole process: where the
-VM's two cores were placed (docs/benchmarks.md). Compare ratios of interleaved rounds only.
+training step never does: `python -m benchmarks.allgather_paths` times each path with the input
+unchanged and written (docs/benchmarks.md, the collectives on a Zen 3). Compare ratios of
+interleaved rounds only.
 """
 
 from __future__ import annotations
