@@ -8,6 +8,8 @@ host slots copied to the GPU on a side stream). The epoch iterator drives either
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
@@ -67,42 +69,84 @@ def host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype
     makes the memory (``np.empty``'s signature; shared slots for a worker process)."""
     n, c, h, w = shape
     arr = alloc((n, h, w, c) if channels_last else shape, np_dtype)
+    t = _as_batch(arr, torch_dtype, channels_last)
+    return t, arr.transpose(0, 3, 1, 2) if channels_last else arr
+
+
+def _as_batch(arr: np.ndarray, torch_dtype: torch.dtype, channels_last: bool) -> torch.Tensor:
+    """``arr`` (N, C, H, W), or (N, H, W, C) when ``channels_last``, as the NCHW tensor handed
+    out, sharing its memory and keeping ``arr`` (the object) alive."""
     t = torch.from_numpy(arr)
     if torch_dtype in (torch.float16, torch.bfloat16):
         t = t.view(torch_dtype)
-    if channels_last:
-        return t.permute(0, 3, 1, 2), arr.transpose(0, 3, 1, 2)
-    return t, arr
+    return t.permute(0, 3, 1, 2) if channels_last else t
 
 
 class HostFeed(Feed):
     """Batches in host memory: ``ring`` slots of ``shape`` (N, C, H, W), written through the
     plan's table, handed out as views (NOTE [batch buffer ownership]); in ``shared`` (a worker
-    process's slots) when given."""
+    process's slots) when given.
+
+    A batch still referenced when its slot is about to be refilled (clause 3 of that NOTE: the
+    consumer kept it past the next one, as ``list(loader)`` does) is never overwritten in
+    private memory: the slot gets new buffers and the consumer keeps the old ones, as
+    DataLoader's batches are kept. Shared slots cannot be swapped under the worker process, so
+    there the loader warns once instead, naming ``copy=True``. ``replaced`` counts the swaps.
+    """
 
     def __init__(self, ring: int, shape: Sequence[int], plan: Plan, channels_last: bool,
                  shared: SharedSlots | None = None) -> None:
-        alloc = np.empty if shared is None else shared.empty
+        self._alloc = np.empty if shared is None else shared.empty
+        self._shape = tuple(shape)
+        self._torch_dtype, self._channels_last = plan.torch_dtype, channels_last
         self.lut = plan.lut
-        self._images_t: list[torch.Tensor] = []
-        self.images = []
-        for _ in range(ring):
-            t, a = host_batch(tuple(shape), self.lut.dtype, plan.torch_dtype, channels_last, alloc)
-            self._images_t.append(t)
-            self.images.append(a)
-        self.labels = [alloc((shape[0],), np.int64) for _ in range(ring)]
-        self._labels_t = [torch.from_numpy(a) for a in self.labels]
+        # per slot: the kernels' views (workers index these lists), and the memory as allocated
+        self.images, self.labels = [None] * ring, [None] * ring
+        self._memory: list[tuple[np.ndarray, np.ndarray]] = [None] * ring
+        for slot in range(ring):
+            self._allocate(slot)
+        # per slot: weak references to the arrays its last hand-out's tensors keep alive
+        self._handed: list[tuple[weakref.ref, weakref.ref] | None] = [None] * ring
+        self.replaced = 0
+        self._warned = False
+
+    def _allocate(self, slot: int) -> None:
+        """New memory for ``slot``, written in place into the lists the workers index."""
+        _, arr = host_batch(self._shape, self.lut.dtype, self._torch_dtype, self._channels_last, self._alloc)
+        memory = arr.transpose(0, 2, 3, 1) if self._channels_last else arr
+        labels = self._alloc((self._shape[0],), np.int64)
+        self._memory[slot] = (memory, labels)
+        self.images[slot], self.labels[slot] = arr, labels
 
     def start_pass(self) -> None:
         pass  # nothing is queued beyond the pool's own work, which the iterator owns
 
     def slot_writable(self, slot: int) -> None:
-        pass  # the consumer released the slot (the ring's rule); nothing else reads it
+        # The consumer released the slot by the ring's rule; whether it let go of the tensors
+        # is told by the per-hand-out arrays they keep alive (a view of a view keeps them too).
+        handed = self._handed[slot]
+        if handed is None or (handed[0]() is None and handed[1]() is None):
+            return
+        self._handed[slot] = None
+        if self._alloc is np.empty:
+            self._allocate(slot)
+            self.replaced += 1
+        elif not self._warned:
+            self._warned = True
+            warnings.warn(
+                "FastLoader: a batch is still referenced when its buffer is refilled (held past the "
+                "next batch, as list(loader) does); with workers='process' it now holds a later "
+                "batch's data: pass copy=True to keep batches", RuntimeWarning, stacklevel=5)
 
     def deliver(self, batch: int, slot: int, count: int,
                 filled: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:
         filled()
-        return self._images_t[slot][:count], self._labels_t[slot][:count]
+        # New array objects over the same memory, one pair per hand-out: what the handed
+        # tensors (and any view of them) keep alive, so slot_writable can tell they are held.
+        images, labels = (a.view() for a in self._memory[slot])
+        self._handed[slot] = (weakref.ref(images), weakref.ref(labels))
+        return (_as_batch(images, self._torch_dtype, self._channels_last)[:count],
+                torch.from_numpy(labels)[:count])
 
     def copy_ahead(self, batch: int, slot: int, count: int) -> None:
         pass  # the batch already is where the consumer reads it

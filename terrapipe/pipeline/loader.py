@@ -14,15 +14,24 @@ NOTE [one iterator per epoch]
     when it is garbage collected (``break`` out of a ``for`` loop drops the last reference).
 
 NOTE [batch buffer ownership]
-    The loader owns ``prefetch + 2`` batch slots, allocated once. Batch ``b`` of a pass is
-    written into slot ``(base + b) % ring`` (``base``: the batches the loader's earlier passes
-    yielded, so the slot sequence runs on from pass to pass, NOTE [the next epoch's first
-    batches]) by pool threads, each thread writing only the samples it was given (disjoint
-    rows), and handed to the consumer once every write to it has finished. The consumer then
-    owns that slot until it asks for batch ``b + 2``: at that point batch ``b + 2 + prefetch``
-    may be submitted, which is the first batch to reuse its slot. So a yielded tensor
-    stays valid while the consumer holds the next batch too, and ``copy=True`` yields tensors the
-    caller owns outright. Scratch (resize weights, intermediate rows) is per thread.
+    1. The loader owns ``prefetch + 2`` batch slots, allocated once. Batch ``b`` of a pass is
+       written into slot ``(base + b) % ring`` (``base``: the batches the loader's earlier
+       passes yielded, so the slot sequence runs on from pass to pass, NOTE [the next epoch's
+       first batches]) by pool threads, each thread writing only the samples it was given
+       (disjoint rows), and handed to the consumer once every write to it has finished.
+       Scratch (resize weights, intermediate rows) is per thread.
+    2. The consumer owns that slot until it asks for batch ``b + 2``: at that point batch
+       ``b + 2 + prefetch`` may be submitted, which is the first batch to reuse its slot. So a
+       yielded tensor stays valid while the consumer holds the next batch too, which is all a
+       training loop does, and ``copy=True`` yields tensors the caller owns outright.
+    3. A consumer that keeps batches longer (``list(loader)``, a validation loop collecting its
+       inputs) keeps them intact with host batches and thread workers: each hand-out's tensors
+       keep alive an array made for that hand-out, and a slot whose last hand-out is still
+       alive when it is to be refilled gets new memory instead (HostFeed.slot_writable), so the
+       kept batch is the consumer's, as DataLoader's batches are. A loop that lets go costs
+       nothing but that array. Shared slots (``workers="process"``) cannot be swapped under the
+       worker process, so there the loader warns once that a kept batch was overwritten; CUDA
+       batches follow clause 2 (NOTE [device feed streams] in pipeline/device.py).
 
 NOTE [the next epoch's first batches]
     1. Why: an iterator that starts with an empty pipeline makes its consumer wait for a whole
@@ -104,12 +113,14 @@ class FastLoader:
 
     Yields ``(images, labels)``: images (N, C, H, W) (float per ``Normalize``, else uint8;
     ``channels_last=True`` gives channels-last strides), labels int64 (N,), on ``device``.
-    Yielded tensors are views of reused buffers (NOTE [batch buffer ownership]); pass
-    ``copy=True`` for owned tensors. Augmentation is a pure function of (seed, epoch, sample
-    index), so any ``num_threads`` gives the same bytes. Each ``iter()`` is one epoch's iterator
-    (NOTE [one iterator per epoch]); the first batches of the next one (the next epoch, as a
-    loop of ``set_epoch(epoch)`` runs them) are begun while the consumer takes this one's last
-    batches, and cancelled if another pass comes instead (NOTE [the next epoch's first batches]).
+    Yielded tensors are views of reused buffers, valid while the next batch is held too (NOTE
+    [batch buffer ownership]); host batches from thread workers that are kept longer are never
+    overwritten (clause 3). Pass ``copy=True`` for owned tensors. Augmentation is a pure
+    function of (seed, epoch, sample index), so any ``num_threads`` gives the same bytes. Each
+    ``iter()`` is one epoch's iterator (NOTE [one iterator per epoch]); the first batches of the
+    next one (the next epoch, as a loop of ``set_epoch(epoch)`` runs them) are begun while the
+    consumer takes this one's last batches, and cancelled if another pass comes instead (NOTE
+    [the next epoch's first batches]).
 
     ``device="cuda"`` / ``"cuda:N"`` (default index under a multi-process launch: the local
     rank's GPU, round-robin): host buffers are pinned, uint8 crosses the bus on a side stream and

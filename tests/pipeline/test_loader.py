@@ -225,6 +225,51 @@ def test_yielded_views_stay_valid_until_reuse():
     assert torch.equal(torch.cat(xs), torch.from_numpy(imgs.transpose(0, 3, 1, 2)))
 
 
+@pytest.mark.parametrize("transforms, channels_last", [
+    ([], False),
+    ([], True),
+    ([Normalize(MEAN, STD)], False),
+    ([Normalize(MEAN, STD, dtype=torch.bfloat16)], True),
+])
+def test_batches_kept_past_the_next_are_never_overwritten(transforms, channels_last):
+    # NOTE [batch buffer ownership] 3: list(loader) keeps every batch; each must be its own.
+    # Regression: the slots were refilled under the kept tensors, and list(loader) gave the
+    # ring's last batches over and over.
+    g = np.random.default_rng(3)
+    imgs = g.integers(0, 256, (50, 6, 5, 3), dtype=np.uint8)
+    kw = dict(transforms=transforms, batch_size=4, prefetch=1, num_threads=2, channels_last=channels_last)
+    with FastLoader(ArrayDataset(imgs, range(50)), copy=True, **kw) as loader:
+        want = list(loader)
+    with FastLoader(ArrayDataset(imgs, range(50)), **kw) as loader:
+        for epoch in range(3):  # the slot sequence runs on across passes (clause 1)
+            loader.set_epoch(epoch)
+            kept = list(loader)
+            assert len(kept) == len(want) == 13
+            for b, ((x, y), (wx, wy)) in enumerate(zip(kept, want, strict=True)):
+                assert torch.equal(x, wx) and torch.equal(y, wy), f"epoch {epoch} batch {b}"
+                assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
+        # a view is enough to keep the memory: only a row of each batch is held here
+        rows = [x[1] for x, _ in loader]
+        for b, row in enumerate(rows):
+            assert torch.equal(row, want[b][0][1]), f"batch {b}"
+
+
+def test_a_loop_that_lets_go_of_its_batches_reuses_the_slots():
+    # Clause 2's loop gets no new memory: the replacement is only for batches still alive.
+    imgs = np.random.default_rng(4).integers(0, 256, (64, 4, 4, 3), dtype=np.uint8)
+    with FastLoader(ArrayDataset(imgs, range(64)), batch_size=4, num_threads=2) as loader:
+        slots = {loader._feed.images[s].ctypes.data for s in range(len(loader._feed.images))}
+        for epoch in range(3):
+            loader.set_epoch(epoch)
+            held = []
+            for x, y in loader:
+                held = [x, y]  # the previous batch is let go as the next arrives
+                assert x.shape == (4, 3, 4, 4)
+            del held
+        assert loader._feed.replaced == 0
+        assert {loader._feed.images[s].ctypes.data for s in range(len(loader._feed.images))} == slots
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"batch_size": 0}, "batch_size"),
     ({"num_threads": 0}, "num_threads"),
