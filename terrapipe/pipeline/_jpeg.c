@@ -9,9 +9,9 @@
  * decode by the same library; the caller keeps a margin so that the pixels at an interior edge
  * of the region, where chroma upsampling lacks its neighbour, are never read.
  *
- * Anything out of the ordinary (not a JPEG, CMYK/YCCK, any libjpeg warning such as a premature
- * end of data, any error) returns a non-zero code and the caller decodes that sample with
- * Pillow, so errors and their messages are Pillow's.
+ * Anything out of the ordinary (not a JPEG, CMYK/YCCK, no end-of-image marker, any libjpeg
+ * warning such as a premature end of data, any error) returns a non-zero code and the caller
+ * decodes that sample with Pillow, so errors and their messages are Pillow's.
  *
  * A handle belongs to one thread at a time; its state is reused image after image.
  */
@@ -72,6 +72,19 @@ void tp_jpeg_free(tp_jpeg *h) {
 
 const char *tp_jpeg_message(tp_jpeg *h) { return h->err.message; }
 
+/* Whether an end-of-image marker (FF D9) follows the first scan's start, p[0:n]. A region
+ * decode stops below the crop and never reaches the end of the data, so without this a
+ * truncated file would decode or fail depending on where the crop fell, epoch by epoch; with
+ * it, the file goes to Pillow, which reads to the end and names the truncation, whatever the
+ * crop. Inside entropy-coded data FF is followed only by 00 or a restart marker, so FF D9 there
+ * is the end; searched from the end, where it is (after any trailing bytes) in a whole file. */
+static int tp_has_eoi(const unsigned char *p, size_t n) {
+    size_t i;
+    for (i = n; i >= 2; i--)
+        if (p[i - 1] == 0xD9 && p[i - 2] == 0xFF) return 1;
+    return 0;
+}
+
 /* Parse the header of data[0:size]; on TP_OK, *width x *height is the full image size. data
  * must stay alive and unchanged until tp_jpeg_decode returns. */
 int tp_jpeg_header(tp_jpeg *h, const unsigned char *data, unsigned long size, int *width,
@@ -86,6 +99,11 @@ int tp_jpeg_header(tp_jpeg *h, const unsigned char *data, unsigned long size, in
     }
     jpeg_mem_src(&h->cinfo, data, size);
     jpeg_read_header(&h->cinfo, TRUE);
+    if (!tp_has_eoi(h->cinfo.src->next_input_byte, h->cinfo.src->bytes_in_buffer)) {
+        snprintf(h->err.message, sizeof h->err.message, "no end-of-image marker: truncated");
+        jpeg_abort_decompress(&h->cinfo);
+        return TP_FAILED;
+    }
     if (h->cinfo.jpeg_color_space != JCS_YCbCr && h->cinfo.jpeg_color_space != JCS_GRAYSCALE &&
         h->cinfo.jpeg_color_space != JCS_RGB) {
         jpeg_abort_decompress(&h->cinfo);

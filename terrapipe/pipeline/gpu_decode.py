@@ -83,7 +83,13 @@ def nvjpeg_decoder(device: torch.device) -> DecodeFn:
 
 
 def _is_jpeg(payload) -> bool:
-    return isinstance(payload, (bytes, bytearray, memoryview)) and bytes(payload[:3]) == b"\xff\xd8\xff"
+    """A JPEG with an end-of-image marker after its start. nvJPEG may decode a truncated file
+    from what it has; without the marker the sample goes to the CPU path, which names the
+    truncation (Pillow's error, as pipeline/_jpeg.c's check leaves it)."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        return False
+    data = bytes(payload) if isinstance(payload, memoryview) else payload
+    return data[:3] == b"\xff\xd8\xff" and data.rfind(b"\xff\xd9") > 2
 
 
 class DecodeShare:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, ImageFile
 
 from terrapipe import FastLoader
 from terrapipe.kernels import image as kimage
@@ -241,6 +241,29 @@ def test_a_corrupt_sample_on_the_gpu_share_is_named_or_skipped():
     got, labels, skipped = _split_rows(ds, [2, 6, 7, 1], gpu_rows=4, on_error="skip")
     ref, ref_labels, ref_skipped = _cpu_rows(ds, [2, 6, 7, 1], on_error="skip")
     assert sorted(s[0] for s in skipped) == sorted(s[0] for s in ref_skipped) == [6, 7]
+    assert labels.tolist() == ref_labels.tolist()
+    assert np.abs(got.astype(int) - ref.astype(int)).max() <= 1
+
+
+def test_a_jpeg_without_its_end_is_named_even_where_the_gpu_decoder_would_take_it():
+    # nvJPEG may decode what a truncated file has; the sample must fail as on the CPU path.
+    # Regression: only the first bytes were checked, and a lenient decoder gave it pixels.
+    ds = _source(6)
+    ds.payloads[4] = ds.payloads[4][:-2]  # every scan byte there, the end-of-image marker gone
+
+    def lenient(data):
+        ImageFile.LOAD_TRUNCATED_IMAGES = True
+        try:
+            return _pillow_decode(data)
+        finally:
+            ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+    assert len(lenient([torch.frombuffer(bytearray(ds.payloads[4]), dtype=torch.uint8)])) == 1
+    with pytest.raises(SampleError, match=r"sample 4 \(mem/004.jpg\).*truncated"):
+        _split_rows(ds, [1, 4, 5], gpu_rows=3, decode=lenient)
+    got, labels, skipped = _split_rows(ds, [1, 4, 5], gpu_rows=3, decode=lenient, on_error="skip")
+    ref, ref_labels, ref_skipped = _cpu_rows(ds, [1, 4, 5], on_error="skip")
+    assert [s[0] for s in skipped] == [s[0] for s in ref_skipped] == [4]
     assert labels.tolist() == ref_labels.tolist()
     assert np.abs(got.astype(int) - ref.astype(int)).max() <= 1
 

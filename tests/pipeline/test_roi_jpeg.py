@@ -18,6 +18,7 @@ from terrapipe.pipeline import (
     RandomHorizontalFlip,
     RandomResizedCrop,
     Resize,
+    SampleError,
     decode,
     roi_jpeg,
 )
@@ -87,16 +88,47 @@ def test_declines_what_pillow_must_decode():
     Image.fromarray(g.integers(0, 256, (200, 300, 4), dtype=np.uint8), "CMYK").save(cmyk, "JPEG")
     for payload in (png.getvalue(), cmyk.getvalue(), b"", b"\xff\xd8\xff", b"garbage" * 9):
         assert dec.header(payload) is None
-    # Truncated data parses (the header is whole) but is never returned as pixels.
-    assert dec.header(good[: len(good) // 2]) == (300, 200)
-    assert dec.decode((0.0, 0.0, 300.0, 200.0), (200, 300)) is None
-    assert dec.message()
+    # Truncated data is declined at the header, wherever the cut (no end-of-image marker), so
+    # Pillow names it whatever region a crop would have read.
+    for cut in (len(good) // 2, 2, 1):
+        assert dec.header(good[:-cut]) is None
+        assert "truncated" in dec.message()
+    # Bytes after the end-of-image marker are no truncation: the shim still decodes it.
+    assert dec.header(good + b"\0" * 64 + b"trailer") == (300, 200)
+    assert dec.decode((0.0, 0.0, 300.0, 200.0), (200, 300)) is not None
     # The handle is fine afterwards, and a header that is never decoded is dropped cleanly.
     assert dec.header(good) == (300, 200)
     assert dec.header(good) == (300, 200)
     assert dec.decode((0.0, 0.0, 300.0, 200.0), (200, 300)) is not None
     with pytest.raises(RuntimeError, match="header"):
         dec.decode((0.0, 0.0, 300.0, 200.0), (200, 300))
+
+
+@pytest.mark.parametrize("compiled_fill", ["1", "0"])
+def test_a_truncated_jpeg_is_named_whatever_the_crop_reads(tmp_path, monkeypatch, compiled_fill):
+    # Regression: a region decode stops below the crop, so a file cut short after the crop's
+    # rows decoded without a word under Resize + CenterCrop, and failed or not epoch by epoch
+    # under RandomResizedCrop; Pillow, which reads the whole file, names every one of them.
+    monkeypatch.setenv("TERRAPIPE_COMPILED_FILL", compiled_fill)
+    good = _jpeg(_photo(5, 320, 240), quality=90)
+    cuts = (2, 10, 300, len(good) // 3)
+    for k, cut in enumerate(cuts):
+        (tmp_path / f"only{k}" / "c").mkdir(parents=True)
+        (tmp_path / f"only{k}" / "c" / f"cut{k}.jpg").write_bytes(good[:-cut])
+        (tmp_path / "all" / "c").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "all" / "c" / f"cut{k}.jpg").write_bytes(good[:-cut])
+    (tmp_path / "all" / "c" / "whole.jpg").write_bytes(good)
+    for transforms in ([Resize(80), CenterCrop(64)], [RandomResizedCrop(64, scale=(0.05, 0.2))]):
+        for k in range(len(cuts)):
+            with FastLoader(ImageFolder(tmp_path / f"only{k}"), transforms, batch_size=1) as loader:
+                with pytest.raises(SampleError, match=rf"sample 0 \(.*cut{k}.jpg\).*truncated"):
+                    next(iter(loader))
+        ds = ImageFolder(tmp_path / "all")
+        for seed in range(3):  # crops elsewhere each time: the same samples are bad
+            with FastLoader(ds, transforms, batch_size=2, num_threads=2, on_error="skip",
+                            seed=seed) as loader:
+                assert sum(len(y) for _, y in loader) == len(ds)
+                assert sorted(i for i, _, _ in loader.skipped) == list(range(len(cuts)))
 
 
 @pytest.fixture(scope="module")
