@@ -12,7 +12,7 @@ feeding a GPU (``yield_cpu=True``; the DataLoader's workers lower theirs in ``wo
 The cases alternate in every round:
 
 * alone: the step, with no loader;
-* threaded: ``FastLoader(workers="thread")``, one batch taken before each step;
+* threaded: ``FastLoader(workers="threads")``, one batch taken before each step;
 * per-sample: the same, with each sample read, decoded and resampled from Python, as before
   a chunk of files went through one compiled call (``TERRAPIPE_COMPILED_FILL=0`` while it is
   made; NOTE [one compiled call per chunk] in terrapipe/pipeline/compiled_fill.py);
@@ -127,9 +127,9 @@ def run(args) -> dict:
     kw = dict(batch_size=args.batch, shuffle=True, num_threads=args.threads, yield_cpu=True)
     transform, baseline_kind = _torchvision_transform()
     with _setting("TERRAPIPE_COMPILED_FILL", "0"):
-        per_sample = FastLoader(ds, transforms, workers="thread", **kw)
+        per_sample = FastLoader(ds, transforms, workers="threads", **kw)
     loaders = {
-        "threaded": FastLoader(ds, transforms, workers="thread", **kw),
+        "threaded": FastLoader(ds, transforms, workers="threads", **kw),
         "per-sample": per_sample,
         "isolated": FastLoader(ds, transforms, workers="process", **kw),
         "dataloader": torch.utils.data.DataLoader(

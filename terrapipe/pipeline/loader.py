@@ -100,7 +100,7 @@ from .workers import ThreadWorkers, Workers
 
 __all__ = ["FastLoader", "SampleError"]
 
-WORKERS = ("thread", "process")
+WORKERS = ("threads", "process")
 
 
 class FastLoader:
@@ -127,15 +127,15 @@ class FastLoader:
     Normalize runs on the device; the consumer's current stream is made to wait for each batch,
     never the host (NOTE [device feed streams]). Without usable CUDA this raises at construction.
 
-    ``workers="thread"`` (default) runs the per-sample work on ``num_threads`` threads of this
-    process. ``workers="process"`` runs them in one worker process (started with spawn; the
-    dataset and transforms must be picklable) that writes batches into slots in shared memory,
-    which this process maps once and, with ``device="cuda"``, pins (``cudaHostRegister``): the
-    training process keeps only the copy to the device and a few microseconds per batch, and
-    none of the loader's Python competes with it for the GIL. Same batches bit for bit, same
-    ``state_dict``; ``close()``, ``break``, Ctrl-C or a crash of either process leave no process
-    or shared memory behind, and a worker process that dies is raised naming its pid (NOTE [the
-    loader's worker process] in pipeline/worker_process.py).
+    ``workers="threads"`` (default; ``"thread"`` is the same) runs the per-sample work on
+    ``num_threads`` threads of this process. ``workers="process"`` runs them in one worker process
+    (started with spawn; the dataset and transforms must be picklable) that writes batches into
+    slots in shared memory, which this process maps once and, with ``device="cuda"``, pins
+    (``cudaHostRegister``): the training process keeps only the copy to the device and a few
+    microseconds per batch, and none of the loader's Python competes with it for the GIL. Same
+    batches bit for bit, same ``state_dict``; ``close()``, ``break``, Ctrl-C or a crash of either
+    process leave no process or shared memory behind, and a worker process that dies is raised
+    naming its pid (NOTE [the loader's worker process] in pipeline/worker_process.py).
 
     ``yield_cpu``: the workers run at a lower scheduling priority than the consumer, so the
     thread that launches the training step is never queued behind them for a core (NOTE [loader
@@ -167,7 +167,7 @@ class FastLoader:
         world_size: int | None = None,
         on_error: str = "raise",
         copy: bool = False,
-        workers: str = "thread",
+        workers: str = "threads",
         yield_cpu: bool | None = None,
         decode: str = "cpu",
     ) -> None:
@@ -186,6 +186,8 @@ class FastLoader:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if workers == "thread":
+            workers = "threads"  # the spelling of releases before DESIGN.md's, still accepted
         if workers not in WORKERS:
             raise ValueError(f"workers must be one of {WORKERS}, got {workers!r}")
         if decode not in DECODE:

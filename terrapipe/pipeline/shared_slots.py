@@ -57,7 +57,7 @@ class SharedSlots:
                     raise RuntimeError(
                         f"workers='process': the loader's batch slots need {self.nbytes / 2**20:.1f} MiB of "
                         f"{_SHM_DIR}, which has {free / 2**20:.1f} MiB free (a container's --shm-size); "
-                        f"use a smaller batch_size or prefetch, or workers='thread'") from None
+                        f"use a smaller batch_size or prefetch, or workers='threads'") from None
                 raise
             fd = os.open(self.path, os.O_RDWR)
         try:

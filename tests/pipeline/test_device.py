@@ -198,7 +198,7 @@ def test_cuda_batches_from_a_worker_process_equal_the_cpu_path(channels_last):
 
 
 @cuda
-@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("workers", ["threads", "process"])
 def test_cuda_slow_consumer_never_sees_a_batch_overwritten(workers):
     # The consumer's stream sleeps on the GPU before reading each batch, while its Python thread
     # races ahead and requests more: a copy into a slot still in use would change the sums.

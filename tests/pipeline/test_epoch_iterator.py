@@ -174,7 +174,7 @@ def _same(a, b):
         assert torch.equal(x, u) and torch.equal(y, v)
 
 
-@pytest.mark.parametrize("workers", ["thread", "process"])
+@pytest.mark.parametrize("workers", ["threads", "process"])
 def test_the_next_epochs_first_batches_are_taken_over_with_the_same_bytes(workers):
     with _loader(workers=workers) as L:
         for epoch in range(3):
@@ -183,13 +183,13 @@ def test_the_next_epochs_first_batches_are_taken_over_with_the_same_bytes(worker
             if epoch:  # taken over: the slot sequence runs on, its first batches were submitted
                 assert it._base == 10 * epoch and L._next is None and 0 in it._submitted
             got = [(x.clone(), y.clone()) for x, y in it]
-            _same(got, _fresh(epoch, workers="thread"))
+            _same(got, _fresh(epoch, workers="threads"))
             # the pass that follows has begun: the next epoch, from its start
             assert L._next is not None and L._next.epoch == epoch + 1 and L._next.submitted == {0, 1, 2}
 
 
 # The worker process's variants run in make test-full (CI time); CI keeps its take-over test.
-PROCESS_IN_FULL = ["thread", pytest.param("process", marks=pytest.mark.full)]
+PROCESS_IN_FULL = ["threads", pytest.param("process", marks=pytest.mark.full)]
 
 
 @pytest.mark.parametrize("workers", PROCESS_IN_FULL)

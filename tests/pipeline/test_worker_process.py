@@ -176,7 +176,7 @@ def test_refusals_name_the_argument_and_leave_nothing(monkeypatch):
     assert _ours() == []
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(RuntimeError, match=r"need 0\.\d MiB of /dev/shm.*workers='thread'"):
+    with pytest.raises(RuntimeError, match=r"need 0\.\d MiB of /dev/shm.*workers='threads'"):
         FastLoader(ArrayDataset(images, labels), batch_size=4, workers="process")
     assert _ours() == []
 
