@@ -11,6 +11,21 @@ CollectiveMismatchError (see NOTE [collective ordering] in comm/execution.py). E
 to comm/select.py, which picks the algorithm (comm/algorithms/) and transport
 (comm/transports/) that run it.
 
+NOTE [a read-only array a collective writes]
+    1. A NumPy array that cannot be written (``np.frombuffer`` of bytes, a broadcast view,
+       ``flags.writeable = False``) where a call writes its result: ``x`` of an in-place
+       allreduce, root's ``x`` of reduce, ``x`` of recv, ``out=``, the tensors of
+       jit_allreduce and adasum_allreduce. Refused before the call, on that rank only, the
+       peers would wait for it to the timeout (or meet its next call: a mismatch, and every
+       later call out of step); refused by the kernels, it was a compile error.
+    2. So that rank takes part with a private copy in its place and then raises a ValueError
+       naming the argument and its rank: the peers complete the call with its data, and the
+       group stays usable. An async call is run to completion before the error (its order
+       among outstanding calls is kept: calls complete in issue order anyway).
+    3. Where the array is only read (the input of allgather, gather, scatter, reduce_scatter,
+       broadcast's root), read-only is fine; a read-only receiver of broadcast is refused the
+       same way in comm/select.py.
+
 Why one module: these are the public collectives, one function each with its argument
 checks and docstring; each is a few lines that hand the call to comm/select.py.
 """
@@ -257,6 +272,9 @@ def allreduce(x, op: str = "sum", *, out=None, async_op: bool = False, group: Gr
     out), or a Handle. float16/bfloat16 accumulate in float32; avg divides once.
     """
     g = group if group is not None else _world if _world is not None else init()  # _g(group), inline
+    if _read_only(x if out is None else out):  # NOTE [a read-only array a collective writes]
+        allreduce(x, op, out=np.empty_like(x if out is None else out), group=g)
+        raise _refused("allreduce", "x" if out is None else "out", g)
     # Latency path first: small sync in-place allreduces of plain arrays skip the general
     # machinery; those of a NumPy array or CPU tensor of a dtype, shape and op it took before
     # take its fast lane (select.small_lane; a tensor as its NumPy view).
@@ -369,6 +387,9 @@ def allgather(x, *, out=None, async_op: bool = False, group: Group | None = None
     allocated per call (a new result too large for the allocator to reuse is fresh pages,
     faulted in at every call)."""
     g = _g(group)
+    if _read_only(out):  # NOTE [a read-only array a collective writes]
+        allgather(x, out=np.empty_like(out), group=g)
+        raise _refused("allgather", "out", g)
     if out is not None:
         x = _input_for_out(x, out, g.size * _numel(x), "allgather")
     if not async_op:  # the latency path (NOTE [one-shot copies] in comm/algorithms/oneshot.py)
@@ -436,6 +457,11 @@ def reduce(x, op: str = "sum", root: int = 0, *, async_op: bool = False, group: 
     g = _g(group)
     _check_root(root, g)
     code = kreduce.op_code(op)
+    if _read_only(x):  # NOTE [a read-only array a collective writes]
+        reduce(x.copy(), op, root, group=g)  # a copy anywhere: an algorithm may work in x
+        if g.rank == root:
+            raise _refused("reduce", "x", g)
+        return x
     buf = Buffer(x, "x")
 
     def body():
@@ -456,6 +482,9 @@ def reduce_scatter(x, op: str = "sum", *, out=None, async_op: bool = False, grou
     code = kreduce.op_code(op)
     q, r = divmod(_numel(x), g.size)
     n = q + (1 if g.rank < r else 0)
+    if _read_only(out):  # NOTE [a read-only array a collective writes]
+        reduce_scatter(x, op, out=np.empty_like(out), group=g)
+        raise _refused("reduce_scatter", "out", g)
     if out is not None:
         x = _input_for_out(x, out, n, "reduce_scatter")
     if not async_op:  # the latency path (NOTE [one-shot copies] 6 in comm/algorithms/oneshot.py)
@@ -491,6 +520,9 @@ def recv(x, source: int, tag: int = 0, *, group: Group | None = None):
     """Blocking receive into ``x`` (whose shape and dtype must match the sender's)."""
     g = _g(group)
     _check_root(source, g, "source")
+    if _read_only(x):  # NOTE [a read-only array a collective writes]
+        recv(np.empty_like(x), source, tag, group=g)
+        raise _refused("recv", "x", g)
     buf = Buffer(x, "x")
     select.recv(g, buf, source, tag)
     buf.commit()
@@ -513,6 +545,18 @@ def broadcast_object(obj, root: int = 0, *, group: Group | None = None):
         payload = np.empty(int(n[0]), np.uint8)
     broadcast(payload, root, group=g)
     return obj if g.rank == root else pickle.loads(payload.tobytes())
+
+
+def _read_only(x) -> bool:
+    """Whether ``x`` is a NumPy array that cannot be written (torch tensors always can)."""
+    return isinstance(x, np.ndarray) and not x.flags.writeable
+
+
+def _refused(coll: str, name: str, g: Group) -> ValueError:
+    """The error of a rank whose ``name`` is read-only where ``coll`` writes its result
+    (NOTE [a read-only array a collective writes])."""
+    return ValueError(f"{coll}: {name} is read-only on rank {g.rank}, where the call writes its result; "
+                      f"this rank took part with a copy, so the peers completed the call")
 
 
 def _check_root(root: int, g: Group, name: str = "root") -> None:
@@ -543,6 +587,11 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
     code = kreduce.op_code(op)
     single = not isinstance(tensors, (list, tuple))
     items = [tensors] if single else list(tensors)
+    read_only = [i for i, t in enumerate(items) if _read_only(t)]
+    if read_only:  # NOTE [a read-only array a collective writes]
+        jit_allreduce([t.copy() if i in read_only else t for i, t in enumerate(items)], op, compression,
+                      group=g)
+        raise _refused("jit_allreduce", ", ".join(f"tensors[{i}]" for i in read_only), g)
     ckind = {None: 0, "bf16": BF16, "bfloat16": BF16, "fp16": F16, "float16": F16}.get(compression, -1)
     if ckind < 0:
         raise ValueError(f"compression: expected None, 'bf16' or 'fp16', got {compression!r}")
@@ -618,6 +667,10 @@ def adasum_allreduce(tensors, *, async_op: bool = False, group: Group | None = N
     items = [tensors] if single else list(tensors)
     if not items:
         raise ValueError("adasum_allreduce: no tensors given")
+    read_only = [i for i, t in enumerate(items) if _read_only(t)]
+    if read_only:  # NOTE [a read-only array a collective writes]
+        adasum_allreduce([t.copy() if i in read_only else t for i, t in enumerate(items)], group=g)
+        raise _refused("adasum_allreduce", ", ".join(f"tensors[{i}]" for i in read_only), g)
     bufs = [Buffer(t, f"tensors[{i}]") for i, t in enumerate(items)]
     groups: dict[str, list[Buffer]] = {}
     for i, b in enumerate(bufs):
@@ -710,13 +763,10 @@ def _numel(x) -> int:
 def _input_for_out(x, out, count: int, coll: str):
     """``x`` for a collective that writes its result of ``count`` elements into ``out``, copied
     where the two overlap (:func:`_unaliased`); raise unless ``out`` can take the result: ``x``'s
-    dtype, the same type of container (a NumPy array, or a tensor on ``x``'s device),
-    writable."""
+    dtype, the same type of container (a NumPy array, or a tensor on ``x``'s device)."""
     if isinstance(x, np.ndarray):
         if not isinstance(out, np.ndarray):
             raise TypeError(f"{coll}: out must be a numpy array like x, got {type(out).__name__}")
-        if not out.flags.writeable:
-            raise ValueError(f"{coll}: out is read-only")
         same = out.dtype == x.dtype and out.size == count
         where = ""
     else:

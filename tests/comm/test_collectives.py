@@ -314,6 +314,94 @@ def test_a_broadcast_reads_a_read_only_root_and_refuses_a_read_only_receiver_aft
     assert np.all(z == p * (p - 1) / 2)
 
 
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@pytest.mark.mpi(ranks=(2, 4), timeout=240, ci_ranks=(2,))
+def test_a_read_only_array_where_a_result_is_written_is_refused_on_its_rank_and_the_peers_complete(world):
+    # NOTE [a read-only array a collective writes]. Regression: the read-only rank failed in
+    # the kernels' compile (allreduce, jit_allreduce) or raised before the call (out=), and
+    # every later call of the group was a mismatch with the peers' call before it.
+    groups = {"world": world, "split": world.split(world.rank % 2), "duplicate": world.split(0)}
+    for name, g in groups.items():
+        r, p = g.rank, g.size
+        for n in (10, 5000, 300_000):  # latency path, one-shot, beyond a row
+            for odd in range(p):  # each rank in turn holds the read-only array
+                mine = r == odd
+                where = f"{name} n={n} read-only rank {odd}"
+
+                def x(v=r + 1.0, n=n):
+                    return np.full(n, v, np.float32)
+
+                # allreduce in place, sync and async, and into out=
+                for async_op in (False, True):
+                    a = _read_only(x()) if mine else x()
+                    if mine:
+                        with pytest.raises(ValueError, match=rf"allreduce: x is read-only on rank {r}"):
+                            comm.allreduce(a, async_op=async_op, group=g)
+                        assert np.all(a == r + 1), where  # untouched
+                    else:
+                        h = comm.allreduce(a, async_op=async_op, group=g)
+                        h.wait() if async_op else None
+                        assert np.all(a == p * (p + 1) / 2), where
+                out = _read_only(np.zeros(n, np.float32)) if mine else np.zeros(n, np.float32)
+                if mine:
+                    with pytest.raises(ValueError, match=rf"allreduce: out is read-only on rank {r}"):
+                        comm.allreduce(x(), out=out, group=g)
+                else:
+                    assert np.all(comm.allreduce(x(), out=out, group=g) == p * (p + 1) / 2), where
+                # reduce: only the root's x is written; a read-only x elsewhere is only read
+                a = _read_only(x()) if mine else x()
+                if mine and odd == 0:
+                    with pytest.raises(ValueError, match=rf"reduce: x is read-only on rank {r}"):
+                        comm.reduce(a, root=0, group=g)
+                else:
+                    comm.reduce(a, root=0, group=g)
+                    assert np.all(a == (p * (p + 1) / 2 if r == 0 else r + 1)), where
+                # out= of allgather and reduce_scatter
+                out = np.zeros(p * n, np.float32)
+                if mine:
+                    with pytest.raises(ValueError, match=rf"allgather: out is read-only on rank {r}"):
+                        comm.allgather(x(), out=_read_only(out), group=g)
+                else:
+                    comm.allgather(x(), out=out, group=g)
+                    assert np.array_equal(out.reshape(p, n)[:, 0], np.arange(1, p + 1)), where
+                part = np.zeros(len(np.array_split(np.empty(n), p)[r]), np.float32)
+                if mine:
+                    with pytest.raises(ValueError, match=rf"reduce_scatter: out is read-only on rank {r}"):
+                        comm.reduce_scatter(x(), out=_read_only(part), group=g)
+                else:
+                    comm.reduce_scatter(x(), out=part, group=g)
+                    assert np.all(part == p * (p + 1) / 2), where
+                # jit_allreduce: the read-only one named among the tensors
+                ts = [x(), _read_only(x()) if mine else x()]
+                if mine:
+                    named = rf"jit_allreduce: tensors\[1\] is read-only on rank {r}"
+                    with pytest.raises(ValueError, match=named):
+                        comm.jit_allreduce(ts, op="sum", group=g)
+                else:
+                    comm.jit_allreduce(ts, op="sum", group=g)
+                    assert all(np.all(t == p * (p + 1) / 2) for t in ts), where
+                # read-only inputs that are only read
+                ro = _read_only(x())
+                assert np.array_equal(comm.allgather(ro, group=g)[:, 0], np.arange(1, p + 1)), where
+                assert np.all(comm.reduce_scatter(ro, group=g) == p * (p + 1) / 2), where
+                # the group is in step afterwards
+                z = np.full(3, float(r), np.float32)
+                assert np.all(comm.allreduce(z, group=g) == p * (p - 1) / 2), where
+    # recv into a read-only array: the sender completes, the receiver is told
+    if world.rank < 2:
+        y = np.full(1000, float(world.rank), np.float32)
+        if world.rank == 0:
+            comm.send(y, 1)
+        else:
+            with pytest.raises(ValueError, match="recv: x is read-only on rank 1"):
+                comm.recv(_read_only(y), 0)
+    comm.barrier()
+
+
 @pytest.mark.mpi(ranks=(2, 4), timeout=120, ci_ranks=(2,))
 def test_a_one_shot_copy_met_by_another_algorithm_or_collective_is_a_mismatch(mpi_comm):
     # Rank 1 publishes a one-shot allgather while the others' larger one stops at the segment's

@@ -117,7 +117,8 @@ def test_an_out_that_cannot_take_the_result_is_refused_naming_it(groups):
         comm.reduce_scatter(x, "sum", out=np.empty(6, np.float32))
     with pytest.raises(TypeError, match="out must be a tensor like x"):
         comm.reduce_scatter(torch.from_numpy(x), "sum", out=np.empty(5, np.float32))
-    # nothing was sent: the next calls agree and are right
+    # the refusals before the call sent nothing, and the read-only out took part in its call on
+    # every rank (NOTE [a read-only array a collective writes]): the next calls agree and are right
     np.testing.assert_array_equal(comm.allgather(x).reshape(-1), np.tile(x, g.size))
 
 
