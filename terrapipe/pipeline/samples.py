@@ -16,7 +16,7 @@ from .. import timeline
 from ..kernels import image as kimage
 from . import compiled_fill, decode, roi_jpeg
 from .sources import Source
-from .transforms import Plan
+from .transforms import BOX_WHOLE, Plan
 
 __all__ = ["SampleError", "SampleWriter"]
 
@@ -74,6 +74,18 @@ class _Scratch(threading.local):
         return self.bufs
 
 
+def _check_size(plan: Plan, w: int, h: int) -> None:
+    """Without a geometry every image is taken whole, at the one size of a batch: refuse another
+    (a resampled whole image would be squeezed to the first image's aspect ratio, where
+    DataLoader's collate refuses to stack it)."""
+    if w <= 0 or h <= 0:
+        raise ValueError(f"image is {w}x{h} (width x height): no pixels")
+    if plan.box_kind == BOX_WHOLE and (h, w) != tuple(plan.out_hw):
+        raise ValueError(f"image is {w}x{h} (width x height), the batch's {plan.out_hw[1]}x{plan.out_hw[0]}: "
+                         f"without a crop or resize transform every image must have one size (add "
+                         f"Resize + CenterCrop, or RandomResizedCrop)")
+
+
 class SampleWriter:
     """Writes samples of ``dataset`` into batch rows, from any number of threads at once.
 
@@ -119,6 +131,7 @@ class SampleWriter:
             arr = payload if payload.ndim == 3 else payload[:, :, None]
             ox = oy = 0
             img_h, img_w = arr.shape[:2]
+            _check_size(plan, img_w, img_h)
             box = plan.box(img_w, img_h, seed, epoch, index)
         else:
             region = None
@@ -128,6 +141,7 @@ class SampleWriter:
                 dec = self._scratch.roi_decoder()
                 size = dec.header(payload)
                 if size is not None:
+                    _check_size(plan, *size)
                     region = dec.decode(plan.box(*size, seed, epoch, index), plan.out_hw)
             if region is not None:
                 arr, ox, oy, img_w, img_h, box = region
@@ -136,6 +150,7 @@ class SampleWriter:
             else:
                 im = decode.open_image(payload)
                 w, h = im.size
+                _check_size(plan, w, h)
                 box = decode.draft_box(im, plan.box(w, h, seed, epoch, index), plan.out_hw)
                 arr, keepalive = decode.pixels(im)  # noqa: F841 (arr may point into Pillow's memory)
                 ox = oy = 0

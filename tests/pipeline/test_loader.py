@@ -270,6 +270,33 @@ def test_a_loop_that_lets_go_of_its_batches_reuses_the_slots():
         assert {loader._feed.images[s].ctypes.data for s in range(len(loader._feed.images))} == slots
 
 
+def test_without_a_geometry_an_image_of_another_size_is_named_not_squeezed():
+    # Regression: with no crop or resize transform, decoded arrays were resampled whole to the
+    # first one's size, squeezing other aspect ratios, where DataLoader's collate refuses to
+    # stack them (encoded files without a geometry are refused at construction).
+    arrays = [np.zeros((8, 9, 3), np.uint8), np.zeros((9, 8, 3), np.uint8), np.zeros((0, 9, 3), np.uint8),
+              np.ones((8, 9, 3), np.uint8)]
+
+    class Arrays(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(arrays)
+
+        def __getitem__(self, i):
+            return arrays[i], i
+
+    with FastLoader(Arrays(), batch_size=1) as loader:
+        it = iter(loader)
+        assert next(it)[0].shape == (1, 3, 8, 9)
+        with pytest.raises(SampleError, match=r"sample 1 .*8x9 \(width x height\), the batch.s 9x8"):
+            next(it)
+    with FastLoader(Arrays(), batch_size=2, on_error="skip") as loader:
+        assert [tuple(x.shape) for x, _ in loader] == [(2, 3, 8, 9)] * 2
+        assert [i for i, _, _ in loader.skipped] == [1, 2]
+        assert "no pixels" in loader.skipped[1][2]
+    with FastLoader(Arrays(), [RandomResizedCrop(4)], batch_size=1, on_error="skip") as loader:
+        assert len(list(loader)) == 4 and [i for i, _, _ in loader.skipped] == [2]
+
+
 def test_every_argument_of_the_design_documents_call():
     # DESIGN.md's FastLoader call, argument for argument (workers="threads" was refused: the
     # code spelled it "thread", which stays accepted).
