@@ -180,6 +180,13 @@ class FastLoader:
                                 f"or pass a map-style torch.utils.data.Dataset")
         if len(dataset) == 0:
             raise ValueError("dataset: the dataset is empty")
+        if isinstance(transforms, Transform):
+            transforms = (transforms,)  # one transform, as torchvision's transform= takes one
+        try:
+            transforms = tuple(transforms)
+        except TypeError:
+            raise TypeError(f"transforms: expected a list of terrapipe.pipeline transforms, got "
+                            f"{type(transforms).__name__}") from None
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if prefetch < 1:

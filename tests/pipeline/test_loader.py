@@ -315,6 +315,17 @@ def test_every_argument_of_the_design_documents_call():
         FastLoader(ds, workers="thread_pool")
 
 
+def test_one_transform_alone_is_a_chain_of_one_and_a_non_list_is_named():
+    # Regression: FastLoader(ds, CenterCrop(8)) raised "'CenterCrop' object is not iterable".
+    ds = ArrayDataset(np.random.default_rng(7).integers(0, 256, (4, 20, 20, 3), dtype=np.uint8), range(4))
+    with FastLoader(ds, CenterCrop(8), batch_size=2, copy=True) as one, \
+            FastLoader(ds, [CenterCrop(8)], batch_size=2, copy=True) as listed:
+        for (x, _), (u, _) in zip(one, listed, strict=True):
+            assert x.shape == (2, 3, 8, 8) and torch.equal(x, u)
+    with pytest.raises(TypeError, match="transforms: expected a list of .* transforms, got int"):
+        FastLoader(ds, 3)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"batch_size": 0}, "batch_size"),
     ({"num_threads": 0}, "num_threads"),
