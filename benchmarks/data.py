@@ -44,7 +44,7 @@ def make_image_folder(root: str | os.PathLike, n: int, classes: int = 10, seed: 
     root = Path(root)
     paths = [root / f"class_{i % classes:02d}" / f"img_{i:05d}.jpg" for i in range(n)]
     todo = [(i, p) for i, p in enumerate(paths) if not p.exists()]
-    for c in range(classes):
+    for c in range(min(classes, n)):  # a folder per class that gets an image: none is empty
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
 
     def write(item):

@@ -63,10 +63,13 @@ class ImageFolder:
     """Class-per-folder images: ``root/<class>/<file>``, classes sorted as torchvision does.
 
     Attributes: ``classes`` (sorted names), ``class_to_idx``, ``samples`` (path, label) sorted
-    by class then file name. Files are read as bytes; decoding happens in the loader.
+    by class then file name. Files are read as bytes; decoding happens in the loader. A class
+    folder without an image file is refused naming it, as torchvision's ``ImageFolder`` refuses
+    it, unless ``allow_empty=True`` (its index is kept, with no samples).
     """
 
-    def __init__(self, root: str | os.PathLike, extensions: Sequence[str] = IMG_EXTENSIONS) -> None:
+    def __init__(self, root: str | os.PathLike, extensions: Sequence[str] = IMG_EXTENSIONS, *,
+                 allow_empty: bool = False) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"root: {self.root} is not a directory")
@@ -83,6 +86,10 @@ class ImageFolder:
                         self.samples.append((os.path.join(dirpath, f), self.class_to_idx[c]))
         if not self.samples:
             raise ValueError(f"root: no image files ({', '.join(exts)}) under {self.root}")
+        empty = sorted(set(self.classes) - {self.classes[label] for _, label in self.samples})
+        if empty and not allow_empty:
+            raise FileNotFoundError(f"root: no image file ({', '.join(exts)}) in the class folders "
+                                    f"{', '.join(empty)} of {self.root} (allow_empty=True keeps them)")
         self.targets = [s[1] for s in self.samples]
 
     def __len__(self) -> int:

@@ -56,6 +56,20 @@ def test_imagefolder_classes_sorted_like_torchvision(folder):
     assert ds.samples[0][1] == 0 and ds.samples[-1][1] == 2
 
 
+def test_imagefolder_refuses_an_empty_class_folder_as_torchvision_does(tmp_path):
+    # Regression: an empty class folder was kept silently, an index with no samples, where
+    # torchvision's ImageFolder raises (a data problem more often than not).
+    for c in ("a", "b", "c"):
+        (tmp_path / c).mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "a" / "x.jpg")
+    Image.new("RGB", (8, 8)).save(tmp_path / "c" / "y.png")
+    (tmp_path / "b" / "notes.txt").write_text("not an image")
+    with pytest.raises(FileNotFoundError, match=r"class folders b of .*allow_empty"):
+        ImageFolder(tmp_path)
+    ds = ImageFolder(tmp_path, allow_empty=True)
+    assert ds.classes == ["a", "b", "c"] and [label for _, label in ds.samples] == [0, 2]
+
+
 def test_imagefolder_reads_whole_files_even_when_the_size_changes(folder, tmp_path, monkeypatch):
     import os
     from pathlib import Path
