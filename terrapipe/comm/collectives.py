@@ -457,11 +457,9 @@ def reduce(x, op: str = "sum", root: int = 0, *, async_op: bool = False, group: 
     g = _g(group)
     _check_root(root, g)
     code = kreduce.op_code(op)
-    if _read_only(x):  # NOTE [a read-only array a collective writes]
-        reduce(x.copy(), op, root, group=g)  # a copy anywhere: an algorithm may work in x
-        if g.rank == root:
-            raise _refused("reduce", "x", g)
-        return x
+    if g.rank == root and _read_only(x):  # NOTE [a read-only array a collective writes]
+        reduce(x.copy(), op, root, group=g)
+        raise _refused("reduce", "x", g)
     buf = Buffer(x, "x")
 
     def body():
@@ -552,6 +550,16 @@ def _read_only(x) -> bool:
     return isinstance(x, np.ndarray) and not x.flags.writeable
 
 
+def _stand_ins(items: list) -> tuple[list, str]:
+    """``items`` with a private copy in place of each read-only array, and the read-only ones'
+    names (``"tensors[i], ..."``; empty when there are none)."""
+    read_only = [i for i, t in enumerate(items) if _read_only(t)]
+    if not read_only:  # the common case: nothing is copied or built
+        return items, ""
+    stand_ins = [t.copy() if i in read_only else t for i, t in enumerate(items)]
+    return stand_ins, ", ".join(f"tensors[{i}]" for i in read_only)
+
+
 def _refused(coll: str, name: str, g: Group) -> ValueError:
     """The error of a rank whose ``name`` is read-only where ``coll`` writes its result
     (NOTE [a read-only array a collective writes])."""
@@ -587,11 +595,10 @@ def jit_allreduce(tensors, op: str = "avg", compression: str | None = None, *,
     code = kreduce.op_code(op)
     single = not isinstance(tensors, (list, tuple))
     items = [tensors] if single else list(tensors)
-    read_only = [i for i, t in enumerate(items) if _read_only(t)]
+    stand_ins, read_only = _stand_ins(items)
     if read_only:  # NOTE [a read-only array a collective writes]
-        jit_allreduce([t.copy() if i in read_only else t for i, t in enumerate(items)], op, compression,
-                      group=g)
-        raise _refused("jit_allreduce", ", ".join(f"tensors[{i}]" for i in read_only), g)
+        jit_allreduce(stand_ins, op, compression, group=g)
+        raise _refused("jit_allreduce", read_only, g)
     ckind = {None: 0, "bf16": BF16, "bfloat16": BF16, "fp16": F16, "float16": F16}.get(compression, -1)
     if ckind < 0:
         raise ValueError(f"compression: expected None, 'bf16' or 'fp16', got {compression!r}")
@@ -667,10 +674,10 @@ def adasum_allreduce(tensors, *, async_op: bool = False, group: Group | None = N
     items = [tensors] if single else list(tensors)
     if not items:
         raise ValueError("adasum_allreduce: no tensors given")
-    read_only = [i for i, t in enumerate(items) if _read_only(t)]
+    stand_ins, read_only = _stand_ins(items)
     if read_only:  # NOTE [a read-only array a collective writes]
-        adasum_allreduce([t.copy() if i in read_only else t for i, t in enumerate(items)], group=g)
-        raise _refused("adasum_allreduce", ", ".join(f"tensors[{i}]" for i in read_only), g)
+        adasum_allreduce(stand_ins, group=g)
+        raise _refused("adasum_allreduce", read_only, g)
     bufs = [Buffer(t, f"tensors[{i}]") for i, t in enumerate(items)]
     groups: dict[str, list[Buffer]] = {}
     for i, b in enumerate(bufs):

@@ -352,14 +352,17 @@ def test_a_read_only_array_where_a_result_is_written_is_refused_on_its_rank_and_
                         comm.allreduce(x(), out=out, group=g)
                 else:
                     assert np.all(comm.allreduce(x(), out=out, group=g) == p * (p + 1) / 2), where
-                # reduce: only the root's x is written; a read-only x elsewhere is only read
-                a = _read_only(x()) if mine else x()
-                if mine and odd == 0:
-                    with pytest.raises(ValueError, match=rf"reduce: x is read-only on rank {r}"):
-                        comm.reduce(a, root=0, group=g)
-                else:
-                    comm.reduce(a, root=0, group=g)
-                    assert np.all(a == (p * (p + 1) / 2 if r == 0 else r + 1)), where
+                # reduce: only the root's x is written; a read-only x elsewhere is only read, and
+                # an async call there still gives a Handle (it gave x itself, through a copy)
+                for async_op in (False, True):
+                    a = _read_only(x()) if mine else x()
+                    if mine and odd == 0:
+                        with pytest.raises(ValueError, match=rf"reduce: x is read-only on rank {r}"):
+                            comm.reduce(a, root=0, async_op=async_op, group=g)
+                    else:
+                        h = comm.reduce(a, root=0, async_op=async_op, group=g)
+                        assert (h.wait() if async_op else h) is a, where
+                        assert np.all(a == (p * (p + 1) / 2 if r == 0 else r + 1)), where
                 # out= of allgather and reduce_scatter
                 out = np.zeros(p * n, np.float32)
                 if mine:
