@@ -19,7 +19,7 @@ import torch
 from .shared_slots import SharedSlots
 from .transforms import Plan
 
-__all__ = ["Feed", "HostFeed", "host_batch", "Alloc"]
+__all__ = ["Feed", "HostFeed", "Alloc"]
 
 # Makes a host slot's array (np.empty's signature): np.empty, or SharedSlots.empty.
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
@@ -61,21 +61,10 @@ class Feed(ABC):
         """Wait for anything the feed still has in flight."""
 
 
-def host_batch(shape: tuple[int, int, int, int], np_dtype: np.dtype, torch_dtype: torch.dtype,
-               channels_last: bool, alloc: Alloc = np.empty) -> tuple[torch.Tensor, np.ndarray]:
-    """One host batch buffer: the torch tensor handed out (NCHW shape, channels_last strides if
-    asked) and the NumPy view of the same memory pool threads write (kernel outputs take any
-    strides, so the layout costs nothing). 16-bit floats are stored as their uint16 bits. ``alloc``
-    makes the memory (``np.empty``'s signature; shared slots for a worker process)."""
-    n, c, h, w = shape
-    arr = alloc((n, h, w, c) if channels_last else shape, np_dtype)
-    t = _as_batch(arr, torch_dtype, channels_last)
-    return t, arr.transpose(0, 3, 1, 2) if channels_last else arr
-
-
 def _as_batch(arr: np.ndarray, torch_dtype: torch.dtype, channels_last: bool) -> torch.Tensor:
     """``arr`` (N, C, H, W), or (N, H, W, C) when ``channels_last``, as the NCHW tensor handed
-    out, sharing its memory and keeping ``arr`` (the object) alive."""
+    out (channels_last strides if asked), sharing its memory and keeping ``arr`` (the object)
+    alive. 16-bit floats are stored as their uint16 bits."""
     t = torch.from_numpy(arr)
     if torch_dtype in (torch.float16, torch.bfloat16):
         t = t.view(torch_dtype)
@@ -96,6 +85,7 @@ class HostFeed(Feed):
 
     def __init__(self, ring: int, shape: Sequence[int], plan: Plan, channels_last: bool,
                  shared: SharedSlots | None = None) -> None:
+        self._shared = shared is not None
         self._alloc = np.empty if shared is None else shared.empty
         self._shape = tuple(shape)
         self._torch_dtype, self._channels_last = plan.torch_dtype, channels_last
@@ -112,11 +102,13 @@ class HostFeed(Feed):
 
     def _allocate(self, slot: int) -> None:
         """New memory for ``slot``, written in place into the lists the workers index."""
-        _, arr = host_batch(self._shape, self.lut.dtype, self._torch_dtype, self._channels_last, self._alloc)
-        memory = arr.transpose(0, 2, 3, 1) if self._channels_last else arr
-        labels = self._alloc((self._shape[0],), np.int64)
+        n, c, h, w = self._shape
+        memory = self._alloc((n, h, w, c) if self._channels_last else self._shape, self.lut.dtype)
+        labels = self._alloc((n,), np.int64)
         self._memory[slot] = (memory, labels)
-        self.images[slot], self.labels[slot] = arr, labels
+        # The kernels write NCHW views in any strides, so the layout costs them nothing.
+        self.images[slot] = memory.transpose(0, 3, 1, 2) if self._channels_last else memory
+        self.labels[slot] = labels
 
     def start_pass(self) -> None:
         pass  # nothing is queued beyond the pool's own work, which the iterator owns
@@ -128,7 +120,7 @@ class HostFeed(Feed):
         if handed is None or (handed[0]() is None and handed[1]() is None):
             return
         self._handed[slot] = None
-        if self._alloc is np.empty:
+        if not self._shared:
             self._allocate(slot)
             self.replaced += 1
         elif not self._warned:
