@@ -15,13 +15,22 @@ PILLOW_SIMD ?= pillow-simd==12.1.1.post0
 # SSE4 code). Setting CFLAGS instead would replace the optimisation flags (an -O0 build).
 PILLOW_CC   := $(if $(shell grep -qw avx2 /proc/cpuinfo 2>/dev/null && echo y),CC="cc -mavx2",)
 
-# pillow-simd installs under Pillow's import name: swap it in (built from source, about a
-# minute; not from pip's wheel cache, which may hold a build without AVX2); if it cannot build
-# here, plain Pillow stays and everything still works. Every install of the package pulls plain
-# Pillow back over it (the dependency is named pillow), so each one is followed by the swap.
+# pillow-simd installs under Pillow's import name: swap it in, built from source (about 40 s)
+# into a wheel of this venv's own (not pip's wheel cache, which may hold a build without AVX2); if
+# it cannot build here, plain Pillow stays and everything still works. Every install of the package
+# pulls plain Pillow back over it (the dependency is named pillow), so each one is followed by the
+# swap. The setup builds the wheel in the background while pip installs the rest (two cores: one
+# compiles, one unpacks), and every later swap installs the same wheel.
+SIMD_DIR    := $(VENV)/pillow-simd
+define build_pillow_simd
+rm -rf $(SIMD_DIR) && mkdir -p $(SIMD_DIR) && \
+  $(PILLOW_CC) $(PIP) wheel --no-deps --no-cache-dir -w $(SIMD_DIR) "$(PILLOW_SIMD)" \
+  > $(SIMD_DIR)/build.log 2>&1
+endef
 define swap_pillow
 	@$(PIP) uninstall -y pillow pillow-simd
-	@$(PILLOW_CC) $(INSTALL) --no-cache-dir --no-deps "$(PILLOW_SIMD)" || $(INSTALL) pillow
+	@if ls $(SIMD_DIR)/*.whl >/dev/null 2>&1; then $(INSTALL) --no-deps $(SIMD_DIR)/*.whl; \
+	else tail -3 $(SIMD_DIR)/build.log 2>/dev/null; $(INSTALL) pillow; fi
 endef
 
 .PHONY: setup demo test test-full test-cluster soak bench lint clean torch-suite horovod-suite docs
@@ -30,9 +39,11 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py terrapipe/pipeline/_jpeg.c Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)"
-	@# Also compiles the libjpeg-turbo region decoder (setup.py) against the system libjpeg.
-	$(INSTALL) -e ".[mpi,bench,dev]"
+	@# Pillow-SIMD's wheel builds beside the installs; a failed install waits for it, then fails.
+	@# The package's install also compiles the libjpeg-turbo region decoder (setup.py).
+	@( $(build_pillow_simd) ) & simd=$$!; \
+	{ $(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)"; } && \
+	$(INSTALL) -e ".[mpi,bench,dev]"; rc=$$?; wait $$simd; exit $$rc
 	$(swap_pillow)
 	@$(PY) -c "import PIL; print('image library:', PIL.__version__)"
 	@$(PY) -c "from terrapipe.pipeline import roi_jpeg; print('libjpeg-turbo region decoder:', roi_jpeg.available())"
@@ -44,14 +55,19 @@ demo: setup
 	BENCH_RESULTS_DIR=benchmarks/results/demo $(PY) -m benchmarks.loader --data benchmarks/data_cache/demo \
 	  --images 1024 --batches 2 --rounds 1
 
+# The suite runs in two lanes side by side, one per core: the kernel and loader tests beside
+# everything else (NOTE [two lanes] in tests/lanes.py); the second lane's report follows the
+# first's. PYTEST_ARGS adds options to both, e.g. PYTEST_ARGS="-x -k allreduce".
+PYTEST_ARGS ?=
+
 # CI's suite (.ci/run): every test, with rank counts above 2 only where the test asks for them in
 # CI (the comm core's load and topology tests); see tests/mpi_plugin.py.
 test: setup
-	$(PY) -m pytest -m "not full" --durations=20
+	$(PY) -m tests.lanes -m "not full" --durations=20 $(PYTEST_ARGS)
 
 # Every test at every rank count it names (about twice as long as `make test` on two cores).
 test-full: setup
-	$(PY) -m pytest
+	$(PY) -m tests.lanes $(PYTEST_ARGS)
 
 # Not in CI (about an hour on two cores): the tests that run jobs across an emulated cluster
 # (network namespaces joined by shaped links; root, else they skip saying why; part of make test
