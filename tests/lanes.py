@@ -59,10 +59,16 @@ def main(argv: list[str]) -> int:
         print(f"===== the second lane: {' '.join(LANE)}", flush=True)
         sys.stdout.buffer.write(log.read())
         sys.stdout.flush()
-    codes = {first.returncode, second.returncode}
-    if codes <= {0, _NO_TESTS}:  # clause 2
-        return _NO_TESTS if codes == {_NO_TESTS} else 0
-    return next(c for c in (first.returncode, second.returncode) if c not in (0, _NO_TESTS))
+    return exit_code(first.returncode, second.returncode)
+
+
+def exit_code(first: int, second: int) -> int:
+    """The run's exit status from its lanes' (clause 2): the first lane's failure, else the
+    second's; 0 where one lane selected no test and the other passed; 5 where neither
+    selected any."""
+    if {first, second} <= {0, _NO_TESTS}:
+        return _NO_TESTS if first == second == _NO_TESTS else 0
+    return first if first not in (0, _NO_TESTS) else second
 
 
 if __name__ == "__main__":
