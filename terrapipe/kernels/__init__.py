@@ -27,10 +27,11 @@ Modules:
 
 # ruff: noqa: E402 (the imports below come after the cache's stamp is installed)
 
-from . import cache_stamp
+from . import cache_stamp, entry
 
 # Before any compiled function below is made: NOTE [a cached caller of a changed callee] 3.
 cache_stamp.install()
+entry.install()  # NOTE [one compiler per kernel] 2: before any is compiled
 
 from . import (
     adasum,
