@@ -15,9 +15,10 @@ from terrapipe.kernels import entry
 from terrapipe.kernels import reduce as kreduce
 from terrapipe.kernels.entry import entry_point
 
-# Each process waits for the go file, asks for the same entry point, and reports whether it
-# compiled it (Numba's compile event) or loaded it from the cache.
-_RANK = textwrap.dedent("""
+# Each of three processes counts its compiles of one kernel (Numba's compile event), waits
+# for the go file, asks for the kernel, and reports whether it compiled it or loaded it from the
+# cache.
+_WATCHING = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np
     from numba.core import event
@@ -26,67 +27,20 @@ _RANK = textwrap.dedent("""
     compiled = []
     class Seen(event.Listener):
         def on_start(self, ev):
-            if ev.data["dispatcher"] is kreduce.reduce_pair:
+            if ev.data["dispatcher"] is kreduce.{kernel}:
                 compiled.append(1)
         def on_end(self, ev):
             pass
     event.register("numba:compile", Seen())
-    a = np.zeros(8, np.uint16)
     while not os.path.exists(sys.argv[1]):
         time.sleep(0.005)
-    f = entry_point(kreduce.reduce_pair, (a, a, a, 0, 1))
-    b = np.full(8, 0x3C00, np.uint16)  # float16 1.0
-    kreduce.reduce_pair(b, b, b.copy(), 0, 1)
-    print(json.dumps({"compiled": len(compiled), "sum": int(b[0])}))
 """)
 
 
-def test_processes_asking_at_once_compile_a_kernel_once_and_load_it(tmp_path):
-    # Regression (CI time): four ranks on two cores each compiled the same kernels at once from
-    # an empty cache. Three processes ask for the same entry point together: exactly one compiles
-    # it, the others load it from the cache it saved.
-    go = tmp_path / "go"
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(go)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    try:
-        go.write_text("")
-        reports = []
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            assert p.returncode == 0, err[-2000:]
-            reports.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert sorted(r["compiled"] for r in reports) == [0, 0, 1], reports
-    assert all(r["sum"] == 0x4000 for r in reports), reports  # 1.0 + 1.0 = 2.0
-
-
-# The same three processes, each calling a kernel straight from Python, as most of comm does.
-_CALLER = textwrap.dedent("""
-    import json, os, sys, time
-    import numpy as np
-    from numba.core import event
-    from terrapipe.kernels import reduce as kreduce
-    compiled = []
-    class Seen(event.Listener):
-        def on_start(self, ev):
-            if ev.data["dispatcher"] is kreduce.reduce_native:
-                compiled.append(1)
-        def on_end(self, ev):
-            pass
-    event.register("numba:compile", Seen())
-    a, b = np.arange(8, dtype=np.int16), np.full(8, 3, np.int16)
-    while not os.path.exists(sys.argv[1]):
-        time.sleep(0.005)
-    kreduce.reduce_native(a, b, kreduce.SUM, 0, 8)
-    print(json.dumps({"compiled": len(compiled), "sum": a.tolist()}))
-""")
-
-
-def _at_once(tmp_path, script: str) -> list[dict]:
+def _at_once(tmp_path, kernel: str, body: str) -> list[dict]:
+    """Three processes asking for ``kreduce.<kernel>`` together (``body``, after the go file),
+    each one's last line of output read as JSON."""
+    script = _WATCHING.format(kernel=kernel) + textwrap.dedent(body)
     go = tmp_path / "go"
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
     procs = [subprocess.Popen([sys.executable, "-c", script, str(go)], env=env, stdout=subprocess.PIPE,
@@ -105,12 +59,31 @@ def _at_once(tmp_path, script: str) -> list[dict]:
     return reports
 
 
+def test_processes_asking_at_once_compile_a_kernel_once_and_load_it(tmp_path):
+    # Regression (CI time): four ranks on two cores each compiled the same kernels at once from
+    # an empty cache. Three processes ask for the same entry point together: exactly one compiles
+    # it, the others load it from the cache it saved.
+    reports = _at_once(tmp_path, "reduce_pair", """
+        a = np.zeros(8, np.uint16)
+        f = entry_point(kreduce.reduce_pair, (a, a, a, 0, 1))
+        b = np.full(8, 0x3C00, np.uint16)  # float16 1.0
+        kreduce.reduce_pair(b, b, b.copy(), 0, 1)
+        print(json.dumps({"compiled": len(compiled), "sum": int(b[0])}))
+    """)
+    assert sorted(r["compiled"] for r in reports) == [0, 0, 1], reports
+    assert all(r["sum"] == 0x4000 for r in reports), reports  # 1.0 + 1.0 = 2.0
+
+
 def test_processes_calling_a_kernel_at_once_compile_it_once_and_load_it(tmp_path):
     # Regression (CI time): the lock covered entry_point only, so the two ranks of make test's
     # job each compiled every kernel comm calls straight from Python (127 s of compiles made by
     # more than one process, from an empty cache). Now a first call takes it too.
     assert entry.install()  # Numba's Dispatcher as expected (NOTE [one compiler per kernel] 2)
-    reports = _at_once(tmp_path, _CALLER)
+    reports = _at_once(tmp_path, "reduce_native", """
+        a, b = np.arange(8, dtype=np.int16), np.full(8, 3, np.int16)
+        kreduce.reduce_native(a, b, kreduce.SUM, 0, 8)
+        print(json.dumps({"compiled": len(compiled), "sum": a.tolist()}))
+    """)
     assert sorted(r["compiled"] for r in reports) == [0, 0, 1], reports
     assert all(r["sum"] == list(range(3, 11)) for r in reports), reports
 
