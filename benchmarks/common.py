@@ -258,7 +258,7 @@ def run_torchrun_here(module: str, per_node: int, worker_args: list[str], timeou
         out = Path(tmp) / "result.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI"))}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={per_node}",
-               "-m", module, "--worker", str(out), *worker_args]
+               f"--log-dir={Path(tmp) / 'torchrun'}", "-m", module, "--worker", str(out), *worker_args]
         print(" ".join(cmd), flush=True)
         code = subprocess.run(cmd, env=env, timeout=timeout).returncode
         if code != 0 or not out.exists():

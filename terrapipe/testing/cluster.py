@@ -328,6 +328,7 @@ class Cluster:
                 f"--nnodes={self.nodes}", f"--nproc-per-node={ranks_per_node}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addresses[0]}:{port}",
                 f"--rdzv-id={self.name}", f"--local-addr={self.addresses[node]}",
+                f"--log-dir={self._dir / 'torchrun'}",  # not a folder of its own in /tmp, left there
                 "--no-python"]  # the command is whole ("python train.py"), as under mpiexec
 
     def run(self, command: Sequence[str], ranks_per_node: int = 1, env: dict | None = None,

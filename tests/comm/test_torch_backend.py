@@ -3,13 +3,13 @@ machine's segment, which the world has there (NOTE [machines over Gloo] 9 in com
 over Gloo's own (every collective pinned to it: what the world ran before, and what a group whose
 ranks span machines of unequal counts still runs)."""
 
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun import clean_env, standalone
 
 SCRIPT = textwrap.dedent(
     """
@@ -81,11 +81,8 @@ SCRIPT = textwrap.dedent(
 def _torchrun(tmp_path: Path, n: int, *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", str(n), str(script), *args],
-                          capture_output=True, text=True, timeout=240, env=env)
+    return subprocess.run([*standalone(n, tmp_path / "torchrun"), str(script), *args],
+                          capture_output=True, text=True, timeout=240, env=clean_env())
 
 
 @pytest.mark.parametrize("way", ["segment", "gloo"])

@@ -2,24 +2,22 @@
 (NOTE [machines over Gloo] 9 in comm/group.py), not Gloo's; the body is
 tests/comm/torchrun_one_machine.py."""
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.torchrun import clean_env, standalone
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.full)])  # 3: make test-full
-def test_a_torchrun_world_on_one_machine_is_its_segment(ranks):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "tests.comm.torchrun_one_machine"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+def test_a_torchrun_world_on_one_machine_is_its_segment(tmp_path, ranks):
+    cmd = [*standalone(ranks, tmp_path), "-m", "tests.comm.torchrun_one_machine"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=clean_env(PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     # The ranks share one stdout: their lines may interleave.
     assert sorted(re.findall(r"rank \d+ of \d+: ok", out.stdout)) == [f"rank {r} of {ranks}: ok"

@@ -106,15 +106,11 @@ def test_amp_on_cpu_trains_in_bfloat16_autocast():
 
 @pytest.mark.full  # make test-full: CI time (examples/ddp_train.py covers torchrun in make test)
 def test_example_runs_unchanged_under_torchrun(tmp_path):
-    import os
+    from tests.torchrun import clean_env, standalone
 
-    torchrun = Path(sys.executable).parent / "torchrun"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI"))}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / "train_synthetic.py"),
+    cmd = [*standalone(2, tmp_path / "torchrun"), str(ROOT / "examples" / "train_synthetic.py"),
            "--data", str(tmp_path / "data"), "--epochs", "4", "--per-class", "300"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=clean_env())
     assert out.returncode == 0, out.stderr[-3000:]
     accs = [float(a) for a in re.findall(r"val loss [\d.]+ acc ([\d.]+)", out.stdout)]
     assert len(accs) == 4 and accs[-1] > 0.5 and "over 2 ranks" in out.stdout

@@ -180,17 +180,17 @@ def test_the_variable_alone_ends_with_one_trace_of_every_rank(tmp_path, launcher
     import sys
 
     from tests.mpi_plugin import mpiexec
+    from tests.torchrun import clean_env, standalone
 
     root = Path(__file__).resolve().parents[2]
     script = [str(root / "examples" / "train_synthetic.py"), "--data", str(tmp_path / "data"),
               "--epochs", "1", "--per-class", "16"]
     cmd = {"terrapipe run": [sys.executable, "-m", "terrapipe.cli", "run", "-n", "2", sys.executable],
            "mpiexec": [mpiexec(), "-n", "2", sys.executable],
-           "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+           # torchrun's folder beside tmp_path, which must hold only what the job wrote
+           "torchrun": standalone(2, tmp_path.with_name(f"{tmp_path.name}-torchrun")),
            }[launcher] + script
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "OMPI_", "HYDRA_", "MPI_", "TERRAPIPE_TEST_MPI"))}
-    env.update(TERRAPIPE_TIMELINE="job.json", OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    env = clean_env(TERRAPIPE_TIMELINE="job.json", PYTHONPATH=str(root))
     r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "job.json"]  # no parts, no marks
