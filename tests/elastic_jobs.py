@@ -13,40 +13,9 @@ import time
 import uuid
 from pathlib import Path
 
-from terrapipe.comm import alive
-from terrapipe.comm.transports.shm import PREFIX
+from tests.leftovers import left_behind, marked, segments
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob(f"{PREFIX}*")}
-
-
-def _creator(name: str) -> int | None:
-    """The pid in a terrapipe shared-memory name (``terrapipe_[<kind>_]<uid>_<pid>_...``)."""
-    tokens = name[len(PREFIX):].split("_")
-    while tokens and not tokens[0].isdigit():
-        tokens.pop(0)
-    return int(tokens[1]) if len(tokens) > 1 and tokens[1].isdigit() else None
-
-
-def left_behind(before: set[str]) -> set[str]:
-    """Files new since ``before`` whose creating process is gone: the job's leftovers (a file of
-    a process still running is another program's, such as a loader of a test beside this one)."""
-    return {n for n in segments() - before if (pid := _creator(n)) is None or not alive(pid)}
-
-
-def marked(mark: str) -> list[int]:
-    """Processes still running with ``mark`` in their environment."""
-    found = []
-    for env in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if mark.encode() in env.read_bytes():
-                found.append(int(env.parent.name))
-        except OSError:
-            pass
-    return found
 
 
 def run_job(flags, worker, worker_args=(), timeout=180, during=None):

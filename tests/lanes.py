@@ -6,14 +6,21 @@ NOTE [two lanes]
 
   1. The suite alone keeps 1.4 of two cores busy: its multi-rank jobs wait on each other, on
      timeouts they test and on emulated links, and the kernel and loader tests compile and
-     decode on one core. So the kernel and loader tests (``LANE``) run in a second pytest
-     process beside the rest: they use no MPI and touch nothing outside their own process
-     that the rest looks at (their shared-memory files carry their own pid or prefix, their
-     thread checks are per process), and nothing in the rest looks at theirs.
-  2. The first lane prints as it runs; the second lane's report follows it, whole. The run
+     decode on one core. So the tests that start no MPI process (``LANE``: the kernel and
+     loader tests, and the jobs launched by torchrun, by a store or by ``terrapipe run``'s
+     elastic mode, all over Gloo and shared memory) run in a second pytest process beside the
+     rest, about half the suite's time each.
+  2. Why the lanes cannot disturb each other. Only the first lane starts MPI jobs, so only its
+     own jobs make MPICH's and hydra's files, which its tests count and sweep
+     (``launch_env.remove_orphaned_mpi_files``) as no other program's. terrapipe's
+     shared-memory files carry their creator's pid, and the tests that look for leftovers
+     count only files of their own processes or of dead ones (tests/leftovers.py); a live
+     group's files are unlinked once its ranks mapped them. Thread checks are per process.
+     ``tests/test_lanes.py`` refuses a test module in ``LANE`` that names an MPI job.
+  3. The first lane prints as it runs; the second lane's report follows it, whole. The run
      fails if either lane fails. A lane that selects no test (``-k`` narrowing to the other
      lane's tests) is not a failure unless neither selects any (pytest's exit code 5).
-  3. Both lanes are in the caller's process group, so Ctrl-C reaches each pytest, which stops
+  4. Both lanes are in the caller's process group, so Ctrl-C reaches each pytest, which stops
      as it would alone; a SIGINT sent to this process only is passed on to both. Neither lane
      outlives this process.
 """
@@ -25,13 +32,18 @@ import subprocess
 import sys
 import tempfile
 
-LANE = ("tests/kernels", "tests/pipeline")  # clause 1
+# clause 1: the compiled kernels and the loader, then the jobs that meet without MPI
+LANE = ("tests/kernels", "tests/pipeline",
+        "tests/comm/test_rendezvous.py", "tests/comm/test_torch_backend.py",
+        "tests/comm/test_torchrun_one_machine.py", "tests/distributed/test_torchrun.py",
+        "tests/distributed/test_torchrun_restarts.py", "tests/horovod/test_elastic_job.py",
+        "tests/test_layers.py", "tests/test_settings.py", "tests/test_timeline.py")
 _NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 
 
 def _wait(*procs: subprocess.Popen) -> None:
     """Wait for every process; on Ctrl-C pass SIGINT on to those still running and go on
-    waiting (clause 3)."""
+    waiting (clause 4)."""
     while True:
         try:
             for p in procs:
@@ -63,7 +75,7 @@ def main(argv: list[str]) -> int:
 
 
 def exit_code(first: int, second: int) -> int:
-    """The run's exit status from its lanes' (clause 2): the first lane's failure, else the
+    """The run's exit status from its lanes' (clause 3): the first lane's failure, else the
     second's; 0 where one lane selected no test and the other passed; 5 where neither
     selected any."""
     if {first, second} <= {0, _NO_TESTS}:

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -19,13 +20,33 @@ def test_the_run_fails_where_either_lane_fails(first, second, code):
     assert lanes.exit_code(first, second) == code
 
 
+# What starts or joins an MPI job in a test module (NOTE [two lanes] 2): the harness's marker
+# and fixture, mpiexec, the emulated cluster (hydra's proxies), mpi4py.
+_MPI_WORDS = ("mark.mpi(", "mpi_comm", "mpiexec", "testing.cluster", "emulated_cluster", "mpi4py")
+
+
+def _code(path: Path) -> str:
+    """The module's text without its comments."""
+    with path.open("rb") as f:
+        return " ".join(t.string for t in tokenize.tokenize(f.readline) if t.type != tokenize.COMMENT)
+
+
+def test_no_module_of_the_second_lane_names_an_mpi_job():
+    modules = [p for lane in lanes.LANE for p in
+               ((ROOT / lane).rglob("*.py") if (ROOT / lane).is_dir() else [ROOT / lane])]
+    assert len(modules) > len(lanes.LANE), modules  # every path is there
+    named = {str(p.relative_to(ROOT)): word for p in modules
+             for word in _MPI_WORDS if word in _code(p)}
+    assert not named, f"MPI in the second lane: {named}"
+
+
 @pytest.mark.full  # each lane collects the whole suite (30-60 s); every `make test` runs the lanes
 def test_each_lane_runs_its_own_tests_and_reports_after_the_other():
     p = subprocess.run([sys.executable, "-m", "tests.lanes", "-q", "-p", "no:randomly", "-k",
-                        "test_an_unknown_name_is_refused or test_uniform_distribution_and_independence"],
+                        "test_launchers_are_told_apart or test_uniform_distribution_and_independence"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    first, _, second = p.stdout.partition("===== the second lane: tests/kernels tests/pipeline")
+    first, _, second = p.stdout.partition("===== the second lane: tests/kernels tests/pipeline ")
     assert second, p.stdout  # the second lane's report comes after the first's, whole
     assert "1 passed" in first and "1 passed" in second, p.stdout
     none = subprocess.run([sys.executable, "-m", "tests.lanes", "-q", "-k", "no_test_is_named_so"],

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.elastic_jobs import ROOT, epochs_covered_once, marked, run_job, wait_for
+from tests.elastic_jobs import ROOT, epochs_covered_once, run_job, wait_for
+from tests.leftovers import marked
 
 WORKER = str(ROOT / "tests" / "horovod" / "elastic_worker.py")
 TWO_HOSTS = "localhost:1,127.0.0.1:1"  # two one-slot hosts, both this machine

@@ -311,9 +311,9 @@ def test_a_client_that_dies_mid_request_is_named_and_its_partial_chunk_never_lan
 
 @pytest.mark.mpi(ranks=(2,), timeout=120)
 def test_close_leaves_no_thread_and_no_segment(mpi_comm):
-    import glob
+    from tests.leftovers import made_by, segments
 
-    before = set(glob.glob(f"/dev/shm/terrapipe_{os.getuid()}_*"))
+    before, job = segments(), mpi_comm.allgather(os.getpid())
     g = Group(mpi_comm.Dup(), 60, node_size=1)
     t = ps.ShardedTensor(np.zeros(10_000, np.float32), g)
     assert any(th.name == "terrapipe-ps-wire" for th in threading.enumerate())
@@ -328,7 +328,7 @@ def test_close_leaves_no_thread_and_no_segment(mpi_comm):
     t._failed = "a peer timed out"  # what a request that timed out leaves (NOTE [one thread on the wire] 3)
     t.close()
     _no_ps_thread_within(10)
-    assert set(glob.glob(f"/dev/shm/terrapipe_{os.getuid()}_*")) <= before
+    assert not made_by(job, before)
     # No connection outlives its tensor (the wire thread's own wake-up pair lives on).
     sockets = _sockets()
     for _ in range(3):
