@@ -288,26 +288,36 @@ def test_share_moves_towards_whichever_side_was_late():
         DecodeShare("cpu", 8)
 
 
-class _TimedWorkers(Workers):
-    """CPU workers that take ``seconds`` per batch (nothing written)."""
+class _LateWorkers(Workers):
+    """CPU workers (nothing written) that are late or early by construction, not by a race of
+    wall times, which a loaded machine decides either way (regression: ``make test``'s two
+    lanes saw a 30 ms CPU part finish before a GPU part decoding on a busy core).
 
-    def __init__(self, seconds):
-        self.seconds, self.started = seconds, {}
+    ``late=True``: a batch is not done until the GPU part of the same batch is (``waits``
+    holds the GPU futures in batch order). ``late=False``: done at once, and the GPU part's
+    decode cannot start before this batch was waited for (``waited`` is set then)."""
+
+    def __init__(self, late: bool):
+        self.late = late
+        self.waits: list = []
+        self.waited = threading.Event()
 
     def start_pass(self):
-        self.started = {}
+        pass
 
     def submit(self, batch, slot, indices, seed, epoch):
-        self.started[batch] = time.monotonic()
+        self.waited.clear()  # before the GPU part is submitted (SplitWorkers.submit's order)
 
     def done(self, batch):
-        return time.monotonic() - self.started[batch] >= self.seconds
+        return not self.late
 
     def wait(self, batch):
-        time.sleep(max(0.0, self.seconds - (time.monotonic() - self.started.pop(batch))))
+        if self.late:
+            self.waits[batch].result()
+        self.waited.set()
 
     def stop(self):
-        self.started = {}
+        pass
 
     def close(self):
         pass
@@ -318,25 +328,29 @@ def test_auto_gives_the_gpu_the_rows_the_cpu_cannot_keep_up_with(slow):
     ds = _source(16)
     plan = compile_plan(TRANSFORMS, 3)
     labels = [np.zeros(16, np.int64)]
+    cpu = _LateWorkers(late=slow == "cpu")
 
     def decode(data):
         if slow == "gpu":
-            time.sleep(0.03)
+            # Released once the CPU part was waited for, then slower than the few statements
+            # between that wait and SplitWorkers' look at the GPU part.
+            cpu.waited.wait()
+            time.sleep(0.05)
         return _pillow_decode(data)
 
     writer = SampleWriter(ds, plan, kimage.identity_lut(3), "raise")
     share = DecodeShare("auto", 16)
     start = 8
     share.gpu_rows = start
-    split = SplitWorkers(_TimedWorkers(0.03 if slow == "cpu" else 0.0),
-                         GpuDecoder(ds, plan, torch.device("cpu"), (16, 3, OUT, OUT), 1, labels, writer,
-                                    decode),
-                         share)
+    gpu = GpuDecoder(ds, plan, torch.device("cpu"), (16, 3, OUT, OUT), 1, labels, writer, decode)
+    submit = gpu.submit
+    gpu.submit = lambda *args: cpu.waits.append(submit(*args)) or cpu.waits[-1]
+    split = SplitWorkers(cpu, gpu, share)
     try:
         split.start_pass()
         for b in range(6):
             split.submit(b, 0, np.arange(16), 0, 0)
-            split.wait(b)  # asked at once: whichever side is slow is the late one
+            split.wait(b)
     finally:
         split.close()
     if slow == "cpu":  # the CPU was late at every batch
