@@ -216,6 +216,7 @@ TORCHRUN = textwrap.dedent("""
     # "every": float64 and int32 too (make test-full, make test-cluster)
     every = sys.argv[2] == "every"
     wide = np.float64 if every else np.float32
+    name = np.dtype(wide).name  # even a mismatched call's one-shot moves (and compiles) its dtype
     x = np.full(300_001, r + 1, np.float32)
     comm.allreduce(x)
     t = torch.full((5,), float(r))
@@ -228,18 +229,18 @@ TORCHRUN = textwrap.dedent("""
              g.cross.size if g.cross is not None else 0]
     for odd in (3, 1):  # one rank's call differs, on the other machine, then on this one
         try:
-            comm.allreduce(np.zeros(10 + (r == odd)))
+            comm.allreduce(np.zeros(10 + (r == odd), wide))
             ok = False
         except comm.CollectiveMismatchError as e:
-            ok &= f"rank {odd}: float64 (11,)" in str(e) and "rank 0: float64 (10,)" in str(e)
+            ok &= f"rank {odd}: {name} (11,)" in str(e) and f"rank 0: {name} (10,)" in str(e)
     # NOTE [a ring over TCP] 8: a one-shot's message (table and payload) met by another
     # collective's agreement (single copy's, a table alone) on the other machine: every rank
     # raises, and the rings are still in step
     try:
-        comm.allreduce(np.zeros(600_000 if r == 2 else 1000))
+        comm.allreduce(np.zeros(600_000 if r == 2 else 1000, wide))
         ok = False
     except comm.CollectiveMismatchError as e:
-        ok &= "rank 2: float64 (600000,)" in str(e)
+        ok &= f"rank 2: {name} (600000,)" in str(e)
     # NOTE [one-shot across nodes] 13: a rank late by more than the compiled call waits, each in
     # turn: the others go on in Python from where their exchange stood
     import time
@@ -265,9 +266,9 @@ TORCHRUN = textwrap.dedent("""
     red = np.full(70_000, r + 1.0, wide)
     comm.reduce(red, root=n - 1)
     ok &= bool(np.all(red == (n * (n + 1) / 2 if r == n - 1 else r + 1.0)))
-    c = np.arange(5.0) if r == 1 else np.zeros(5)
+    c = np.arange(5, dtype=wide) if r == 1 else np.zeros(5, wide)
     comm.broadcast(c, 1)
-    ok &= bool(np.all(c == np.arange(5.0)))
+    ok &= bool(np.all(c == np.arange(5)))
     paths = sorted({(c, a) for c, a, _ in log})
     # Splits (NOTE [machines over Gloo] 5): the whole world again (hvd.init's), q % 2 and
     # q // 2: each tiered, ringed (8) or on one machine by where its ranks run.
