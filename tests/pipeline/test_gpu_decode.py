@@ -344,7 +344,13 @@ def test_auto_gives_the_gpu_the_rows_the_cpu_cannot_keep_up_with(slow):
     share.gpu_rows = start
     gpu = GpuDecoder(ds, plan, torch.device("cpu"), (16, 3, OUT, OUT), 1, labels, writer, decode)
     submit = gpu.submit
-    gpu.submit = lambda *args: cpu.waits.append(submit(*args)) or cpu.waits[-1]
+
+    def submit_and_keep(*args):  # the late CPU part waits for this future (_LateWorkers)
+        future = submit(*args)
+        cpu.waits.append(future)
+        return future
+
+    gpu.submit = submit_and_keep
     split = SplitWorkers(cpu, gpu, share)
     try:
         split.start_pass()
