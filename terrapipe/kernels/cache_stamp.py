@@ -23,6 +23,15 @@ NOTE [a cached caller of a changed callee]
        wrapped and Numba's own judgement stands: :func:`install` returns False and
        ``tests/kernels/test_cache_stamp.py`` fails, saying so. A module whose sources cannot be
        read or parsed keeps Numba's stamp alone: the stamp never stops a module importing.
+    5. Cost. Parsing the 30-odd modules a compiled function of terrapipe reaches took 0.2-0.4 s
+       of CPU in every process that set one up (each rank, loader worker and launched script,
+       before it ran anything). So each file's import statements, as :func:`_statements` reads
+       them, are kept on disk beside Numba's own cache (the folder its locator chose for the
+       first function set up), named by the hash of the file's bytes: a file whose bytes
+       changed has another name and is parsed again, and nothing there is ever stale. Where
+       that folder cannot be read or written, the file is parsed as before. The statements are
+       kept, not the modules they resolve to: which names are submodules is decided in the
+       process, from the files there.
 """
 
 from __future__ import annotations
@@ -30,12 +39,16 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import json
+import os
 import sys
 from pathlib import Path
 
 __all__ = ["install", "stamp_of", "modules_reached"]
 
 _PACKAGES: set[str] = set()
+_SCANS: list[Path] = []  # clause 5: the folder the import statements are kept in, once known
+_SCAN_FORMAT = 1  # in the kept files' names: a change to _statements' output makes new ones
 
 
 @functools.cache
@@ -51,6 +64,40 @@ def _file_of(module: str) -> Path | None:
     return None
 
 
+def _statements(source: bytes) -> list[list]:
+    """The import statements of a module's source, in order: ``["import", [names]]`` and
+    ``["from", level, module or "", [names]]`` (every one in the file, nested ones too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.append(["import", [a.name for a in node.names]])
+        elif isinstance(node, ast.ImportFrom):
+            found.append(["from", node.level, node.module or "", [a.name for a in node.names]])
+    return found
+
+
+def _kept_statements(module: str) -> list[list]:
+    """:func:`_statements` of ``module``'s file, from the folder of clause 5 where they were
+    kept (by the hash of the file's bytes), else parsed now and kept there."""
+    source = _file_of(module).read_bytes()
+    if not _SCANS:
+        return _statements(source)
+    kept = _SCANS[0] / f"{hashlib.sha256(source).hexdigest()[:40]}.v{_SCAN_FORMAT}.imports.json"
+    try:
+        return json.loads(kept.read_text())
+    except (OSError, ValueError):
+        pass
+    statements = _statements(source)
+    try:  # written whole, then renamed: a process reading at once sees all of it or nothing
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(statements))
+        os.replace(partial, kept)
+    except OSError:
+        pass
+    return statements
+
+
 @functools.cache
 def _imported(module: str) -> frozenset[str]:
     """The modules of ``module``'s top package that its file imports, absolute or relative.
@@ -61,23 +108,22 @@ def _imported(module: str) -> frozenset[str]:
     top = module.split(".")[0]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == top)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1])
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
-            if target.split(".")[0] != top:
-                continue
-            subs = {f"{target}.{a.name}" for a in node.names}
-            modules = {m for m in subs if _file_of(m) is not None}
-            found.update(modules)
-            if len(modules) < len(subs):  # names of the package's own: its __init__ is read too
-                found.add(target)
+    for statement in _kept_statements(module):
+        if statement[0] == "import":
+            found.update(name for name in statement[1] if name.split(".")[0] == top)
+            continue
+        _, level, target, names = statement
+        if level:
+            parts = package.split(".")
+            base = ".".join(parts[:len(parts) - level + 1])
+            target = f"{base}.{target}" if target else base
+        if target.split(".")[0] != top:
+            continue
+        subs = {f"{target}.{name}" for name in names}
+        modules = {m for m in subs if _file_of(m) is not None}
+        found.update(modules)
+        if len(modules) < len(subs):  # names of the package's own: its __init__ is read too
+            found.add(target)
     return frozenset(m for m in found if _file_of(m) is not None)
 
 
@@ -131,6 +177,11 @@ def install(packages: tuple[str, ...] = ("terrapipe",)) -> bool:
         locator = getattr(self, "_locator", None)
         if module.split(".")[0] not in _PACKAGES or locator is None:
             return
+        if not _SCANS:  # clause 5: beside Numba's cache, in the folder it chose (and can write)
+            try:
+                _SCANS.append(Path(locator.get_cache_path()) / "terrapipe-imports")
+            except (AttributeError, OSError):
+                pass
         try:
             ours = stamp_of(module)
         except (OSError, SyntaxError, ValueError):  # an unreadable source: Numba's stamp alone

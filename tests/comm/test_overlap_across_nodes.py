@@ -45,13 +45,24 @@ def _threads() -> int:
 def _operand(n: int, dtype, r: int, i: int) -> np.ndarray:
     # integers below 8: every sum, average, max and min below is exact in every dtype here,
     # whatever order the ranks' values are added in
-    return ((np.arange(n) * (i + 3) + 5 * r) % 8).astype(dtype)
+    return _repeated(_operand_period(dtype, r, i), n)
+
+
+def _operand_period(dtype, r: int, i: int) -> np.ndarray:
+    """One period of :func:`_operand`: element k is (k (i + 3) + 5 r) mod 8, so it repeats every 8."""
+    return ((np.arange(8) * (i + 3) + 5 * r) % 8).astype(dtype)
+
+
+def _repeated(period: np.ndarray, n: int) -> np.ndarray:
+    """``period`` repeated to ``n`` elements (a new array). The operands run to millions of
+    elements on every rank; built from their period they cost a copy, not a modulo each."""
+    return np.tile(period, -(-n // period.size))[:n]
 
 
 def _expected(n: int, dtype, p: int, i: int, op: str) -> np.ndarray:
-    rows = np.stack([_operand(n, np.float64, q, i) for q in range(p)])
+    rows = np.stack([_operand_period(np.float64, q, i) for q in range(p)])
     want = {"sum": rows.sum(0), "avg": rows.sum(0) / p, "max": rows.max(0), "min": rows.min(0)}[op]
-    return want.astype(dtype)
+    return _repeated(want.astype(dtype), n)
 
 
 def _digest(x: np.ndarray) -> bytes:

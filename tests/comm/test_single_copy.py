@@ -111,7 +111,11 @@ class _Counting:
         return sum(1 for coll, algorithm, _ in self.log if algorithm == "single_copy" and coll in self.colls)
 
 
-def _want(op, base, p, dtype):
+def _want(op, n, period, p, dtype):
+    """The result of ``op`` over every rank's operand of ``n`` elements, rank r's being
+    ``base + r`` (``base % 2 + 1`` scaled by ``r % 2 + 1`` for prod), where ``base`` is
+    ``arange(n) % period``: computed on one period and repeated (the operands run to megabytes)."""
+    base = np.arange(period)
     ranks = np.arange(p)
     cols = [(base + r).astype(np.float64) for r in ranks]
     if op == "prod":
@@ -120,7 +124,7 @@ def _want(op, base, p, dtype):
     out = red(cols) if op in ("sum", "avg") else red(np.stack(cols), axis=0)
     if op == "avg":
         out = out // p if np.dtype(dtype).kind == "i" else out / p
-    return out.astype(dtype)
+    return np.tile(out.astype(dtype), -(-n // period))[:n]
 
 
 def _single_copy_allreduce(g, nbytes: int) -> bool:
@@ -147,7 +151,7 @@ def test_allreduce_is_exact_over_world_split_and_duplicate(world):
                     x = ((base % 2 + 1) * (r % 2 + 1) if op == "prod" else base + r).astype(dtype)
                     out = np.full_like(x, 5) if op == "max" else None  # out of place too
                     got = comm.allreduce(x, op, out=out, group=g)
-                    np.testing.assert_array_equal(got if out is None else out, _want(op, base, p, dtype),
+                    np.testing.assert_array_equal(got if out is None else out, _want(op, n, 13, p, dtype),
                                                   err_msg=f"{name}: n={n} {dtype} {op}")
         sizes = [n * np.dtype(d).itemsize for n in LENGTHS for d in DTYPES]
         expected = 5 * sum(_single_copy_allreduce(g, nbytes) for nbytes in sizes)
@@ -261,7 +265,7 @@ def test_reduce_scatter_allgather_and_gather_over_world_split_and_duplicate(worl
                 if r == p - 1:
                     np.testing.assert_array_equal(np.asarray(got), rows, err_msg=f"{name} gather n={n}")
                 for op in ("sum", "avg", "min"):
-                    want = np.array_split(_want(op, base, p, dtype), p)[r]
+                    want = np.array_split(_want(op, n, 11, p, dtype), p)[r]
                     np.testing.assert_array_equal(np.asarray(comm.reduce_scatter(x, op, group=g)), want,
                                                   err_msg=f"{name} reduce_scatter n={n} {dtype} {op}")
                 # on one node (NOTE [single-copy allreduce] 6): allgather and gather from

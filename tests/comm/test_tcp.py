@@ -4,6 +4,7 @@ on both sides of its ring threshold and the ring's chunks, every dtype and op th
 between machines carries, against NumPy, bit-identical on every rank; hundreds of calls in a
 loop; a peer that closes named at once, one that never comes named after the timeout."""
 
+import hashlib
 import time
 
 import numpy as np
@@ -52,7 +53,9 @@ def _expected(rows: list[np.ndarray], op: int) -> np.ndarray:
 
 
 def _same_everywhere(comm, arr: np.ndarray) -> bool:
-    every = comm.allgather(arr.tobytes())
+    """Whether ``arr`` holds the same bytes on every rank (compared by digest: the payloads run
+    to megabytes, pickled through MPI otherwise)."""
+    every = comm.allgather(hashlib.blake2b(np.ascontiguousarray(arr), digest_size=16).digest())
     return all(b == every[0] for b in every)
 
 

@@ -96,3 +96,44 @@ def test_a_source_that_cannot_be_parsed_keeps_numbas_stamp_and_still_imports(tmp
     assert (value, misses) == (15, 1)
     value, hits, misses = _run(tmp_path)
     assert (value, hits, misses) == (15, 1, 0)  # Numba's own stamp, cached as before
+
+
+def test_each_files_import_statements_are_kept_by_its_hash_and_read_back(tmp_path, monkeypatch):
+    """Clause 5: a file's import statements, parsed once, are kept under the hash of its bytes
+    and read back instead of parsing it again; a file whose bytes changed is parsed again; a
+    kept file that cannot be read is parsed again too."""
+    pkg = tmp_path / "src" / "scandemo"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("")
+    (pkg / "b.py").write_text("")
+    user = "import os\n\nfrom . import a\n\n\ndef f():\n    from .b import x  # noqa\n"
+    (pkg / "user.py").write_text(user)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    import scandemo  # noqa: F401 (the top package, which cache_stamp finds files from)
+
+    kept = tmp_path / "kept"
+    monkeypatch.setattr(cache_stamp, "_SCANS", [kept])
+    parsed = []
+    parse = cache_stamp._statements
+    monkeypatch.setattr(cache_stamp, "_statements", lambda source: parsed.append(source) or parse(source))
+
+    def imported():
+        cache_stamp._imported.cache_clear()  # a new process's view: nothing held in memory
+        return cache_stamp._imported("scandemo.user")
+
+    try:
+        assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 1
+        files = sorted(kept.glob("*.imports.json"))
+        assert len(files) == 1 and not list(kept.glob("*.tmp"))
+        assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 1  # read back
+        (pkg / "user.py").write_text("from . import b\n")  # new bytes: parsed again
+        assert imported() == {"scandemo.b"} and len(parsed) == 2
+        assert len(list(kept.glob("*.imports.json"))) == 2
+        files[0].write_text("{not json")  # the first version's, unreadable: parsed again
+        (pkg / "user.py").write_text(user)
+        assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 3
+        assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 3  # and kept again
+    finally:
+        cache_stamp._imported.cache_clear()
+        sys.modules.pop("scandemo", None)

@@ -3,6 +3,7 @@ the exact (32-bit) arithmetic bit-identical to the scalar kernel they replaced a
 the 16-bit one within a level of it, and the width a CPU gets is the one its registers hold
 (checked in the assembly for AVX2 and AVX-512 targets on any machine)."""
 
+import functools
 import os
 import re
 import subprocess
@@ -76,6 +77,17 @@ def _lut(channels, dtype, seed=0):
     return (g.standard_normal((channels, 256)) * 1000).astype(dtype)
 
 
+def _reference(img, box, oh, ow, channels, lut, flip):
+    """The scalar kernel's ``(levels, output through lut)``: its levels through the identity
+    table, then looked up in ``lut`` as its store does (``table[level]``, scalar_resize._hrows).
+    One compiled specialization of the reference serves every dtype of table (each would take
+    5-13 s to compile)."""
+    h, w, stride = img.shape
+    levels = np.zeros((channels, oh, ow), np.uint8)
+    resize_region(img, 0, 0, w, h, *box, levels, identity_lut(channels), flip, *alloc(h, w, oh, ow, stride))
+    return levels, lut[np.arange(channels)[:, None, None], levels]
+
+
 @pytest.mark.parametrize("lanes", EXACT_WIDTHS)
 @settings(deadline=None)  # examples: the profile's (tests/conftest.py; fewer in CI)
 @given(case=cases())
@@ -83,8 +95,7 @@ def test_every_width_is_bit_identical_to_the_scalar_kernel(case, lanes):
     img, box, (oh, ow), channels, dtype, flip = case
     h, w, stride = img.shape
     lut = _lut(channels, dtype)
-    ref = np.zeros((channels, oh, ow), dtype)
-    resize_region(img, 0, 0, w, h, *box, ref, lut, flip, *alloc(h, w, oh, ow, stride))
+    ref = _reference(img, box, oh, ow, channels, lut, flip)[1]
     out = np.zeros((channels, oh, ow), dtype)
     resize_crop_bilinear(img, *box, out, lut, flip,
                          *alloc_resize_scratch(h, w, oh, ow, stride, lanes, narrow=False))
@@ -107,8 +118,7 @@ def test_every_width_in_16_bits_is_within_a_level_of_the_scalar_kernel(case, lan
     img, box, (oh, ow), channels, dtype, flip = case
     h, w, stride = img.shape
     lut = _lut(channels, dtype)
-    levels = np.zeros((channels, oh, ow), np.uint8)
-    resize_region(img, 0, 0, w, h, *box, levels, identity_lut(channels), flip, *alloc(h, w, oh, ow, stride))
+    levels = _reference(img, box, oh, ow, channels, lut, flip)[0]
     out = np.zeros((channels, oh, ow), dtype)
     resize_crop_bilinear(img, *box, out, lut, flip,
                          *alloc_resize_scratch(h, w, oh, ow, stride, lanes, narrow=True))
@@ -151,14 +161,10 @@ def test_strided_outputs_and_regions_and_reused_scratch(lanes, narrow):
         img = g.integers(0, 256, (h, w, 4), dtype=np.uint8)
         box = (float(g.uniform(0, w / 3)), float(g.uniform(0, h / 3)),
                float(g.uniform(w / 2, w)), float(g.uniform(h / 2, h)))
-        ref = np.zeros((3, 37, 41), np.float32)
-        resize_region(img, 0, 0, w, h, *box, ref, lut, bool(trial % 2), *alloc(h, w, 37, 41, 4))
+        levels, ref = _reference(img, box, 37, 41, 3, lut, bool(trial % 2))
         batch = np.zeros((3, 37, 41, 3), np.float32)  # NHWC storage, written as NCHW views
         resize_crop_bilinear(img, *box, batch[1].transpose(2, 0, 1), lut, bool(trial % 2), *scratch)
         if narrow:  # within a level of the exact result; the region below must equal this one
-            levels = np.zeros((3, 37, 41), np.uint8)
-            resize_region(img, 0, 0, w, h, *box, levels, identity_lut(3), bool(trial % 2),
-                          *alloc(h, w, 37, 41, 4))
             assert _within_a_level(batch[1].transpose(2, 0, 1), levels, lut).all()
             ref = batch[1].transpose(2, 0, 1).copy()
         np.testing.assert_array_equal(batch[1].transpose(2, 0, 1), ref)
@@ -179,8 +185,7 @@ def test_threads_compiling_at_once_get_one_kernel_and_exact_results():
     g = np.random.default_rng(7)
     img = g.integers(0, 256, (90, 120, 2), dtype=np.uint8)
     lut = _lut(2, np.float64, seed=3)
-    ref = np.zeros((2, 33, 47), np.float64)
-    resize_region(img, 0, 0, 120, 90, 3.0, 5.0, 110.0, 80.0, ref, lut, True, *alloc(90, 120, 33, 47, 2))
+    ref = _reference(img, (3.0, 5.0, 110.0, 80.0), 33, 47, 2, lut, True)[1]
     addresses, errors = [], []
     barrier = threading.Barrier(8)
 
@@ -205,12 +210,23 @@ def test_threads_compiling_at_once_get_one_kernel_and_exact_results():
     assert len(set(addresses)) == 1
 
 
+def _assembly(cpu: str, lanes: int, narrow: bool = False) -> str:
+    """``resample_ir.assembly`` for another CPU, made once per process: several tests read the
+    same kernel's assembly, and each is a whole LLVM compilation for that target (1-3 s)."""
+    return _assembly_once(cpu, lanes, bool(narrow))
+
+
+@functools.cache
+def _assembly_once(cpu: str, lanes: int, narrow: bool) -> str:
+    return resample_ir.assembly(cpu, lanes, narrow=narrow)
+
+
 def _vector_registers(asm: str) -> set[str]:
     return set(re.findall(r"%([xyz]mm)\d+", asm))
 
 
 def test_avx2_targets_get_256_bit_vectors():
-    asm = resample_ir.assembly("haswell", 8)
+    asm = _assembly("haswell", 8)
     assert "ymm" in _vector_registers(asm) and "zmm" not in _vector_registers(asm)
     assert re.search(r"vpmulld\s+%ymm", asm)  # the taps multiply 8 int32 lanes at once
 
@@ -218,7 +234,7 @@ def test_avx2_targets_get_256_bit_vectors():
 @pytest.mark.parametrize("cpu", ["skylake-avx512", "icelake-server", "znver4"])
 def test_avx512_targets_get_512_bit_vectors(cpu):
     """Xeons are tuned to prefer 256-bit vectors; the kernel's attributes let LLVM use zmm."""
-    asm = resample_ir.assembly(cpu, 16)
+    asm = _assembly(cpu, 16)
     assert re.search(r"vpmulld\s+%zmm", asm)
 
 
@@ -226,7 +242,7 @@ def test_avx512_targets_get_512_bit_vectors(cpu):
                                              ("icelake-server", 16, "zmm")])
 def test_the_16_bit_passes_multiply_16_bit_lanes(cpu, lanes, reg):
     """The 16-bit passes: unsigned 16-bit products (pmulhuw), 2R of them per vertical tap."""
-    asm = resample_ir.assembly(cpu, lanes, narrow=True)
+    asm = _assembly(cpu, lanes, narrow=True)
     assert re.search(rf"vpmulhuw\s+%{reg}", asm)
 
 
@@ -235,7 +251,7 @@ def test_the_float32_lut_is_gathered_by_32_bit_indices(cpu):
     """NOTE [a kernel generated ...] 7: one vpgatherdd per output row of 16 levels. The same
     pointers built by integer adds compiled to two 64-bit-index vpgatherqd per row (none of
     these) with the index arithmetic in 64-bit lanes."""
-    asm = resample_ir.assembly(cpu, 16, narrow=True)
+    asm = _assembly(cpu, 16, narrow=True)
     assert re.search(r"vpgatherdd\s+\(%\w+,%zmm\d+,4\), %zmm", asm)
 
 
@@ -276,7 +292,7 @@ def test_numba_target_settings_move_the_generated_kernels_too():
 def test_the_vertical_pass_prefetches_its_rows(cpu, lanes):
     # NOTE [a kernel generated ...] 8: one prefetch per source row and 64-byte line ahead.
     for narrow in (False, True):
-        assert re.search(r"prefetcht0\s", resample_ir.assembly(cpu, lanes, narrow=narrow))
+        assert re.search(r"prefetcht0\s", _assembly(cpu, lanes, narrow))
 
 
 def test_vector_lanes_reads_the_feature_string():
