@@ -76,6 +76,18 @@ def _statements(source: bytes) -> list[list]:
     return found
 
 
+def _well_formed(statements) -> bool:
+    """Whether ``statements`` has the shape :func:`_statements` gives (a kept file read back)."""
+    def names(x):
+        return isinstance(x, list) and all(isinstance(n, str) for n in x)
+    return isinstance(statements, list) and all(
+        isinstance(s, list) and (
+            (len(s) == 2 and s[0] == "import" and names(s[1]))
+            or (len(s) == 4 and s[0] == "from" and type(s[1]) is int and isinstance(s[2], str)
+                and names(s[3])))
+        for s in statements)
+
+
 def _kept_statements(module: str) -> list[list]:
     """:func:`_statements` of ``module``'s file, from the folder of clause 5 where they were
     kept (by the hash of the file's bytes), else parsed now and kept there."""
@@ -84,7 +96,9 @@ def _kept_statements(module: str) -> list[list]:
         return _statements(source)
     kept = _SCANS[0] / f"{hashlib.sha256(source).hexdigest()[:40]}.v{_SCAN_FORMAT}.imports.json"
     try:
-        return json.loads(kept.read_text())
+        statements = json.loads(kept.read_text())
+        if _well_formed(statements):
+            return statements
     except (OSError, ValueError):
         pass
     statements = _statements(source)

@@ -101,7 +101,7 @@ def test_a_source_that_cannot_be_parsed_keeps_numbas_stamp_and_still_imports(tmp
 def test_each_files_import_statements_are_kept_by_its_hash_and_read_back(tmp_path, monkeypatch):
     """Clause 5: a file's import statements, parsed once, are kept under the hash of its bytes
     and read back instead of parsing it again; a file whose bytes changed is parsed again; a
-    kept file that cannot be read is parsed again too."""
+    kept file that cannot be read, or holds something else, is parsed again too."""
     pkg = tmp_path / "src" / "scandemo"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -134,6 +134,8 @@ def test_each_files_import_statements_are_kept_by_its_hash_and_read_back(tmp_pat
         (pkg / "user.py").write_text(user)
         assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 3
         assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 3  # and kept again
+        files[0].write_text('[["from", 1, "x"]]')  # JSON, but not statements: parsed again
+        assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 4
     finally:
         cache_stamp._imported.cache_clear()
         sys.modules.pop("scandemo", None)
