@@ -36,11 +36,11 @@ def _np(x):
         else np.asarray(x).astype(np.float64)
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=1)
 def _inputs(size, n, dtype, seed):
-    """Every rank's input in float64, stacked ``(size, n)`` and read-only: one per call's
-    inputs, shared by the references of the ops run on them (regenerating every rank's
-    megabytes for each op took most of a large call's time)."""
+    """Every rank's input in float64, stacked ``(size, n)`` and read-only: the last call's,
+    shared by the references of the ops run on it in turn (regenerating every rank's megabytes
+    for each op took most of a large call's time; one held, the rank job's memory stays flat)."""
     xs = np.stack([_np(_data(r, n, dtype, seed)) for r in range(size)])
     xs.flags.writeable = False
     return xs
