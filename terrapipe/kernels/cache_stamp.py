@@ -91,17 +91,17 @@ def _well_formed(statements) -> bool:
 def _kept_statements(module: str) -> list[list]:
     """:func:`_statements` of ``module``'s file, from the folder of clause 5 where they were
     kept (by the hash of the file's bytes), else parsed now and kept there."""
-    source = _file_of(module).read_bytes()
     if not _SCANS:
-        return _statements(source)
-    kept = _SCANS[0] / f"{hashlib.sha256(source).hexdigest()[:40]}.v{_SCAN_FORMAT}.imports.json"
+        return _statements(_file_of(module).read_bytes())
+    # the hash the stamp takes of the file anyway: a kept file found, the source is not read
+    kept = _SCANS[0] / f"{_file_hash(module).hex()[:40]}.v{_SCAN_FORMAT}.imports.json"
     try:
         statements = json.loads(kept.read_text())
         if _well_formed(statements):
             return statements
     except (OSError, ValueError):
         pass
-    statements = _statements(source)
+    statements = _statements(_file_of(module).read_bytes())
     try:  # written whole, then renamed: a process reading at once sees all of it or nothing
         kept.parent.mkdir(parents=True, exist_ok=True)
         partial = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")

@@ -120,6 +120,7 @@ def test_each_files_import_statements_are_kept_by_its_hash_and_read_back(tmp_pat
 
     def imported():
         cache_stamp._imported.cache_clear()  # a new process's view: nothing held in memory
+        cache_stamp._file_hash.cache_clear()
         return cache_stamp._imported("scandemo.user")
 
     try:
@@ -138,4 +139,5 @@ def test_each_files_import_statements_are_kept_by_its_hash_and_read_back(tmp_pat
         assert imported() == {"scandemo.a", "scandemo.b"} and len(parsed) == 4
     finally:
         cache_stamp._imported.cache_clear()
+        cache_stamp._file_hash.cache_clear()
         sys.modules.pop("scandemo", None)

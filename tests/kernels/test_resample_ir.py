@@ -210,14 +210,11 @@ def test_threads_compiling_at_once_get_one_kernel_and_exact_results():
     assert len(set(addresses)) == 1
 
 
-def _assembly(cpu: str, lanes: int, narrow: bool = False) -> str:
-    """``resample_ir.assembly`` for another CPU, made once per process: several tests read the
-    same kernel's assembly, and each is a whole LLVM compilation for that target (1-3 s)."""
-    return _assembly_once(cpu, lanes, bool(narrow))
-
-
 @functools.cache
-def _assembly_once(cpu: str, lanes: int, narrow: bool) -> str:
+def _assembly(cpu: str, lanes: int, narrow: bool) -> str:
+    """``resample_ir.assembly`` for another CPU, made once per process: several tests read the
+    same kernel's assembly, and each is a whole LLVM compilation for that target (1-3 s).
+    ``narrow`` is always passed, so each kernel has one key in the cache."""
     return resample_ir.assembly(cpu, lanes, narrow=narrow)
 
 
@@ -226,7 +223,7 @@ def _vector_registers(asm: str) -> set[str]:
 
 
 def test_avx2_targets_get_256_bit_vectors():
-    asm = _assembly("haswell", 8)
+    asm = _assembly("haswell", 8, False)
     assert "ymm" in _vector_registers(asm) and "zmm" not in _vector_registers(asm)
     assert re.search(r"vpmulld\s+%ymm", asm)  # the taps multiply 8 int32 lanes at once
 
@@ -234,7 +231,7 @@ def test_avx2_targets_get_256_bit_vectors():
 @pytest.mark.parametrize("cpu", ["skylake-avx512", "icelake-server", "znver4"])
 def test_avx512_targets_get_512_bit_vectors(cpu):
     """Xeons are tuned to prefer 256-bit vectors; the kernel's attributes let LLVM use zmm."""
-    asm = _assembly(cpu, 16)
+    asm = _assembly(cpu, 16, False)
     assert re.search(r"vpmulld\s+%zmm", asm)
 
 
@@ -242,7 +239,7 @@ def test_avx512_targets_get_512_bit_vectors(cpu):
                                              ("icelake-server", 16, "zmm")])
 def test_the_16_bit_passes_multiply_16_bit_lanes(cpu, lanes, reg):
     """The 16-bit passes: unsigned 16-bit products (pmulhuw), 2R of them per vertical tap."""
-    asm = _assembly(cpu, lanes, narrow=True)
+    asm = _assembly(cpu, lanes, True)
     assert re.search(rf"vpmulhuw\s+%{reg}", asm)
 
 
@@ -251,7 +248,7 @@ def test_the_float32_lut_is_gathered_by_32_bit_indices(cpu):
     """NOTE [a kernel generated ...] 7: one vpgatherdd per output row of 16 levels. The same
     pointers built by integer adds compiled to two 64-bit-index vpgatherqd per row (none of
     these) with the index arithmetic in 64-bit lanes."""
-    asm = _assembly(cpu, 16, narrow=True)
+    asm = _assembly(cpu, 16, True)
     assert re.search(r"vpgatherdd\s+\(%\w+,%zmm\d+,4\), %zmm", asm)
 
 
