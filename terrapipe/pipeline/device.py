@@ -183,6 +183,8 @@ class DeviceFeed(Feed):
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         n = shape[0]
         self._registered = None
+        # never moved: CUDA batches follow clause 2 of NOTE [batch buffer ownership]
+        self.mappings = [shared] * host_ring
         if shared is None:
             self.host_images = [torch.empty(tuple(shape), dtype=torch.uint8, pin_memory=True)
                                 for _ in range(host_ring)]

@@ -8,7 +8,6 @@ host slots copied to the GPU on a side stream). The epoch iterator drives either
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -36,6 +35,10 @@ class Feed(ABC):
     images: list[np.ndarray]
     labels: list[np.ndarray]
     lut: np.ndarray
+    # per host slot, the shared mapping its arrays live in (None: this process's own memory). A
+    # slot that moves gets a new one, which a worker process is told of before the slot's next
+    # batch (NOTE [batch buffer ownership] 3 in loader.py).
+    mappings: list[SharedSlots | None]
 
     @abstractmethod
     def start_pass(self) -> None:
@@ -77,34 +80,38 @@ class HostFeed(Feed):
     process's slots) when given.
 
     A batch still referenced when its slot is about to be refilled (clause 3 of that NOTE: the
-    consumer kept it past the next one, as ``list(loader)`` does) is never overwritten in
-    private memory: the slot gets new buffers and the consumer keeps the old ones, as
-    DataLoader's batches are kept. Shared slots cannot be swapped under the worker process, so
-    there the loader warns once instead, naming ``copy=True``. ``replaced`` counts the swaps.
+    consumer kept it past the next one, as ``list(loader)`` does) is never overwritten: the slot
+    gets new buffers and the consumer keeps the old ones, as DataLoader's batches are kept. A
+    shared slot moves to a mapping of its own (``mappings[slot]``), which the worker process maps
+    before it writes the slot again. ``replaced`` counts the swaps.
     """
 
     def __init__(self, ring: int, shape: Sequence[int], plan: Plan, channels_last: bool,
                  shared: SharedSlots | None = None) -> None:
-        self._shared = shared is not None
-        self._alloc = np.empty if shared is None else shared.empty
         self._shape = tuple(shape)
         self._torch_dtype, self._channels_last = plan.torch_dtype, channels_last
         self.lut = plan.lut
         # per slot: the kernels' views (workers index these lists), and the memory as allocated
         self.images, self.labels = [None] * ring, [None] * ring
         self._memory: list[tuple[np.ndarray, np.ndarray]] = [None] * ring
+        self.mappings = [shared] * ring
         for slot in range(ring):
-            self._allocate(slot)
+            self._allocate(slot, np.empty if shared is None else shared.empty)
         # per slot: weak references to the arrays its last hand-out's tensors keep alive
         self._handed: list[tuple[weakref.ref, weakref.ref] | None] = [None] * ring
         self.replaced = 0
-        self._warned = False
 
-    def _allocate(self, slot: int) -> None:
-        """New memory for ``slot``, written in place into the lists the workers index."""
+    def _arrays(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """(shape, dtype) of a slot's memory: images (NCHW, or NHWC when channels_last), labels."""
         n, c, h, w = self._shape
-        memory = self._alloc((n, h, w, c) if self._channels_last else self._shape, self.lut.dtype)
-        labels = self._alloc((n,), np.int64)
+        images = (n, h, w, c) if self._channels_last else self._shape
+        return [(images, self.lut.dtype), ((n,), np.dtype(np.int64))]
+
+    def _allocate(self, slot: int, alloc: Alloc) -> None:
+        """New memory for ``slot`` from ``alloc``, written in place into the lists the workers index."""
+        (image_shape, dtype), (label_shape, _) = self._arrays()
+        memory = alloc(image_shape, dtype)
+        labels = alloc(label_shape, np.int64)
         self._memory[slot] = (memory, labels)
         # The kernels write NCHW views in any strides, so the layout costs them nothing.
         self.images[slot] = memory.transpose(0, 3, 1, 2) if self._channels_last else memory
@@ -120,15 +127,15 @@ class HostFeed(Feed):
         if handed is None or (handed[0]() is None and handed[1]() is None):
             return
         self._handed[slot] = None
-        if not self._shared:
-            self._allocate(slot)
-            self.replaced += 1
-        elif not self._warned:
-            self._warned = True
-            warnings.warn(
-                "FastLoader: a batch is still referenced when its buffer is refilled (held past the "
-                "next batch, as list(loader) does); with workers='process' it now holds a later "
-                "batch's data: pass copy=True to keep batches", RuntimeWarning, stacklevel=5)
+        if self.mappings[slot] is None:
+            self._allocate(slot, np.empty)
+        else:  # the worker process maps the new memory before it writes the slot again
+            moved = SharedSlots(SharedSlots.size_of(self._arrays()),
+                                purpose="a new batch slot (a batch is still held past the next, as "
+                                        "list(loader) holds every batch)")
+            self._allocate(slot, moved.empty)
+            self.mappings[slot] = moved
+        self.replaced += 1
 
     def deliver(self, batch: int, slot: int, count: int,
                 filled: Callable[[], None]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,9 +29,10 @@ NOTE [batch buffer ownership]
        keep alive an array made for that hand-out, and a slot whose last hand-out is still
        alive when it is to be refilled gets new memory instead (HostFeed.slot_writable), so the
        kept batch is the consumer's, as DataLoader's batches are. A loop that lets go costs
-       nothing but that array. Shared slots (``workers="process"``) cannot be swapped under the
-       worker process, so there the loader warns once that a kept batch was overwritten; CUDA
-       batches follow clause 2 (NOTE [device feed streams] in pipeline/device.py).
+       nothing but that array. A shared slot (``workers="process"``) moves to a mapping of its
+       own, which the worker process is handed before it writes that slot again (NOTE [the
+       loader's worker process] 3); the kept batch holds the old memory until it is let go.
+       CUDA batches follow clause 2 (NOTE [device feed streams] in pipeline/device.py).
 
 NOTE [the next epoch's first batches]
     1. Why: an iterator that starts with an empty pipeline makes its consumer wait for a whole
@@ -114,8 +115,8 @@ class FastLoader:
     Yields ``(images, labels)``: images (N, C, H, W) (float per ``Normalize``, else uint8;
     ``channels_last=True`` gives channels-last strides), labels int64 (N,), on ``device``.
     Yielded tensors are views of reused buffers, valid while the next batch is held too (NOTE
-    [batch buffer ownership]); host batches from thread workers that are kept longer are never
-    overwritten (clause 3). Pass ``copy=True`` for owned tensors. Augmentation is a pure
+    [batch buffer ownership]); host batches that are kept longer are never overwritten, with
+    either kind of ``workers`` (clause 3). Pass ``copy=True`` for owned tensors. Augmentation is a pure
     function of (seed, epoch, sample index), so any ``num_threads`` gives the same bytes. Each
     ``iter()`` is one epoch's iterator (NOTE [one iterator per epoch]); the first batches of the
     next one (the next epoch, as a loop of ``set_epoch(epoch)`` runs them) are begun while the
@@ -276,8 +277,9 @@ class FastLoader:
                                                        self.num_threads, nice=nice)
             else:
                 self._workers = ProcessWorkers(dataset, list(transforms), channels, plan.out_hw, slots,
-                                               self._feed.images, self._feed.labels, self._feed.lut, on_error,
-                                               self.num_threads, nice=nice, skipped=self.skipped)
+                                               self._feed.images, self._feed.labels, self._feed.mappings,
+                                               self._feed.lut, on_error, self.num_threads, nice=nice,
+                                               skipped=self.skipped)
             if decode != "cpu":
                 self._workers = self._split(self._workers, decode, shape, ring)
         except BaseException:

@@ -6,7 +6,12 @@ naming the bytes needed, never a SIGBUS in a worker later), carves the slots out
 unlinks the name as soon as the worker process has mapped it: after that the memory lives only
 as long as the two mappings, so no crash of either process leaves anything in ``/dev/shm``.
 A crash inside the create-to-unlink window can: :func:`remove_stale` deletes files whose
-creating process is gone, at every loader's construction.
+creating process is gone, at every mapping's creation.
+
+A slot whose batch the consumer still holds when it is to be refilled moves to a mapping of its
+own (NOTE [batch buffer ownership] 3 in loader.py): the loader creates it the same way, hands
+the worker an open descriptor of it over their pipe (:meth:`SharedSlots.from_fd`) and unlinks
+the name at once.
 """
 
 from __future__ import annotations
@@ -37,40 +42,58 @@ class SharedSlots:
 
     The creating process calls :meth:`empty` for each slot array and sends :attr:`path` and
     each array's :meth:`describe` to the worker, which calls :meth:`attach` and :meth:`view`;
-    the creator then calls :meth:`unlink`. Arrays (and tensors made from them) keep the mapping alive.
+    the creator then calls :meth:`unlink`. Arrays (and tensors made from them) keep the mapping
+    alive. ``purpose`` names what the memory is for in the error a full ``/dev/shm`` raises.
     """
 
-    def __init__(self, nbytes: int, *, path: str | None = None) -> None:
+    def __init__(self, nbytes: int, *, path: str | None = None, fd: int | None = None,
+                 purpose: str = "the loader's batch slots") -> None:
         self.nbytes = int(nbytes)
-        if path is not None:  # attach: the worker's side
-            self.path = path
-            fd = os.open(path, os.O_RDWR)
-        else:
-            if not os.path.isdir(_SHM_DIR):
-                raise RuntimeError(f"workers='process': {_SHM_DIR} does not exist on this system")
-            remove_stale()
-            try:
-                self.path = create_shm_file(_SHM_DIR, PREFIX, self.nbytes, reserve=True)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG):
-                    free = shutil.disk_usage(_SHM_DIR).free
-                    raise RuntimeError(
-                        f"workers='process': the loader's batch slots need {self.nbytes / 2**20:.1f} MiB of "
-                        f"{_SHM_DIR}, which has {free / 2**20:.1f} MiB free (a container's --shm-size); "
-                        f"use a smaller batch_size or prefetch, or workers='threads'") from None
-                raise
-            fd = os.open(self.path, os.O_RDWR)
+        self.path = path  # None for a mapping made from a descriptor (from_fd)
+        own = None
+        if fd is None:
+            if path is None:
+                self.path = self._create(purpose)
+            fd = own = os.open(self.path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, self.nbytes)
         finally:
-            os.close(fd)
+            if own is not None:
+                os.close(own)
         self._base = np.frombuffer(self._mm, np.uint8)
         self._offset = 0
+
+    def _create(self, purpose: str) -> str:
+        if not os.path.isdir(_SHM_DIR):
+            raise RuntimeError(f"workers='process': {_SHM_DIR} does not exist on this system")
+        remove_stale()
+        try:
+            return create_shm_file(_SHM_DIR, PREFIX, self.nbytes, reserve=True)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                free = shutil.disk_usage(_SHM_DIR).free
+                raise RuntimeError(
+                    f"workers='process': {purpose} need {self.nbytes / 2**20:.1f} MiB of "
+                    f"{_SHM_DIR}, which has {free / 2**20:.1f} MiB free (a container's --shm-size); "
+                    f"use a smaller batch_size or prefetch, or workers='threads'") from None
+            raise
 
     @classmethod
     def attach(cls, path: str, nbytes: int) -> SharedSlots:
         """The worker's mapping of the creator's file."""
         return cls(nbytes, path=path)
+
+    @classmethod
+    def from_fd(cls, fd: int, nbytes: int) -> SharedSlots:
+        """A mapping of the open descriptor ``fd`` (which the caller still owns and closes)."""
+        return cls(nbytes, fd=fd)
+
+    def open_fd(self) -> int:
+        """A new read-write descriptor of the creator's file, for sending to the worker before
+        :meth:`unlink` (the caller closes it)."""
+        if self.path is None:
+            raise ValueError("SharedSlots.open_fd: this mapping was made from a descriptor, it has no name")
+        return os.open(self.path, os.O_RDWR)
 
     @property
     def address(self) -> int:
@@ -107,6 +130,8 @@ class SharedSlots:
 
     def unlink(self) -> None:
         """Remove the file's name (the mappings stay); idempotent."""
+        if self.path is None:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -15,7 +15,10 @@ NOTE [the loader's worker process]
        and says "ready"; the loader then unlinks the slots' name.
     3. Messages: each a JSON header (and, for a batch, the sample indices as int64 bytes) on one
        pipe; nothing is unpickled after the start. The loader sends ``batch`` (pass, batch, slot,
-       seed, epoch, indices), ``stop`` (pass) and ``exit``; the worker answers ``done`` or
+       seed, epoch, indices), ``slot`` (a slot moved to a mapping of its own, NOTE [batch buffer
+       ownership] 3 in loader.py: its arrays' places, then the mapping's open descriptor over the
+       pipe's socket, SCM_RIGHTS, so its name is unlinked at once), ``stop`` (pass) and
+       ``exit``; the worker answers ``done`` or
        ``error`` per batch (the error names the sample as the threads' SampleError does, and
        skipped samples ride along), and ``stopped`` per stop. Only the thread iterating the
        loader reads the pipe, when it needs a batch: no thread of the trainer listens.
@@ -42,6 +45,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 
@@ -79,13 +83,15 @@ class ProcessWorkers(Workers):
     """The parent's end of one worker process (NOTE [the loader's worker process]).
 
     slots: the shared mapping that ``images`` / ``labels`` (per slot, the feed's NumPy views)
-    live in; dataset, transforms, channels and out_hw rebuild the loader's plan in the worker;
-    lut: the table its kernel writes through; skipped: the loader's list, extended with the
-    samples the worker skipped under on_error="skip".
+    live in; mappings: per slot, the feed's list of the mapping the slot lives in now (``slots``
+    until it moves; read at each submit); dataset, transforms, channels and out_hw rebuild the
+    loader's plan in the worker; lut: the table its kernel writes through; skipped: the loader's
+    list, extended with the samples the worker skipped under on_error="skip".
     """
 
     def __init__(self, dataset, transforms: Sequence, channels: int, out_hw: tuple[int, int],
-                 slots: SharedSlots, images: list[np.ndarray], labels: list[np.ndarray], lut: np.ndarray,
+                 slots: SharedSlots, images: list[np.ndarray], labels: list[np.ndarray],
+                 mappings: list[SharedSlots], lut: np.ndarray,
                  on_error: str, num_threads: int, nice: bool, skipped: list) -> None:
         config = {"path": slots.path, "nbytes": slots.nbytes, "parent": os.getpid(),
                   "images": [slots.describe(a) for a in images],
@@ -93,6 +99,8 @@ class ProcessWorkers(Workers):
                   "channels": channels, "out_hw": list(out_hw), "on_error": on_error,
                   "num_threads": num_threads, "nice": nice}
         self._skipped = skipped
+        self._images, self._labels, self._mappings = images, labels, mappings
+        self._told = list(mappings)  # per slot, the mapping the worker writes it in
         self._pass = 0
         self._results: dict[int, dict] = {}
         self._submitted: set[int] = set()
@@ -140,6 +148,17 @@ class ProcessWorkers(Workers):
                 raise RuntimeError(f"FastLoader's worker process (pid {self._proc.pid}) did not answer "
                                    f"within {timeout:.0f} s during {what}")
 
+    def _post(self, what: str, head: dict, payload: bytes = b"", fd: int | None = None) -> None:
+        """Send a message (and ``fd`` after it, clause 3); a worker that is gone is named, as
+        :meth:`_recv` names it."""
+        try:
+            _send(self._conn, head, payload)
+            if fd is not None:
+                send_handle(self._conn, fd, self._proc.pid)
+        except OSError:  # EPIPE / ECONNRESET: the worker's end is closed
+            self._proc.join(1)
+            raise self._died(what) from None
+
     def _died(self, what: str) -> RuntimeError:
         code = self._proc.exitcode
         hint = ""
@@ -162,9 +181,27 @@ class ProcessWorkers(Workers):
         self._results, self._submitted = {}, set()
 
     def submit(self, batch: int, slot: int, indices: np.ndarray, seed: int, epoch: int) -> None:
+        if self._mappings[slot] is not self._told[slot]:
+            self._move(slot, f"batch {batch}")
         head = {"op": "batch", "pass": self._pass, "batch": batch, "slot": slot, "seed": seed, "epoch": epoch}
-        _send(self._conn, head, np.ascontiguousarray(indices, np.int64).tobytes())
+        self._post(f"batch {batch}", head, np.ascontiguousarray(indices, np.int64).tobytes())
         self._submitted.add(batch)
+
+    def _move(self, slot: int, what: str) -> None:
+        """Tell the worker that ``slot`` moved to the feed's new mapping (clause 3), then unlink
+        the mapping's name: it lives on in the two processes' mappings only."""
+        moved = self._mappings[slot]
+        try:
+            fd = moved.open_fd()
+            try:
+                self._post(what, {"op": "slot", "slot": slot, "nbytes": moved.nbytes,
+                                  "image": moved.describe(self._images[slot]),
+                                  "label": moved.describe(self._labels[slot])}, fd=fd)
+            finally:
+                os.close(fd)
+        finally:
+            moved.unlink()
+        self._told[slot] = moved
 
     def wait(self, batch: int) -> None:
         while batch not in self._results:
@@ -212,6 +249,8 @@ class ProcessWorkers(Workers):
                 proc.kill()
                 proc.join(10)
         self._conn.close()
+        for mapping in self._mappings:  # one the worker was never told of still has its name
+            mapping.unlink()
 
 
 # -- the worker's side ------------------------------------------------------------------------
@@ -303,6 +342,14 @@ def _main(conn, dataset, transforms: list, lut: np.ndarray, config: dict) -> Non
                     batches[key] = _Batch(futures)
                 for k, f in enumerate(futures):
                     f.add_done_callback(lambda f, key=key, k=k: chunk_done(key, k, f))
+            elif op == "slot":  # clause 3: the slot's next batches go to a mapping of its own
+                fd = recv_handle(conn)
+                try:
+                    moved = SharedSlots.from_fd(fd, head["nbytes"])
+                finally:
+                    os.close(fd)
+                images[head["slot"]] = moved.view(*head["image"])
+                labels[head["slot"]] = moved.view(*head["label"])
             elif op == "stop":
                 with lock:
                     entries = [e for key, e in batches.items() if key[0] == head["pass"]]

@@ -81,17 +81,52 @@ def test_same_batches_bit_for_bit_as_the_threads(source, channels_last):
         want = _batches(threads, (0, 1))
     with FastLoader(ds, transforms, workers="process", **kw) as proc:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # a loop that lets go is not warned
+            warnings.simplefilter("error", RuntimeWarning)
             got = _batches(proc, (0, 1))
-        # NOTE [batch buffer ownership] 3: shared slots cannot be swapped under the worker, so
-        # a batch kept past the next is overwritten, and said so once
-        with pytest.warns(RuntimeWarning, match="copy=True") as warned:
-            list(proc)
-        assert len(warned) == 1
+        assert proc._feed.replaced == 0  # a loop that lets go of its batches moves no slot
         assert alive(proc._workers.pid)
         pid = proc._workers.pid
     _same(want, got)
     assert not alive(pid) and _leftovers() == ([], [], [])
+
+
+def _slot_mappings(pid: int) -> int:
+    """How many distinct loader slot files process ``pid`` maps (unlinked: "(deleted)")."""
+    with open(f"/proc/{pid}/maps") as f:
+        return len({line.split()[4] for line in f if shared_slots.PREFIX in line})
+
+
+def test_kept_batches_stay_intact_and_their_memory_goes_when_let_go():
+    # NOTE [batch buffer ownership] 3 with workers="process". Regression: shared slots were
+    # refilled under batches the consumer kept (list(loader) gave later batches' data, with a
+    # warning); a held slot now moves to a mapping of its own, handed to the worker.
+    g = np.random.default_rng(3)
+    ds = ArrayDataset(g.integers(0, 256, (70, 9, 7, 3), dtype=np.uint8), np.arange(70))
+    kw = dict(batch_size=4, prefetch=1, num_threads=2, shuffle=True, seed=2)  # a ring of 3 slots, 18 batches
+    with FastLoader(ds, TRAIN[1:], copy=True, **kw) as owned:
+        want = _batches(owned, (0, 1, 2))
+    with FastLoader(ds, TRAIN[1:], workers="process", **kw) as proc:
+        worker = proc._workers.pid
+        kept = []
+        for epoch in range(3):  # slots move again and again, across passes
+            proc.set_epoch(epoch)
+            kept += list(proc)
+        _same(want, kept)
+        assert proc._feed.replaced >= 3 * 18 - 3
+        # no name is left in /dev/shm while the batches are held: only mappings keep the memory
+        assert _ours() == []
+        # The worker keeps one mapping per slot at most (the first one and a moved slot's
+        # newest), so its address space does not grow with the batches kept here.
+        assert _slot_mappings(worker) <= 1 + 3
+        held = _slot_mappings(os.getpid())
+        assert held >= 3 * 18 - 3
+        del kept
+        gc.collect()
+        # the kept batches' memory is unmapped once they are let go; the ring's is still there
+        assert _slot_mappings(os.getpid()) <= 1 + 3
+        more = [x.clone() for x, _ in proc]  # and the loader goes on in its moved slots
+        assert len(more) == 18
+    assert _leftovers() == ([], [], [])
 
 
 @pytest.mark.full  # make test-full (CI time): CI keeps the bit-for-bit, death, Ctrl-C and crash tests
@@ -151,6 +186,23 @@ def test_a_worker_process_that_dies_is_named_never_waited_for():
             pass
     assert time.monotonic() - start < 10
     loader.close()
+    assert _leftovers() == ([], [], [])
+    # Regression: a worker already gone when the loader sends it the next batch (or a moved
+    # slot, clause 3) raised a bare BrokenPipeError that named nothing.
+    for keep in (False, True):
+        ds = ArrayDataset(np.zeros((400, 8, 8, 3), np.uint8), np.zeros(400, np.int64))
+        with FastLoader(ds, batch_size=4, prefetch=1, workers="process", num_threads=1) as loader:
+            it = iter(loader)
+            kept = [next(it), next(it)]
+            pid = loader._workers.pid
+            os.kill(pid, signal.SIGKILL)
+            while open(f"/proc/{pid}/stat").read().split()[2] != "Z":  # dead, not yet reaped
+                time.sleep(0.01)
+            died = rf"worker process \(pid {pid}\) died during batch \d+: killed"
+            with pytest.raises(RuntimeError, match=died):
+                for batch in it:
+                    if keep:
+                        kept.append(batch)
     assert _leftovers() == ([], [], [])
 
 
