@@ -43,7 +43,7 @@ $(STAMP): pyproject.toml setup.py terrapipe/pipeline/_jpeg.c Makefile
 	@# The package's install also compiles the libjpeg-turbo region decoder (setup.py).
 	@( $(build_pillow_simd) ) & simd=$$!; \
 	{ $(PY) -c "import torch" 2>/dev/null || $(INSTALL) "$(TORCH_SPEC)"; } && \
-	$(INSTALL) -e ".[mpi,bench,dev]"; rc=$$?; wait $$simd; exit $$rc
+	$(INSTALL) -e ".[mpi,bench,dev,horovod]"; rc=$$?; wait $$simd; exit $$rc
 	$(swap_pillow)
 	@$(PY) -c "import PIL; print('image library:', PIL.__version__)"
 	@$(PY) -c "from terrapipe.pipeline import roi_jpeg; print('libjpeg-turbo region decoder:', roi_jpeg.available())"
@@ -142,7 +142,7 @@ torch-suite: setup
 HOROVOD_SRC ?=
 horovod-suite: setup
 	@test -n "$(HOROVOD_SRC)" || { echo "horovod-suite: set HOROVOD_SRC to a Horovod checkout"; exit 2; }
-	@$(INSTALL) cloudpickle mock
+	@$(INSTALL) mock
 	@for n in 2 4; do for f in test_torch.py test_timeline.py test_adasum_pytorch.py; do \
 	  echo "== $$f at $$n ranks (one line per rank)"; tmp=$$(mktemp); \
 	  PYTHONPATH=$(CURDIR)/terrapipe/horovod/compat:$(CURDIR):$(HOROVOD_SRC)/test:$(HOROVOD_SRC)/test/utils \

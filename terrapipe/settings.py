@@ -145,6 +145,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_RUN_STATUS", "path", "",
             "Set by `terrapipe run` for its ranks: the folder where each records how it ended",
             "engine"),
+    Setting("TERRAPIPE_RUN_FUNC", "text", "",
+            "Set by `horovod.run` for its ranks: `host:port` of the call that sends them the function",
+            "engine"),
+    Setting("TERRAPIPE_RUN_FUNC_KEY", "text", "",
+            "Set by `horovod.run` for its ranks: the key (hex) that call's socket authenticates them by",
+            "engine"),
+    Setting("TERRAPIPE_RUN_FUNC_OUTPUT", "path", "",
+            "Set by `horovod.run(output_filename=...)`: each rank's stdout and stderr go under this folder",
+            "engine"),
     # horovod
     Setting("TERRAPIPE_HOROVOD_TIMEOUT", "seconds", None,
             "Seconds a named hvd collective waits for ranks that have not issued it (else "

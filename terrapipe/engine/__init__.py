@@ -19,17 +19,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what the lazy loader below returns, for readers and type checkers
     from .autotune import AutoTuner
     from .commit import Commit, kept_copy
+    from .function_job import FunctionJobError, run_function
     from .gradients import DistributedGradients
     from .optimizer import DistributedOptimizer
     from .sync import broadcast_optimizer_state, broadcast_parameters
     from .trainer import HOOKS, CheckpointError, Engine, load_checkpoint
 
-__all__ = ["AutoTuner", "CheckpointError", "Commit", "kept_copy", "DistributedGradients",
+__all__ = ["AutoTuner", "CheckpointError", "Commit", "kept_copy", "DistributedGradients", "FunctionJobError",
+           "run_function",
            "DistributedOptimizer", "Engine", "HOOKS",
            "load_checkpoint",
            "broadcast_optimizer_state", "broadcast_parameters"]
 
 _MODULE_OF = {"AutoTuner": ".autotune", "Commit": ".commit", "kept_copy": ".commit",
+              "FunctionJobError": ".function_job", "run_function": ".function_job",
               "DistributedGradients": ".gradients",
               "DistributedOptimizer": ".optimizer", "broadcast_optimizer_state": ".sync",
               "broadcast_parameters": ".sync", "HOOKS": ".trainer", "CheckpointError": ".trainer",

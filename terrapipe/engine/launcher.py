@@ -220,7 +220,9 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
     old = _forwarding([p.pid for p in procs])
     try:
         code = 0
-        while any(p.poll() is None for p in procs):
+        # Every rank polled on every pass: any() over a generator stopped at the first rank still
+        # running, so a later rank's failure went unseen until the ranks before it had ended.
+        while [p.poll() for p in procs].count(None):
             failed = [p for p in procs if p.returncode not in (None, 0)]
             if failed:
                 code = failed[0].returncode

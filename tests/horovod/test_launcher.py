@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,17 @@ def test_unmodified_script_trains_over_mpi_and_gloo(tmp_path):
     assert {e["pid"] for e in ops} == {0, 1}
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "BROADCAST"} <= {e["name"] for e in ops}
     assert not list(tmp_path.glob("timeline.json.rank*"))  # the parts were merged
+
+
+def test_gloo_a_failing_rank_stops_the_others_at_once():
+    # Regression: the --gloo launcher only saw a rank fail once every rank before it had ended,
+    # so rank 1 failing beside a rank 0 with a minute of work left held the job for that minute.
+    code = ("import os, sys, time; rank = int(os.environ['RANK']); "
+            "sys.exit(3) if rank == 1 else time.sleep(120)")
+    start = time.monotonic()
+    r = _run("--gloo", "-np", "3", sys.executable, "-c", code, timeout=150)
+    assert r.returncode == 3 and "rank 1 failed first, with exit code 3" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.full  # make test-full (CI time): the --gloo run above starts ranks the same way

@@ -7,7 +7,21 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-__all__ = ["env"]
+__all__ = ["env", "gloo_built", "mpi_built"]
+
+
+def gloo_built() -> bool:
+    """Whether a job can run over Gloo (terrapipe.horovod.gloo_built)."""
+    from terrapipe.horovod import gloo_built as built
+
+    return built()
+
+
+def mpi_built() -> bool:
+    """Whether a job can run over MPI (terrapipe.horovod.mpi_built)."""
+    from terrapipe.horovod import mpi_built as built
+
+    return built()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,142 @@
+"""``horovod.run`` (``horovod.runner.run``): run a function on the processes of a new Horovod
+job and return what each returned.
+
+    import horovod            # under terrapipe run --horovod; or: from terrapipe.horovod.runner import run
+
+    def fn(a, b):
+        import horovod.torch as hvd
+        hvd.init()
+        return hvd.allgather(torch.tensor([hvd.rank() + a + b])).tolist()
+
+    results = horovod.run(fn, args=(1, 20), num_proc=3)   # one list per rank: [[21, 22, 23], ...]
+
+NOTE [the run API]
+    1. Horovod's interactive launcher, with its arguments and its errors, over a function job
+       (NOTE [a function as a job] in engine/function_job.py: how the function gets to the ranks
+       and the results back, pickled with cloudpickle over an authenticated socket, and how a
+       failure ends the job at once).
+    2. Failure raises RuntimeError in Horovod's words (``use_gloo``: "Horovod detected that one
+       or more processes exited with non-zero status ...", else "mpirun failed with exit code
+       N"), naming the first rank whose function raised and its exception; the traceback is a
+       note on the error. ``start_timeout`` defaults to ``HOROVOD_START_TIMEOUT``, else 30 s.
+    3. Static jobs only, as Horovod's ``run()`` (its elastic mode returns no results):
+       ``min_num_proc``, ``max_num_proc``, ``host_discovery_script``, ``slots``, ``reset_limit``
+       and ``cooldown_range`` raise ValueError pointing to ``terrapipe run --horovod --min-np``
+       with ``hvd.elastic.run``; so do ``mpi_args`` and ``network_interfaces``, which the
+       launcher has no equivalent for. ``ssh_port`` and ``ssh_identity_file`` reach mpiexec's
+       ssh (``HYDRA_LAUNCHER_EXTRA_ARGS``); ``disable_cache`` is accepted (there is no cache of
+       checks to disable).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+
+from ..engine import FunctionJobError, run_function
+
+__all__ = ["run"]
+
+
+def _hosts_from_file(path: str) -> str:
+    """A hostfile (``<hostname> slots=<n>`` per line, ``#`` comments) as ``host:n,...``."""
+    hosts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            m = re.fullmatch(r"(\S+)(?:\s+slots\s*=\s*(\d+))?", line)
+            if m is None:
+                raise ValueError(f"hostfile: {path} line {number}: expected '<hostname> slots=<n>', "
+                                 f"got {line!r}")
+            hosts.append(f"{m.group(1)}:{m.group(2) or 1}")
+    if not hosts:
+        raise ValueError(f"hostfile: {path} names no host")
+    return ",".join(hosts)
+
+
+def run(func: Callable, args: Sequence = (), kwargs: Mapping | None = None, num_proc: int = 1,
+        min_num_proc: int | None = None, max_num_proc: int | None = None, slots: int | None = None,
+        reset_limit: int | None = None, cooldown_range: tuple[float, float] | None = None,
+        hosts: str | None = None, hostfile: str | None = None, host_discovery_script: str | None = None,
+        start_timeout: float | None = None, ssh_port: int | None = None, ssh_identity_file: str | None = None,
+        disable_cache: bool | None = None, output_filename: str | None = None, verbose: bool | None = None,
+        use_gloo: bool | None = None, use_mpi: bool | None = None, mpi_args: str | None = None,
+        network_interface: str | None = None, network_interfaces: Sequence[str] | None = None,
+        executable: str | None = None, np: int | None = None, min_np: int | None = None,
+        max_np: int | None = None) -> list:
+    """Run ``func(*args, **kwargs)`` on each of ``num_proc`` new processes of one Horovod job and
+    return their return values, a list indexed by rank (NOTE [the run API]).
+
+    func, args, kwargs: pickled with cloudpickle and sent to every process, as Horovod sends
+    them; what ``func`` returns comes back the same way. hosts (``host:slots,...``) or hostfile
+    (``<host> slots=<n>`` lines): where the processes run (default: here). use_gloo: on this
+    machine without MPI; use_mpi (the default): through mpiexec. start_timeout: seconds for
+    every process to start (``HOROVOD_START_TIMEOUT``, else 30). output_filename: a folder; rank
+    r's stdout and stderr go to ``<folder>/rank.<r>/stdout`` and ``stderr``. verbose: print the
+    launch command. executable: the processes' Python (default: this one). ``np``, ``min_np``,
+    ``max_np`` and ``network_interface`` are Horovod's deprecated names, taken with its
+    warnings. Raises RuntimeError naming the first rank that failed; ValueError for an argument
+    this launcher does not take (clause 3).
+    """
+    if network_interface:
+        network_interfaces = network_interface.split(",")
+        warnings.warn("network_interface is deprecated, use network_interfaces instead", DeprecationWarning,
+                      stacklevel=2)
+    if np is not None:
+        num_proc = np
+        warnings.warn("np is deprecated, use num_proc instead", DeprecationWarning, stacklevel=2)
+    if min_np is not None:
+        min_num_proc = min_np
+        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=2)
+    if max_np is not None:
+        max_num_proc = max_np
+        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
+    if not callable(func):
+        raise TypeError(f"func: expected a callable, got {type(func).__name__}")
+    if hosts is not None and hostfile is not None:
+        raise ValueError("Argument hosts and hostfile only allow one provided.")
+    if use_gloo and use_mpi:
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
+        raise ValueError(f"num_proc: expected a positive integer, got {num_proc!r}")
+    elastic = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "slots": slots,
+               "host_discovery_script": host_discovery_script, "reset_limit": reset_limit,
+               "cooldown_range": cooldown_range}
+    for name, value in elastic.items():
+        if value is not None:
+            raise ValueError(f"{name}: run() starts a static job; an elastic one runs its script under "
+                             f"`terrapipe run --horovod --min-np N ...` with hvd.elastic.run")
+    for name, value in (("mpi_args", mpi_args), ("network_interfaces", network_interfaces)):
+        if value:
+            raise ValueError(f"{name}: terrapipe's launcher has no equivalent (mpiexec picks the "
+                             f"interface itself); leave it unset")
+    if hostfile is not None:
+        hosts = _hosts_from_file(hostfile)
+    if start_timeout is None:
+        start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT", "30"))
+    env = {}
+    if ssh_port is not None or ssh_identity_file is not None:
+        env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(
+            ([f"-p {int(ssh_port)}"] if ssh_port is not None else []) +
+            ([f"-i {ssh_identity_file}"] if ssh_identity_file else []))
+    try:
+        return run_function(func, args, kwargs, num_proc=num_proc, hosts=hosts, gloo=bool(use_gloo),
+                            start_timeout=start_timeout, output=output_filename, env=env,
+                            executable=executable, verbose=bool(verbose))
+    except FunctionJobError as exc:
+        first = str(exc)
+        if exc.rank is not None:  # the rank and its exception's last line, as Horovod names a rank
+            first = f"rank {exc.rank}: {exc.text.strip().splitlines()[-1]}"
+        if use_gloo:
+            msg = ("Horovod detected that one or more processes exited with non-zero status, thus causing "
+                   f"the job to be terminated. The first process to do so was: {first}")
+        else:
+            msg = f"mpirun failed with exit code {exc.exit_code}: {first}"
+        error = RuntimeError(msg)
+        for note in getattr(exc, "__notes__", ()):
+            error.add_note(note)
+        raise error from None

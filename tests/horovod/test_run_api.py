@@ -1,0 +1,152 @@
+"""``horovod.run`` (terrapipe.horovod.runner over engine/function_job.py): a function run on the
+processes of a new job, its results by rank; the arguments Horovod's run() takes and refuses;
+a failure named at once; workers that never start; only this call's workers get the function.
+The jobs here run over Gloo; tests/horovod/test_run_api_mpi.py runs them through mpiexec."""
+
+import os
+import sys
+import threading
+import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
+
+import pytest
+import torch
+
+from terrapipe.engine import function_job
+from terrapipe.horovod.runner import run
+
+
+def test_results_by_rank_over_gloo_with_each_ranks_output_in_its_folder(tmp_path):
+    offset = 1000  # a closure's variable: cloudpickle sends the function by value, as Horovod does
+
+    def fn(a, b, c, d):
+        import terrapipe.horovod as hvd
+
+        hvd.init()
+        rank = hvd.rank()
+        print(f"stdout of rank {rank}", flush=True)
+        print(f"stderr of rank {rank}", file=sys.stderr, flush=True)
+        res = hvd.allgather(torch.tensor([rank, a + b + c + d + offset])).tolist()
+        return res if rank == 0 else ("ret_val_of_rank_1" if rank == 1 else None)
+
+    got = run(fn, (1, 20), {"c": 300, "d": 4000}, num_proc=2, use_gloo=True, output_filename=str(tmp_path))
+    assert got == [[0, 5321, 1, 5321], "ret_val_of_rank_1"]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank.{rank}" / "stdout").read_text() == f"stdout of rank {rank}\n"
+        assert f"stderr of rank {rank}\n" in (tmp_path / f"rank.{rank}" / "stderr").read_text()
+
+
+def test_a_failing_rank_is_named_at_once_in_horovods_words():
+    def _fail_on_rank_1():
+        import terrapipe.horovod as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            raise ValueError("rank 1 gives up")
+        time.sleep(120)  # the launcher stops this rank when rank 1 fails
+
+    start = time.monotonic()
+    words = (r"Horovod detected that one or more processes exited with non-zero status.*"
+             r"The first process to do so was: rank 1: ValueError: rank 1 gives up")
+    with pytest.raises(RuntimeError, match=words) as e:
+        run(_fail_on_rank_1, num_proc=2, use_gloo=True)
+    assert time.monotonic() - start < 60  # not the other rank's two minutes
+    assert "in _fail_on_rank_1" in e.value.__notes__[0]  # the rank's traceback rides along
+
+
+def test_workers_that_never_start_stop_the_job_and_are_named(tmp_path):
+    # An "interpreter" that never runs the worker: no rank connects within start_timeout.
+    stuck = tmp_path / "python"
+    stuck.write_text("#!/bin/sh\nexec sleep 120\n")
+    stuck.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] of 2 did not start within 2 s"):
+        run(print, num_proc=2, use_gloo=True, start_timeout=2, executable=str(stuck))
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hosts="localhost:2", hostfile="hosts.txt"), "hosts and hostfile only allow one"),
+    (dict(use_gloo=True, use_mpi=True), "use_gloo and use_mpi only allow one"),
+    (dict(num_proc=0), "num_proc: expected a positive integer"),
+    (dict(min_num_proc=1), "min_num_proc: run.. starts a static job.*--min-np"),
+    (dict(host_discovery_script="discover.sh"), "host_discovery_script: run.. starts a static job"),
+    (dict(mpi_args="-bind-to core"), "mpi_args: terrapipe's launcher has no equivalent"),
+    (dict(network_interfaces=["eth0"]), "network_interfaces: terrapipe's launcher has no equivalent"),
+])
+def test_arguments_it_refuses_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run(print, **kwargs)
+    with pytest.raises(TypeError, match="func: expected a callable"):
+        run("print")
+
+
+def test_deprecated_names_warn_as_horovods_do():
+    with pytest.warns(DeprecationWarning, match="np is deprecated, use num_proc instead"), \
+            pytest.raises(ValueError, match="num_proc"):
+        run(print, np=0)
+    with pytest.warns(DeprecationWarning, match="min_np is deprecated"), \
+            pytest.raises(ValueError, match="min_num"):
+        run(print, min_np=1)
+
+
+def test_a_hostfile_is_read_as_horovod_reads_it(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr("terrapipe.horovod.runner.run_function",
+                        lambda func, args, kwargs, **kw: seen.update(kw) or [None])
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# the machines\nnode1 slots=4\nnode2   slots = 2\nnode3\n")
+    assert run(print, num_proc=2, hostfile=str(hostfile)) == [None]
+    assert seen["hosts"] == "node1:4,node2:2,node3:1"
+    hostfile.write_text("node1 slots=four\n")
+    with pytest.raises(ValueError, match="line 1: expected '<hostname> slots=<n>'"):
+        run(print, hostfile=str(hostfile))
+
+
+def test_an_enclosing_jobs_variables_stay_behind():
+    kept = {"PATH": "/bin", "PYTHONPATH": "/p", "HOROVOD_FUSION_THRESHOLD": "1", "RANKING": "kept",
+            "NUMBA_CACHE_DIR": "/c"}
+    job = {"PMI_RANK": "0", "PMI_FD": "5", "HYDRA_CONTROL_FD": "7", "RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "x", "TORCHELASTIC_RUN_ID": "1", "HOROVOD_RANK": "0", "OMPI_COMM_WORLD_RANK": "0",
+           "TERRAPIPE_RUN_STATUS": "/tmp/s"}
+    assert function_job.job_env({**job, **kept}) == kept
+
+
+def test_only_a_peer_with_the_calls_key_gets_the_function():
+    key = os.urandom(32)
+    collector = function_job._Collector("127.0.0.1", key, b"the function", 2)
+    address = ("127.0.0.1", collector.port)
+    try:
+        with pytest.raises(AuthenticationError):
+            Client(address, authkey=os.urandom(32))
+        got = []
+
+        def worker(rank):
+            with Client(address, authkey=key) as conn:
+                conn.send_bytes(f'{{"rank": {rank}}}'.encode())
+                got.append(conn.recv_bytes())
+                conn.send_bytes(b'{"kind": "result"}')
+                conn.send_bytes(f"result {rank}".encode())
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in (1, 0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        deadline = time.monotonic() + 10
+        while len(collector.results) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [b"the function"] * 2
+        assert collector.results == {0: b"result 0", 1: b"result 1"} and collector.connected == {0, 1}
+        # a worker still connected when the job is over is cut off, not waited for
+        lingering = Client(address, authkey=key)
+        lingering.send_bytes(b'{"rank": 1}')
+        assert lingering.recv_bytes() == b"the function"
+    finally:
+        start = time.monotonic()
+        collector.close()
+        assert time.monotonic() - start < 5
+    assert not [t for t in threading.enumerate() if t.name.startswith("terrapipe-run")]
+    with pytest.raises(EOFError):
+        lingering.recv_bytes()
