@@ -50,9 +50,15 @@ def main() -> int:
             raise  # uncaught, as in a script (clause 3)
         import cloudpickle
 
-        body = cloudpickle.dumps(result)
-        conn.send_bytes(json.dumps({"kind": "result"}).encode())
+        try:
+            body, kind = cloudpickle.dumps(result), "result"
+        except Exception:  # noqa: BLE001 (whatever pickling raises: the call is told why)
+            why = f"its result ({type(result).__name__}) could not be pickled:\n{traceback.format_exc()}"
+            body, kind = why.encode(), "error"
+        conn.send_bytes(json.dumps({"kind": kind}).encode())
         conn.send_bytes(body)
+        if kind == "error":
+            return 1
     return 0
 
 

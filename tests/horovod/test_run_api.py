@@ -4,6 +4,8 @@ a failure named at once; workers that never start; only this call's workers get 
 The jobs here run over Gloo; tests/horovod/test_run_api_mpi.py runs them through mpiexec."""
 
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -150,3 +152,59 @@ def test_only_a_peer_with_the_calls_key_gets_the_function():
     assert not [t for t in threading.enumerate() if t.name.startswith("terrapipe-run")]
     with pytest.raises(EOFError):
         lingering.recv_bytes()
+
+
+@pytest.mark.full  # make test-full (CI time): CI names a rank's failure above
+def test_a_result_that_cannot_be_pickled_is_named():
+    def fn():
+        return threading.Lock()
+
+    with pytest.raises(RuntimeError, match=r"rank 0: TypeError: cannot pickle '_thread.lock' object") as e:
+        run(fn, use_gloo=True)
+    assert "its result (lock) could not be pickled" in e.value.__notes__[0]
+
+
+DRIVER = """
+import os, sys, time
+from terrapipe.horovod.runner import run
+
+def fn():
+    import terrapipe.horovod as hvd
+    hvd.init()
+    print("RANK", hvd.rank(), os.getpid(), flush=True)
+    time.sleep(300)
+
+if __name__ == "__main__":
+    try:
+        run(fn, num_proc=2, use_gloo=True)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+"""
+
+
+def test_ctrl_c_in_the_caller_stops_the_job_and_leaves_no_rank(tmp_path):
+    from terrapipe.launch_env import alive
+    from tests.pipeline.test_interrupt import as_at_a_terminal
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, preexec_fn=as_at_a_terminal, start_new_session=True)
+    ranks, lines = [], []
+    try:
+        while len(ranks) < 2:
+            line = driver.stdout.readline()
+            assert line, (lines, driver.stderr.read())
+            lines.append(line)
+            if line.startswith("RANK "):
+                ranks.append(int(line.split()[2]))
+        os.killpg(driver.pid, signal.SIGINT)  # the terminal's Ctrl-C: the caller's process group
+        out, _ = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert "INTERRUPTED" in out and driver.returncode == 0
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in ranks)
