@@ -7,9 +7,9 @@ NOTE [two lanes]
   1. The suite alone keeps 1.4 of two cores busy: its multi-rank jobs wait on each other, on
      timeouts they test and on emulated links, and the kernel and loader tests compile and
      decode on one core. So the tests that start no MPI process (``LANE``: the kernel and
-     loader tests, and the jobs launched by torchrun, by a store or by ``terrapipe run``'s
-     elastic mode, all over Gloo and shared memory) run in a second pytest process beside the
-     rest, about half the suite's time each.
+     loader tests, and the jobs launched by torchrun, by a store, by ``terrapipe run``'s
+     elastic mode or by ``horovod.run(use_gloo=True)``, all over Gloo and shared memory) run
+     in a second pytest process beside the rest, about half the suite's time each.
   2. Why the lanes cannot disturb each other. Only the first lane starts MPI jobs, so only its
      own jobs make MPICH's and hydra's files, which its tests count and sweep
      (``launch_env.remove_orphaned_mpi_files``) as no other program's. terrapipe's
@@ -37,6 +37,7 @@ LANE = ("tests/kernels", "tests/pipeline",
         "tests/comm/test_rendezvous.py", "tests/comm/test_torch_backend.py",
         "tests/comm/test_torchrun_one_machine.py", "tests/distributed/test_torchrun.py",
         "tests/distributed/test_torchrun_restarts.py", "tests/horovod/test_elastic_job.py",
+        "tests/horovod/test_run_api.py",
         "tests/test_layers.py", "tests/test_settings.py", "tests/test_timeline.py")
 _NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 

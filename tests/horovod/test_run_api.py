@@ -1,7 +1,8 @@
 """``horovod.run`` (terrapipe.horovod.runner over engine/function_job.py): a function run on the
 processes of a new job, its results by rank; the arguments Horovod's run() takes and refuses;
 a failure named at once; workers that never start; only this call's workers get the function.
-The jobs here run over Gloo; tests/horovod/test_run_api_mpi.py runs them through mpiexec."""
+The jobs here run over Gloo, in make test's second lane (NOTE [two lanes] in tests/lanes.py);
+tests/horovod/test_run_api_mpi.py runs them through MPI's launcher, in the first."""
 
 import os
 import signal
