@@ -145,6 +145,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TERRAPIPE_RUN_STATUS", "path", "",
             "Set by `terrapipe run` for its ranks: the folder where each records how it ended",
             "engine"),
+    Setting("TERRAPIPE_RUN_REPORT", "path", "",
+            "`terrapipe run` writes how the job ended here (JSON: its exit code, the rank that failed "
+            "first, that rank's exit code and error), for the program that launched it", "engine"),
     Setting("TERRAPIPE_RUN_FUNC", "text", "",
             "Set by `horovod.run` for its ranks: `host:port` of the call that sends them the function",
             "engine"),

@@ -13,7 +13,7 @@ NOTE [a function as a job]
        listens on (``multiprocessing.connection``, which authenticates both ends by HMAC with a
        random key the workers get in their environment). Both go pickled with cloudpickle, as
        Horovod sends them, so a function defined in a script, a notebook or a test body works.
-       Nothing is written to a file, and a payload is unpickled only from a peer that proved it
+       Neither is written to a file, and a payload is unpickled only from a peer that proved it
        holds this call's key: this call's own workers, or the call itself.
     3. A worker connects first, before it imports torch, says its rank, takes the function, runs
        it and sends back its result, or the exception's traceback; then the exception is raised
@@ -21,10 +21,12 @@ NOTE [a function as a job]
        the job, and the launcher stops the other ranks at a non-zero exit, so a failure ends the
        job within seconds, not when the slowest rank's function returns.
     4. Failure raises :class:`FunctionJobError`, naming the first rank whose function raised (its
-       traceback kept) or the ranks that returned nothing, and the job's exit code. Workers that
-       have not all connected within ``start_timeout`` seconds stop the job, and the error names
-       the ranks that never did. Ctrl-C in the caller stops the job and is raised as
-       KeyboardInterrupt once it has ended; the job's processes never outlive the call.
+       traceback kept), else the rank the launcher saw fail first (one killed before it could
+       say anything: the launcher writes it, as JSON, to ``TERRAPIPE_RUN_REPORT``), and the
+       job's exit code. Workers that have not all connected within ``start_timeout`` seconds
+       stop the job, and the error names the ranks that never did. Ctrl-C in the caller stops
+       the job and is raised as KeyboardInterrupt once it has ended; the job's processes never
+       outlive the call.
     5. The job's environment is the caller's without the variables of a job the caller may
        itself run in (an MPI launcher's, torchrun's, Horovod's rank variables, ``terrapipe run``'s
        status folder): the new job's launcher sets its own.
@@ -35,10 +37,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -60,7 +64,7 @@ _JOB_VARIABLES = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID
                   "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                   "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "HOROVOD_RANK", "HOROVOD_SIZE",
                   "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE",
-                  "TERRAPIPE_RUN_STATUS")
+                  "TERRAPIPE_RUN_STATUS", "TERRAPIPE_RUN_REPORT")
 
 
 class FunctionJobError(RuntimeError):
@@ -172,6 +176,24 @@ class _Collector:
             t.join()
 
 
+def _read_report(path: str) -> dict:
+    """What the launcher wrote to ``TERRAPIPE_RUN_REPORT`` ({} when it wrote nothing)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _how_it_ended(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def _signal(job: subprocess.Popen, signum: int) -> None:
     """``signum`` to the launcher's process group (it forwards SIGINT / SIGTERM to the ranks)."""
     try:
@@ -208,24 +230,33 @@ def run_function(func: Callable, args: Sequence = (), kwargs: Mapping | None = N
                             KEY: key.hex()})
     if output:
         job_environment[OUTPUT] = os.path.abspath(output)
+    # How the job ended, from its launcher: which rank failed first, even one that was killed
+    # before it could say (clause 4).
+    report_dir = tempfile.mkdtemp(prefix="terrapipe-function-job-")
+    report = job_environment["TERRAPIPE_RUN_REPORT"] = os.path.join(report_dir, "report.json")
     cmd = [sys.executable, "-m", "terrapipe.cli", "run", "--horovod", "-np", str(num_proc)]
     cmd += (["-H", hosts] if hosts else []) + (["--gloo"] if gloo else [])
     cmd += ["--", executable or sys.executable, "-m", "terrapipe.engine.function_task"]
     if verbose:
         print("terrapipe:", " ".join(cmd), file=sys.stderr, flush=True)
 
-    interrupted, missing = False, None
+    missing = None
     job = None
+    # Ctrl-C while the job runs is counted here and passed on to the launcher by the loop below,
+    # never raised at whatever line the main thread is on: a KeyboardInterrupt inside Popen.poll
+    # can leave its lock held, and the wait that must follow would then never return.
+    interrupts: list[int] = []
+    own_handler = threading.current_thread() is threading.main_thread()
+    if own_handler:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupts.append(signum))
     try:
         job = subprocess.Popen(cmd, env=job_environment, start_new_session=True)
-        started = time.monotonic()
+        started, forwarded = time.monotonic(), 0
         while job.poll() is None:
-            try:
-                time.sleep(0.05)
-            except KeyboardInterrupt:
-                interrupted = True
+            time.sleep(0.05)
+            while forwarded < len(interrupts):  # each Ctrl-C, once
+                forwarded += 1
                 _signal(job, signal.SIGINT)
-                continue
             if missing is None and time.monotonic() - started > start_timeout:
                 with collector.lock:
                     missing = sorted(set(range(num_proc)) - collector.connected)
@@ -242,8 +273,12 @@ def run_function(func: Callable, args: Sequence = (), kwargs: Mapping | None = N
             except subprocess.TimeoutExpired:
                 _signal(job, signal.SIGKILL)
                 job.wait()
+        if own_handler:  # (None: a handler not set from Python, which cannot be put back)
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
         collector.close()
-    if interrupted:
+        ended = _read_report(report)
+        shutil.rmtree(report_dir, ignore_errors=True)
+    if interrupts:
         raise KeyboardInterrupt
     code = job.returncode
     if missing:
@@ -256,6 +291,11 @@ def run_function(func: Callable, args: Sequence = (), kwargs: Mapping | None = N
         error.add_note(f"rank {rank}'s traceback:\n{text.rstrip()}")
         raise error
     absent = sorted(set(range(num_proc)) - set(collector.results))
+    if ended.get("rank") is not None:  # a rank that ended without a word: killed, or exited
+        rank, error = ended["rank"], (ended.get("error") or "").strip()
+        how = _how_it_ended(ended["rank_exit_code"]) + (f": {error.splitlines()[-1]}" if error else "")
+        raise FunctionJobError(f"rank {rank} ended: {how}", rank=rank, text=how, exit_code=code,
+                               missing=absent)
     if code != 0 or absent:
         what = f"ranks {absent} returned nothing" if absent else "every rank returned"
         raise FunctionJobError(f"the job exited with code {code}; {what}", exit_code=code, missing=absent)

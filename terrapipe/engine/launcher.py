@@ -23,6 +23,7 @@ directory, which is how the failing rank is known even when the launcher then ki
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -33,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import launch_env
+from .. import launch_env, settings
 
 __all__ = ["main", "mpiexec_path", "build_command"]
 
@@ -242,13 +243,19 @@ def _run_local(n: int, hosts: str | None, command: list[str], env: dict) -> int:
 
 def _summarize(status_dir: str, code: int) -> int:
     failed = launch_env.first_failure(status_dir)  # NOTE [rank status] in launch_env.py
+    shutil.rmtree(status_dir, ignore_errors=True)
     if failed is not None:
         rank, rc, error = failed
         what = f": {error.strip().splitlines()[-1]}" if error else ""
-        shutil.rmtree(status_dir, ignore_errors=True)
         print(f"terrapipe run: rank {rank} failed first, with exit code {rc}{what}", file=sys.stderr)
-        return rc if rc > 0 else 128 - rc
-    shutil.rmtree(status_dir, ignore_errors=True)
-    if code != 0:
-        print(f"terrapipe run: the job exited with {code}", file=sys.stderr)
-    return code if code >= 0 else 128 - code
+        exit_code = rc if rc > 0 else 128 - rc
+    else:
+        if code != 0:
+            print(f"terrapipe run: the job exited with {code}", file=sys.stderr)
+        exit_code = code if code >= 0 else 128 - code
+    report = settings.get("TERRAPIPE_RUN_REPORT")
+    if report:  # for a program that launched this job (engine/function_job.py)
+        rank, rc, error = failed if failed is not None else (None, None, None)
+        with open(report, "w") as f:
+            json.dump({"exit_code": exit_code, "rank": rank, "rank_exit_code": rc, "error": error}, f)
+    return exit_code

@@ -64,9 +64,11 @@ def test_workers_that_never_start_stop_the_job_and_are_named(tmp_path):
     stuck.write_text("#!/bin/sh\nexec sleep 120\n")
     stuck.chmod(0o755)
     start = time.monotonic()
+    handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(RuntimeError, match=r"ranks \[0, 1\] of 2 did not start within 2 s"):
         run(print, num_proc=2, use_gloo=True, start_timeout=2, executable=str(stuck))
     assert time.monotonic() - start < 60
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C is the caller's again
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -209,3 +211,18 @@ def test_ctrl_c_in_the_caller_stops_the_job_and_leaves_no_rank(tmp_path):
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in ranks)
+
+
+def test_a_rank_killed_without_a_word_is_named_from_the_launchers_report():
+    def fn():
+        import terrapipe.horovod as hvd
+
+        hvd.init()
+        if hvd.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"The first process to do so was: rank 1: killed by SIGKILL"):
+        run(fn, num_proc=2, use_gloo=True)
+    assert time.monotonic() - start < 60
