@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
 __all__ = ["mpi_launched", "torch_launched", "world", "local_rank", "local_size", "mpiexec_path",
-           "MPI_RANK_VARS", "record_exit", "first_failure", "alive", "kill_until_gone", "end_job",
-           "remove_orphaned_mpi_files", "unlink_own_mpi_segments"]
+           "MPI_RANK_VARS", "record_exit", "first_failure", "how_it_ended", "alive", "kill_until_gone",
+           "end_job", "remove_orphaned_mpi_files", "unlink_own_mpi_segments"]
 
 # Set by MPI launchers in every rank they start (any one suffices).
 _MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "HYDRA_CONTROL_FD")
@@ -143,6 +143,21 @@ def first_failure(status_dir: str) -> tuple[int, int, str | None] | None:
     _, rank, code = min(failures)
     error = Path(status_dir) / f"rank{rank}.error"
     return rank, code, (error.read_text() if error.exists() else None)
+
+
+def how_it_ended(code: int | None) -> str:
+    """A process's exit status in words: ``exit code N``, ``killed by SIGNAME`` (a negative
+    ``code``, as subprocess reports a signal), or ``still running`` (None)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def alive(pid: int) -> bool:

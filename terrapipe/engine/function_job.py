@@ -49,7 +49,8 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
-from .. import settings
+from .. import launch_env, settings
+from .launcher import _local_hosts
 
 __all__ = ["run_function", "FunctionJobError", "connect", "job_env"]
 
@@ -96,7 +97,7 @@ def connect(env: Mapping[str, str] = os.environ):
 
 
 def _all_local(hosts: str | None) -> bool:
-    local = {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
+    local = _local_hosts()
     return not hosts or all(h.split(":")[0] in local for h in hosts.split(","))
 
 
@@ -183,15 +184,6 @@ def _read_report(path: str) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-def _how_it_ended(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _signal(job: subprocess.Popen, signum: int) -> None:
@@ -293,7 +285,8 @@ def run_function(func: Callable, args: Sequence = (), kwargs: Mapping | None = N
     absent = sorted(set(range(num_proc)) - set(collector.results))
     if ended.get("rank") is not None:  # a rank that ended without a word: killed, or exited
         rank, error = ended["rank"], (ended.get("error") or "").strip()
-        how = _how_it_ended(ended["rank_exit_code"]) + (f": {error.splitlines()[-1]}" if error else "")
+        how = launch_env.how_it_ended(ended["rank_exit_code"])
+        how += f": {error.splitlines()[-1]}" if error else ""
         raise FunctionJobError(f"rank {rank} ended: {how}", rank=rank, text=how, exit_code=code,
                                missing=absent)
     if code != 0 or absent:

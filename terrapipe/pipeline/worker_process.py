@@ -49,6 +49,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 
 import numpy as np
 
+from ..launch_env import how_it_ended
 from .samples import SampleError, SampleWriter
 from .shared_slots import SharedSlots
 from .workers import Workers, cancel_and_wait, submit_chunks, thread_pool
@@ -66,17 +67,6 @@ def _send(conn, head: dict, payload: bytes = b"") -> None:
 def _parse(data: bytes) -> tuple[dict, bytes]:
     head, _, payload = data.partition(b"\0")
     return json.loads(head), payload
-
-
-def _how_it_ended(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 class ProcessWorkers(Workers):
@@ -167,7 +157,7 @@ class ProcessWorkers(Workers):
                     "imports the main module again: a script that makes FastLoader(workers='process') "
                     "at import time needs the `if __name__ == \"__main__\":` guard")
         return RuntimeError(f"FastLoader's worker process (pid {self._proc.pid}) died during {what}: "
-                            f"{_how_it_ended(code)}{hint}")
+                            f"{how_it_ended(code)}{hint}")
 
     def _take(self, head: dict) -> None:
         if head.get("skipped"):
