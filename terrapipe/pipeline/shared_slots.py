@@ -12,14 +12,24 @@ A slot whose batch the consumer still holds when it is to be refilled moves to a
 own (NOTE [batch buffer ownership] 3 in loader.py): the loader creates it the same way, hands
 the worker an open descriptor of it over their pipe (:meth:`SharedSlots.from_fd`) and unlinks
 the name at once.
+
+NOTE [a mapping holds no descriptor]
+    Python's ``mmap.mmap`` (before 3.13's ``trackfd=False``) keeps a duplicate of the file's
+    descriptor for as long as the mapping lives. A kept batch keeps its mapping, so
+    ``list(loader)`` kept one descriptor per batch and failed with "Too many open files" at the
+    process's limit (often 1024). The memory is therefore mapped with libc's ``mmap`` directly,
+    the descriptor closed at once, and unmapped when the last array over it is gone (a finalizer
+    on the buffer object every array keeps alive).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import shutil
+import weakref
 
 import numpy as np
 
@@ -30,6 +40,28 @@ __all__ = ["SharedSlots", "remove_stale", "PREFIX"]
 PREFIX = "terrapipe_loader_"
 _SHM_DIR = "/dev/shm"
 _ALIGN = 4096  # each array page-aligned: a kernel's rows never share a page with another slot's
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, nbytes: int) -> ctypes.Array:
+    """``nbytes`` of the file ``fd`` mapped shared and read-write, as a ctypes byte array that
+    owns the mapping: it is unmapped when the array object is garbage, and holds no descriptor
+    (NOTE [a mapping holds no descriptor]; the caller keeps owning ``fd``)."""
+    address = _libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {nbytes} bytes of shared memory: {os.strerror(err)}")
+    buf = (ctypes.c_uint8 * nbytes).from_address(address)
+    unmap = weakref.finalize(buf, _libc.munmap, address, nbytes)
+    unmap.atexit = False  # the process's end unmaps it; an array may still be read until then
+    return buf
 
 
 def remove_stale() -> list[str]:
@@ -56,11 +88,11 @@ class SharedSlots:
                 self.path = self._create(purpose)
             fd = own = os.open(self.path, os.O_RDWR)
         try:
-            self._mm = mmap.mmap(fd, self.nbytes)
+            self._buffer = _map_shared(fd, self.nbytes)
         finally:
             if own is not None:
                 os.close(own)
-        self._base = np.frombuffer(self._mm, np.uint8)
+        self._base = np.frombuffer(self._buffer, np.uint8)
         self._offset = 0
 
     def _create(self, purpose: str) -> str:
@@ -125,7 +157,7 @@ class SharedSlots:
 
     def view(self, offset: int, shape, strides, dtype: str) -> np.ndarray:
         """The array :meth:`describe` described, in this process's mapping."""
-        return np.ndarray(tuple(shape), np.dtype(dtype), buffer=self._mm, offset=offset,
+        return np.ndarray(tuple(shape), np.dtype(dtype), buffer=self._buffer, offset=offset,
                           strides=tuple(strides))
 
     def unlink(self) -> None:

@@ -11,8 +11,13 @@ NOTE [the loader's worker process]
        safe), whatever start method the user's script set. The dataset and the transforms reach
        the worker by pickling, as with DataLoader's spawned workers: both must be picklable, and a
        script defining its dataset class needs the ``if __name__ == "__main__":`` guard. The
-       worker maps the slots (pipeline/shared_slots.py), compiles the plan from the transforms,
-       and says "ready"; the loader then unlinks the slots' name.
+       loader pickles them itself and writes them to the pipe once the worker has started,
+       watching it as it writes: multiprocessing writes a process's arguments to a pipe whose
+       reading end it holds open itself until the write ends, so a worker that died before reading
+       them all (its script run again without the guard, say) left the loader blocked for ever
+       once they passed the pipe's 64 KiB. The worker maps the slots (pipeline/shared_slots.py),
+       compiles the plan from the transforms, and says "ready"; the loader then unlinks the
+       slots' name.
     3. Messages: each a JSON header (and, for a batch, the sample indices as int64 bytes) on one
        pipe; nothing is unpickled after the start. The loader sends ``batch`` (pass, batch, slot,
        seed, epoch, indices), ``slot`` (a slot moved to a mapping of its own, NOTE [batch buffer
@@ -37,10 +42,12 @@ NOTE [the loader's worker process]
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -58,6 +65,7 @@ __all__ = ["ProcessWorkers"]
 
 _START_TIMEOUT = 180.0  # imports and the kernels' cache load in a fresh process; a cold cache compiles later
 _POLL = 0.2  # seconds between checks of the worker's life while waiting for an answer
+_CHUNK = 1 << 20  # bytes per write of the start payload
 
 
 def _send(conn, head: dict, payload: bytes = b"") -> None:
@@ -96,19 +104,24 @@ class ProcessWorkers(Workers):
         self._submitted: set[int] = set()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
-        args = (child, dataset, list(transforms), np.asarray(lut), config)
-        self._proc = ctx.Process(target=_main, args=args, daemon=True, name="terrapipe-loader-worker")
+        # clause 2: only the pipe's end and the config ride in the process's own arguments
+        self._proc = ctx.Process(target=_main, args=(child, config), daemon=True,
+                                 name="terrapipe-loader-worker")
         try:
             try:
-                self._proc.start()
+                payload = pickle.dumps((dataset, list(transforms), np.asarray(lut)),
+                                       protocol=pickle.HIGHEST_PROTOCOL)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
-                # What pickle raises for an object it refuses. Anything else (multiprocessing's
-                # own refusal to start a process while the main module is being imported, say)
-                # goes up as it is, with its own advice.
+                # What pickle raises for an object it refuses.
                 raise TypeError(f"workers='process': the dataset and transforms go to the worker process by "
                                 f"pickling, and that failed: {type(exc).__name__}: {exc}") from exc
+            try:
+                # Anything this raises (multiprocessing's own refusal to start a process while
+                # the main module is being imported, say) goes up as it is, with its own advice.
+                self._proc.start()
             finally:
                 child.close()
+            self._send_start(payload, _START_TIMEOUT)
             head = self._recv("its start", _START_TIMEOUT)
             if head["op"] != "ready":
                 self._proc.join(5)
@@ -145,9 +158,37 @@ class ProcessWorkers(Workers):
             _send(self._conn, head, payload)
             if fd is not None:
                 send_handle(self._conn, fd, self._proc.pid)
-        except OSError:  # EPIPE / ECONNRESET: the worker's end is closed
-            self._proc.join(1)
+        except (BrokenPipeError, ConnectionResetError):  # the worker's end is closed; any other
+            self._proc.join(1)                              # OSError is ours and goes up as it is
             raise self._died(what) from None
+
+    def _send_start(self, payload: bytes, timeout: float) -> None:
+        """Write the pickled dataset, transforms and table to the starting worker (clause 2):
+        a header, then the bytes, without blocking, so a worker that dies or never reads is seen
+        (Connection.send_bytes would wait on a full socket for ever)."""
+        _send(self._conn, {"op": "start", "nbytes": len(payload)})
+        fd = self._conn.fileno()
+        view, sent = memoryview(payload), 0
+        deadline = time.monotonic() + timeout
+        os.set_blocking(fd, False)
+        try:
+            while sent < len(view):
+                try:
+                    sent += os.write(fd, view[sent:sent + _CHUNK])
+                    continue
+                except BlockingIOError:
+                    pass
+                except (BrokenPipeError, ConnectionResetError):
+                    self._proc.join(1)
+                    raise self._died("its start") from None
+                select.select([], [fd], [], _POLL)
+                if self._proc.exitcode is not None:
+                    raise self._died("its start")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"FastLoader's worker process (pid {self._proc.pid}) did not read "
+                                       f"its dataset within {timeout:.0f} s of its start")
+        finally:
+            os.set_blocking(fd, True)
 
     def _died(self, what: str) -> RuntimeError:
         code = self._proc.exitcode
@@ -265,10 +306,25 @@ class _Batch:
         self.stopped = False
 
 
-def _main(conn, dataset, transforms: list, lut: np.ndarray, config: dict) -> None:
+def _read_exactly(conn, nbytes: int) -> bytes:
+    """``nbytes`` raw bytes from the pipe (the start payload after its header)."""
+    out = bytearray(nbytes)
+    view, got = memoryview(out), 0
+    while got < nbytes:
+        n = os.readv(conn.fileno(), [view[got:]])
+        if n == 0:
+            raise EOFError("the loader closed the pipe during the start")
+        got += n
+    return bytes(out)
+
+
+def _main(conn, config: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # clause 5: the loader handles Ctrl-C
     _die_with_parent(config["parent"])
     try:
+        head, _ = _parse(conn.recv_bytes())
+        # The loader's own objects, pickled by the loader for this process (clause 2).
+        dataset, transforms, lut = pickle.loads(_read_exactly(conn, head["nbytes"]))
         import torch
 
         from .transforms import compile_plan
@@ -282,6 +338,12 @@ def _main(conn, dataset, transforms: list, lut: np.ndarray, config: dict) -> Non
             plan = plan.with_size(tuple(config["out_hw"]))
         writer = SampleWriter(dataset, plan, lut, config["on_error"])
         pool = thread_pool(config["num_threads"], config["nice"])
+    except (EOFError, OSError) as exc:
+        if isinstance(exc, EOFError) or exc.errno in (errno.EPIPE, errno.ECONNRESET):
+            os._exit(0)  # the loader is gone before the start (clause 5)
+        _send(conn, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        conn.close()
+        return
     except BaseException as exc:
         _send(conn, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         conn.close()

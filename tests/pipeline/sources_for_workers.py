@@ -56,3 +56,17 @@ class Unpicklable(ArrayDataset):
     def __init__(self, images, labels) -> None:
         super().__init__(images, labels)
         self.handle = open(os.devnull, "rb")  # noqa: SIM115 (the point: a handle pickle refuses)
+
+
+class FailsInTheWorker(ArrayDataset):
+    """Unpickles only in the process that made it: the worker process's unpickling raises, as a
+    dataset whose state needs something only the trainer has (a handle, a module) would."""
+
+    def __init__(self, images, labels) -> None:
+        super().__init__(images, labels)
+        self.maker = os.getpid()
+
+    def __setstate__(self, state) -> None:
+        if state["maker"] != os.getpid():
+            raise ValueError("this dataset cannot be rebuilt in another process")
+        self.__dict__.update(state)

@@ -8,6 +8,7 @@ import gc
 import glob
 import multiprocessing
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from terrapipe.pipeline import (
 )
 from tests.leftovers import left_behind, segments
 
-from .sources_for_workers import Jpegs, Slow, Unpicklable
+from .sources_for_workers import FailsInTheWorker, Jpegs, Slow, Unpicklable
 from .test_interrupt import as_at_a_terminal
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -130,6 +131,38 @@ def test_kept_batches_stay_intact_and_their_memory_goes_when_let_go():
 
 
 @pytest.mark.full  # make test-full (CI time): CI keeps the bit-for-bit, death, Ctrl-C and crash tests
+def test_kept_batches_hold_no_descriptor_each():
+    # Regression: each moved slot's mapping kept a descriptor open (Python's mmap keeps a
+    # duplicate), so list(loader) over more batches than the process's descriptor limit (often
+    # 1024) failed, reported as the worker's death (NOTE [a mapping holds no descriptor] in
+    # pipeline/shared_slots.py).
+    ds = ArrayDataset(np.arange(300 * 4 * 4 * 3, dtype=np.uint8).reshape(300, 4, 4, 3), np.arange(300))
+    with FastLoader(ds, batch_size=2, prefetch=1, num_threads=1, workers="process") as loader:
+        before = len(os.listdir("/proc/self/fd"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(before + 64, hard), hard))
+        try:
+            kept = list(loader)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert len(os.listdir("/proc/self/fd")) <= before + 2
+        assert loader._feed.replaced >= 150 - 3
+        want = torch.from_numpy(ds.images).permute(0, 3, 1, 2)
+        assert all(torch.equal(x, want[2 * i:2 * i + 2]) for i, (x, _) in enumerate(kept))
+    del kept, loader
+    gc.collect()
+    assert _slot_mappings(os.getpid()) == 0 and _leftovers() == ([], [], [])
+
+
+def test_a_dataset_the_worker_cannot_unpickle_is_named():
+    # Regression: unpickled by multiprocessing's start, the dataset's error surfaced as "exit
+    # code 1" with advice about the main guard, which was not the cause.
+    ds = FailsInTheWorker(np.zeros((4000, 8, 8, 3), np.uint8), np.zeros(4000, np.int64))
+    with pytest.raises(RuntimeError, match="could not start: ValueError: this dataset cannot be rebuilt"):
+        FastLoader(ds, batch_size=4, workers="process")
+    assert _leftovers() == ([], [], [])
+
+
 def test_resume_mid_epoch_and_break_then_a_new_epoch():
     ds = Jpegs(90)
     kw = dict(batch_size=8, shuffle=True, seed=9, num_threads=2)
@@ -395,8 +428,9 @@ UNGUARDED = textwrap.dedent(
     from terrapipe import FastLoader
     from terrapipe.pipeline import ArrayDataset
 
-    # No `if __name__ == "__main__":` guard: the spawned worker imports this file again.
-    ds = ArrayDataset(np.zeros((8, 8, 8, 3), np.uint8), np.zeros(8, np.int64))
+    # No `if __name__ == "__main__":` guard: the spawned worker imports this file again. The
+    # dataset pickles to more than a pipe holds (64 KiB).
+    ds = ArrayDataset(np.zeros((4096, 8, 8, 3), np.uint8), np.zeros(4096, np.int64))
     loader = FastLoader(ds, batch_size=4, workers="process")
     print("BATCHES", len(list(loader)), flush=True)
     """
@@ -406,7 +440,9 @@ UNGUARDED = textwrap.dedent(
 def test_a_script_without_the_main_guard_is_told_so(tmp_path):
     """Regression: the worker's own failure to start a nested worker was reported as a pickling
     failure of the dataset ("by pickling"), which sent the user after the wrong object. Now the
-    parent names the guard, and the worker's traceback carries multiprocessing's own advice."""
+    parent names the guard, and the worker's traceback carries multiprocessing's own advice.
+    Regression: with a dataset of more than 64 KiB pickled, the script hung for ever instead
+    (NOTE [the loader's worker process] 2)."""
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
