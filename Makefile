@@ -134,10 +134,11 @@ torch-suite: setup
 	    $(if $(SUITE_FILTER),-k "$(SUITE_FILTER)") 2>&1 | tail -1; rm -rf $$tmp; \
 	done
 
-# Not in CI (about three minutes): Horovod's own test/parallel/test_torch.py, test_timeline.py and
+# Not in CI (about five minutes): Horovod's own test/parallel/test_torch.py, test_timeline.py and
 # test_adasum_pytorch.py from a Horovod checkout, against the `horovod` package `terrapipe run
 # --horovod` provides, each file its own job at 2 and at 4 ranks as Horovod runs them
-# (tests/horovod/suite_plugin.py keeps torch's Muon out of one optimizer sweep).
+# (tests/horovod/suite_plugin.py keeps torch's Muon out of one optimizer sweep), then its
+# test/integration/test_interactiverun.py, which starts jobs itself.
 # HOROVOD_SRC=<a Horovod checkout> make horovod-suite
 HOROVOD_SRC ?=
 horovod-suite: setup
@@ -150,3 +151,8 @@ horovod-suite: setup
 	    $(HOROVOD_SRC)/test/parallel/$$f > $$tmp 2>&1; rc=$$?; \
 	  grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " $$tmp; rm -f $$tmp; test $$rc -eq 0 || exit 1; \
 	done; done
+	@echo "== test/integration/test_interactiverun.py (horovod.run and launch._run; it launches its own jobs)"
+	@tmp=$$(mktemp); \
+	  PYTHONPATH=$(CURDIR)/terrapipe/horovod/compat:$(CURDIR):$(HOROVOD_SRC)/test:$(HOROVOD_SRC)/test/utils \
+	  $(PY) -m pytest -q -p no:cacheprovider $(HOROVOD_SRC)/test/integration/test_interactiverun.py > $$tmp 2>&1; \
+	  rc=$$?; grep -E "^[0-9]+ (passed|failed)|^(FAILED|ERROR) " $$tmp; rm -f $$tmp; exit $$rc

@@ -26,18 +26,31 @@ NOTE [the run API]
        launcher has no equivalent for. ``ssh_port`` and ``ssh_identity_file`` reach mpiexec's
        ssh (``HYDRA_LAUNCHER_EXTRA_ARGS``); ``disable_cache`` is accepted (there is no cache of
        checks to disable).
+    4. ``horovod.runner.launch._run(args)``, Horovod's own entry below ``run()`` and
+       ``horovodrun``, takes a :class:`HorovodArgs` (Horovod's ``_HorovodArgs``; Horovod's tests
+       build one by hand): with ``run_func`` set it is ``run()`` (the function takes no
+       arguments: ``run()`` wraps them in), else it runs ``command`` under ``terrapipe run
+       --horovod``, elastic where Horovod's would be (``min_num_proc`` or
+       ``host_discovery_script``), and returns None, raising RuntimeError in Horovod's words
+       when the job fails. The knobs terrapipe honours reach the ranks as Horovod passes them,
+       in its environment variables (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_TIMELINE``, ...);
+       those with no meaning here (cycle time, response cache, hierarchical and NCCL settings,
+       thread affinity, log level) are accepted and have no effect, as the variables
+       themselves have none.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 from ..engine import FunctionJobError, run_function
 
-__all__ = ["run"]
+__all__ = ["run", "HorovodArgs", "launch"]
 
 
 def _hosts_from_file(path: str) -> str:
@@ -140,3 +153,121 @@ def run(func: Callable, args: Sequence = (), kwargs: Mapping | None = None, num_
         for note in getattr(exc, "__notes__", ()):
             error.add_note(note)
         raise error from None
+
+
+class HorovodArgs:
+    """Horovod's ``_HorovodArgs``: every setting of a job, as ``horovodrun``'s parser leaves
+    them (``num_proc`` 1, everything else None), for :func:`launch` (clause 4)."""
+
+    def __init__(self) -> None:
+        self.num_proc = 1
+        self.command: list[str] | None = None
+        self.run_func: Callable | None = None
+        for name in _SETTINGS:
+            setattr(self, name, None)
+
+
+# Every other field of Horovod's _HorovodArgs.
+_SETTINGS = (
+    "check_build", "ssh_port", "ssh_identity_file", "disable_cache", "start_timeout", "nic",
+    "output_filename", "verbose", "config_file", "nics", "executable",
+    "fusion_threshold_mb", "cycle_time_ms", "cache_capacity",
+    "hierarchical_allreduce", "hierarchical_allgather", "torus_allreduce",
+    "autotune", "autotune_log_file", "autotune_warmup_samples", "autotune_steps_per_sample",
+    "autotune_bayes_opt_max_samples", "autotune_gaussian_process_noise",
+    "min_num_proc", "max_num_proc", "slots", "elastic_timeout", "reset_limit", "cooldown_range",
+    "timeline_filename", "timeline_mark_cycles",
+    "no_stall_check", "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds",
+    "mpi_threads_disable", "mpi_args", "tcp_flag", "binding_args", "num_nccl_streams",
+    "thread_affinity", "gloo_timeout_seconds",
+    "log_level", "log_with_timestamp", "prefix_output_with_timestamp",
+    "hosts", "hostfile", "host_discovery_script",
+    "use_gloo", "use_mpi", "use_jsrun",
+)
+
+
+def _given(value) -> bool:
+    # Horovod's _HorovodArgs sets cycle_time_ms and cache_capacity to (None,) (a stray comma).
+    return value is not None and value != (None,)
+
+
+def launch(args: HorovodArgs) -> list | None:
+    """Horovod's ``horovod.runner.launch._run``: run ``args.run_func`` (a function of no
+    arguments) on ``args.num_proc`` processes and return their results by rank, or run
+    ``args.command`` (a list of strings) under ``terrapipe run --horovod`` and return None
+    (NOTE [the run API] 4). Raises RuntimeError in Horovod's words when the job fails;
+    ValueError for a setting this launcher does not take, naming it."""
+    if args.run_func is not None:
+        if args.command:
+            raise ValueError("args: run_func and command are both set; a job runs one of them")
+        if _given(args.nic):
+            args.nics = args.nic
+        nics = args.nics.split(",") if isinstance(args.nics, str) else args.nics
+        return run(args.run_func, num_proc=args.num_proc, min_num_proc=args.min_num_proc,
+                   max_num_proc=args.max_num_proc, slots=args.slots, reset_limit=args.reset_limit,
+                   cooldown_range=args.cooldown_range, hosts=args.hosts, hostfile=args.hostfile,
+                   host_discovery_script=args.host_discovery_script, start_timeout=args.start_timeout,
+                   ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file,
+                   disable_cache=args.disable_cache, output_filename=args.output_filename,
+                   verbose=args.verbose, use_gloo=args.use_gloo, use_mpi=args.use_mpi,
+                   mpi_args=args.mpi_args, network_interfaces=nics or None, executable=args.executable)
+    if not args.command:
+        raise ValueError("args: set run_func (a function) or command (a list of strings) to run")
+    if isinstance(args.command, str) or not all(isinstance(c, str) for c in args.command):
+        raise ValueError(f"args.command: expected a list of strings, got {args.command!r}")
+    cli, env = _command_line(args)
+    if args.verbose:
+        print("horovod.runner: " + " ".join(cli), flush=True)
+    code = subprocess.call(cli, env=env)
+    if code != 0:
+        if args.use_gloo or _elastic(args):
+            raise RuntimeError("Horovod detected that one or more processes exited with non-zero status, "
+                               f"thus causing the job to be terminated (exit code {code}; the launcher "
+                               "named the first process to do so above)")
+        raise RuntimeError(f"mpirun failed with exit code {code}")
+    return None
+
+
+def _elastic(args: HorovodArgs) -> bool:
+    return args.min_num_proc is not None or args.host_discovery_script is not None
+
+
+def _command_line(args: HorovodArgs) -> tuple[list[str], dict[str, str]]:
+    """``terrapipe run --horovod`` for ``args.command``, and the environment its ranks get."""
+    if args.use_gloo and args.use_mpi:
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    if args.hosts is not None and args.hostfile is not None:
+        raise ValueError("Argument hosts and hostfile only allow one provided.")
+    for name in ("mpi_args", "nics", "nic", "output_filename", "use_jsrun", "binding_args", "config_file"):
+        if _given(getattr(args, name)):
+            raise ValueError(f"args.{name}: terrapipe's launcher has no equivalent; leave it unset")
+    cli = [sys.executable, "-m", "terrapipe.cli", "run", "--horovod", "-np", str(int(args.num_proc))]
+    hosts = _hosts_from_file(args.hostfile) if args.hostfile is not None else args.hosts
+    if hosts:
+        cli += ["-H", hosts]
+    cli += ["--gloo"] if args.use_gloo and not _elastic(args) else []
+    flags = (("min_num_proc", "--min-np"), ("max_num_proc", "--max-np"),
+             ("host_discovery_script", "--host-discovery-script"), ("slots", "--slots"),
+             ("elastic_timeout", "--elastic-timeout"), ("reset_limit", "--reset-limit"),
+             ("timeline_filename", "--timeline-filename"), ("autotune_log_file", "--autotune-log-file"))
+    for name, flag in flags:
+        if _given(getattr(args, name)):
+            cli += [flag, str(getattr(args, name))]
+    if _given(args.cooldown_range):
+        cli += ["--blacklist-cooldown-range", *(str(v) for v in args.cooldown_range)]
+    if args.autotune:
+        cli += ["--autotune"]
+    env = dict(os.environ)
+    if _given(args.start_timeout):
+        env["HOROVOD_START_TIMEOUT"] = str(int(args.start_timeout))
+    if _given(args.fusion_threshold_mb):
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(float(args.fusion_threshold_mb) * 1024 * 1024))
+    if _given(args.timeline_mark_cycles) and args.timeline_mark_cycles:
+        env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
+    if _given(args.stall_check_shutdown_time_seconds):
+        env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(int(args.stall_check_shutdown_time_seconds))
+    if _given(args.ssh_port) or _given(args.ssh_identity_file):
+        env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(
+            ([f"-p {int(args.ssh_port)}"] if _given(args.ssh_port) else []) +
+            ([f"-i {args.ssh_identity_file}"] if _given(args.ssh_identity_file) else []))
+    return cli + ["--", *args.command], env

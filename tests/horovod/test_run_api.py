@@ -226,3 +226,53 @@ def test_a_rank_killed_without_a_word_is_named_from_the_launchers_report():
     with pytest.raises(RuntimeError, match=r"The first process to do so was: rank 1: killed by SIGKILL"):
         run(fn, num_proc=2, use_gloo=True)
     assert time.monotonic() - start < 60
+
+
+# -- Horovod's own entry below run(): horovod.runner.launch._run(_HorovodArgs) ------------------
+def _ranks_of_a_function():
+    import terrapipe.horovod as hvd
+
+    hvd.init()
+    return [hvd.rank(), hvd.size()]
+
+
+def test_horovods_args_run_a_function_and_a_command_with_its_knobs_in_the_environment(tmp_path):
+    # NOTE [the run API] 4: what Horovod's own test_interactiverun.py drives by hand.
+    from terrapipe.horovod.runner import HorovodArgs, launch
+
+    args = HorovodArgs()
+    args.num_proc, args.use_gloo, args.run_func = 2, True, _ranks_of_a_function
+    assert launch(args) == [[0, 2], [1, 2]]
+
+    report = ("import os, sys; r = os.environ['RANK']; open(os.path.join(sys.argv[1], 'rank' + r), 'w')"
+              ".write(os.environ.get('HOROVOD_FUSION_THRESHOLD', '-') + ' ' + os.environ['WORLD_SIZE'])")
+    args = HorovodArgs()
+    args.num_proc, args.use_gloo, args.fusion_threshold_mb = 2, True, 2
+    args.command = [sys.executable, "-c", report, str(tmp_path)]
+    assert args.cycle_time_ms is None and launch(args) is None
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2097152 2", "2097152 2"]
+
+    args.command = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="Horovod detected that one or more processes exited"):
+        launch(args)
+    args.output_filename = str(tmp_path)
+    with pytest.raises(ValueError, match="args.output_filename: terrapipe's launcher has no equivalent"):
+        launch(args)
+    args.output_filename, args.command = None, None
+    with pytest.raises(ValueError, match="set run_func .a function. or command"):
+        launch(args)
+
+
+def test_horovods_elastic_args_make_an_elastic_terrapipe_run():
+    from terrapipe.horovod.runner import HorovodArgs, _command_line
+
+    args = HorovodArgs()
+    args.num_proc, args.min_num_proc, args.max_num_proc = 2, 1, 4
+    args.hosts, args.cooldown_range, args.use_gloo = "localhost:2,127.0.0.1:2", (1, 8), True
+    args.command, args.start_timeout = ["python", "train.py", "--epochs", "3"], 45
+    cli, env = _command_line(args)
+    assert cli[cli.index("--horovod"):] == [
+        "--horovod", "-np", "2", "-H", "localhost:2,127.0.0.1:2", "--min-np", "1", "--max-np", "4",
+        "--blacklist-cooldown-range", "1", "8", "--", "python", "train.py", "--epochs", "3"]
+    assert env["HOROVOD_START_TIMEOUT"] == "45"
+

@@ -72,3 +72,21 @@ def test_a_driver_that_is_itself_a_rank_starts_a_job_of_its_own(tmp_path):
         p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         assert "RESULT [(0, 2, 42), (1, 2, 42)]" in p.stdout, p.stdout
+
+
+HOROVOD_SRC = os.environ.get("HOROVOD_SRC")
+
+
+@pytest.mark.skipif(not HOROVOD_SRC, reason="HOROVOD_SRC (a Horovod checkout) not set")
+def test_horovods_interactive_run_tests_pass_unchanged():
+    # Horovod's test/integration/test_interactiverun.py: run() over Gloo and MPI (here, in
+    # the lane that starts MPI jobs: NOTE [two lanes] in tests/lanes.py), a failing rank
+    # named, and an elastic command job from a _HorovodArgs built by hand (make horovod-suite).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    test = os.path.join(HOROVOD_SRC, "test", "integration", "test_interactiverun.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.join(root, "terrapipe", "horovod", "compat"), root, os.path.join(HOROVOD_SRC, "test"),
+         os.path.join(HOROVOD_SRC, "test", "utils")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=root,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "3 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
