@@ -16,13 +16,16 @@ reads and array indexing are). Sources here: :class:`ImageFolder` (files), :clas
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
-import torch
 from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
 
 from .compiled_fill import FileTable
 
@@ -140,6 +143,13 @@ class ArrayDataset:
         return f"array[{i}]"
 
 
+def _is_tensor(x: object) -> bool:
+    # A tensor exists only where torch is imported: a source in the loader's worker process
+    # (NOTE [the loader's worker process] 2) imports torch only if its dataset needs it.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 class TorchDataset:
     """A map-style ``torch.utils.data.Dataset`` as a FastLoader source.
 
@@ -186,8 +196,8 @@ class TorchDataset:
             return bytes(x)
         if isinstance(x, Image.Image):
             return np.asarray(x if x.mode == "RGB" else x.convert("RGB"))
-        if isinstance(x, torch.Tensor):
-            if x.dtype != torch.uint8 or x.device.type != "cpu":
+        if _is_tensor(x):
+            if str(x.dtype) != "torch.uint8" or x.device.type != "cpu":
                 raise TypeError(f"{self.describe(i)}: image tensors must be uint8 on the CPU, got "
                                 f"{x.dtype} on {x.device}")
             x = x.detach()
@@ -209,7 +219,7 @@ class TorchDataset:
         return arr
 
     def _label(self, i: int, y: object) -> int:
-        if isinstance(y, torch.Tensor):
+        if _is_tensor(y):
             if y.numel() != 1 or y.dtype.is_floating_point or y.dtype.is_complex:
                 raise TypeError(f"{self.describe(i)}: label must be one integer, got a "
                                 f"{y.dtype} tensor of shape {tuple(y.shape)}")

@@ -20,12 +20,14 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
-import torch
 
 from ..kernels import geometry, image, rng
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "Transform",
@@ -65,12 +67,14 @@ class SampleSpec:
     """A sample as it leaves a transform.
 
     out_hw: fixed (H, W), or None while every source image keeps its own size; channels: C;
-    dtype: the element type the loader's batch buffer holds (uint8 until ``Normalize``).
+    dtype: the name of the element type the loader's batch buffer holds ("uint8" until
+    ``Normalize``; a name, not a torch.dtype, so the loader's worker process compiles a plan
+    without importing torch: NOTE [the loader's worker process] 2).
     """
 
     out_hw: tuple[int, int] | None
     channels: int
-    dtype: torch.dtype = torch.uint8
+    dtype: str = "uint8"
 
 
 @dataclass
@@ -189,26 +193,37 @@ class RandomHorizontalFlip(Transform):
         return spec
 
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-           torch.float64: "float64"}
+_DTYPES = ("float32", "float16", "bfloat16", "float64")  # Normalize's output dtypes, by name
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch  # the caller yields tensors: torch is imported there already
+
+    return getattr(torch, name)
 
 
 class Normalize(Transform):
-    """``(x / 255 - mean) / std`` per channel, output ``dtype`` (float32, float16, bfloat16,
-    float64). Without it the loader yields uint8."""
+    """``(x / 255 - mean) / std`` per channel, output ``dtype`` (torch.float32, float16, bfloat16
+    or float64, or its name: "float16"). Without it the loader yields uint8."""
 
     stage = _NORMALIZE
 
-    def __init__(self, mean, std, dtype: torch.dtype = torch.float32) -> None:
-        if dtype not in _DTYPES:
-            raise ValueError(f"Normalize: dtype must be one of {list(_DTYPES)}, got {dtype}")
+    def __init__(self, mean, std, dtype: torch.dtype | str = "float32") -> None:
+        name = str(dtype).removeprefix("torch.")  # a torch.dtype, kept by name (SampleSpec)
+        if name not in _DTYPES:
+            raise ValueError(f"Normalize: dtype must be one of torch.{', torch.'.join(_DTYPES)}, got {dtype}")
         self.mean = tuple(float(m) for m in mean)
         self.std = tuple(float(s) for s in std)
         if len(self.mean) != len(self.std):
             raise ValueError(f"Normalize: {len(self.mean)} means but {len(self.std)} stds")
         if any(s == 0 for s in self.std):
             raise ValueError(f"Normalize: std must be non-zero, got {self.std}")
-        self.dtype = dtype
+        self.dtype_name = name
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The output dtype (a torch.dtype)."""
+        return _torch_dtype(self.dtype_name)
 
     def declare(self, spec: SampleSpec, draft: _Draft) -> SampleSpec:
         if draft.norm is not None:
@@ -218,9 +233,9 @@ class Normalize(Transform):
             raise ValueError(f"Normalize: {len(self.mean)} channel means for {c}-channel images")
         mean = np.broadcast_to(np.asarray(self.mean), (c,))
         std = np.broadcast_to(np.asarray(self.std), (c,))
-        draft.lut = image.build_normalize_lut(mean, std, _DTYPES[self.dtype])
+        draft.lut = image.build_normalize_lut(mean, std, self.dtype_name)
         draft.norm = (tuple(float(m) for m in mean), tuple(float(s) for s in std))
-        return dataclasses.replace(spec, dtype=self.dtype)
+        return dataclasses.replace(spec, dtype=self.dtype_name)
 
 
 def _whole_image(w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, float, float, float]:
@@ -233,9 +248,10 @@ class Plan:
 
     out_hw: (H, W) of every output sample, or None for "source size" (no geometry: the loader
     makes a copy with the size it finds, :meth:`with_size`); lut: (C, 256) table of the kernel's
-    output dtype (uint8 identity without Normalize); torch_dtype: the yielded image dtype;
-    norm: per-channel (mean, std) in [0, 1] units, or None; box_kind, box_args: the rule
-    ``box_fn`` follows (``BOX_*``) and its parameters, for compiled callers.
+    output dtype (uint8 identity without Normalize); dtype: the yielded image dtype's name
+    (:attr:`torch_dtype` the torch.dtype); norm: per-channel (mean, std) in [0, 1] units, or
+    None; box_kind, box_args: the rule ``box_fn`` follows (``BOX_*``) and its parameters, for
+    compiled callers.
     """
 
     out_hw: tuple[int, int] | None
@@ -243,10 +259,15 @@ class Plan:
     box_fn: BoxFn
     flip_p: float
     lut: np.ndarray
-    torch_dtype: torch.dtype
+    dtype: str
     norm: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     box_kind: int = BOX_UNNAMED
     box_args: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The yielded image dtype."""
+        return _torch_dtype(self.dtype)
 
     def box(self, w: int, h: int, seed: int, epoch: int, index: int) -> tuple[float, ...]:
         """Crop box (x0, y0, x1, y1) in source pixels for sample ``index`` (drawn before decode)."""

@@ -15,7 +15,10 @@ NOTE [the loader's worker process]
        watching it as it writes: multiprocessing writes a process's arguments to a pipe whose
        reading end it holds open itself until the write ends, so a worker that died before reading
        them all (its script run again without the guard, say) left the loader blocked for ever
-       once they passed the pipe's 64 KiB. The worker maps the slots (pipeline/shared_slots.py),
+       once they passed the pipe's 64 KiB. The worker imports torch only if the dataset needs
+       it (a ``TorchDataset``, a tensor in it): the package, its sources and its transforms
+       load without it (transforms keep dtypes by name), which saves the worker 3 s of its
+       start on two cores. The worker maps the slots (pipeline/shared_slots.py),
        compiles the plan from the transforms, and says "ready"; the loader then unlinks the
        slots' name.
     3. Messages: each a JSON header (and, for a batch, the sample indices as int64 bytes) on one
@@ -49,6 +52,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -321,15 +325,17 @@ def _read_exactly(conn, nbytes: int) -> bytes:
 def _main(conn, config: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # clause 5: the loader handles Ctrl-C
     _die_with_parent(config["parent"])
+    # As DataLoader's workers: a dataset's torch ops stay on their thread. torch is imported
+    # only if the dataset needs it (clause 2): its thread count is set now, for then.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         head, _ = _parse(conn.recv_bytes())
         # The loader's own objects, pickled by the loader for this process (clause 2).
         dataset, transforms, lut = pickle.loads(_read_exactly(conn, head["nbytes"]))
-        import torch
-
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(1)
         from .transforms import compile_plan
 
-        torch.set_num_threads(1)  # as DataLoader's workers: a dataset's torch ops stay on their thread
         slots = SharedSlots.attach(config["path"], config["nbytes"])
         images = [slots.view(*d) for d in config["images"]]
         labels = [slots.view(*d) for d in config["labels"]]

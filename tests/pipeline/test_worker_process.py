@@ -29,6 +29,7 @@ from terrapipe.pipeline import (
     RandomHorizontalFlip,
     RandomResizedCrop,
     SampleError,
+    TorchDataset,
     shared_slots,
 )
 from tests.leftovers import left_behind, segments
@@ -152,6 +153,29 @@ def test_kept_batches_hold_no_descriptor_each():
     del kept, loader
     gc.collect()
     assert _slot_mappings(os.getpid()) == 0 and _leftovers() == ([], [], [])
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch_cpu" in f.read()
+
+
+def test_the_worker_loads_torch_only_for_a_dataset_that_needs_it():
+    # NOTE [the loader's worker process] 2: the package, its sources and transforms load
+    # without torch (3 s of the worker's start on two cores); a torch dataset brings it.
+    pixels = np.random.default_rng(4).integers(0, 256, (24, 12, 12, 3), dtype=np.uint8)
+    kw = dict(batch_size=8, num_threads=1, shuffle=True, seed=1)
+    transforms = [RandomHorizontalFlip(), Normalize(MEAN, STD, torch.float16)]
+    with FastLoader(ArrayDataset(pixels, np.arange(24)), transforms, **kw) as threads:
+        want = _batches(threads)
+    with FastLoader(ArrayDataset(pixels, np.arange(24)), transforms, workers="process", **kw) as proc:
+        assert not _maps_torch(proc._workers.pid)
+        _same(want, _batches(proc))
+        assert not _maps_torch(proc._workers.pid)
+    tensors = torch.utils.data.TensorDataset(torch.from_numpy(pixels).permute(0, 3, 1, 2), torch.arange(24))
+    with FastLoader(TorchDataset(tensors), transforms, workers="process", **kw) as proc:
+        _same(want, _batches(proc))
+        assert _maps_torch(proc._workers.pid)
 
 
 def test_a_dataset_the_worker_cannot_unpickle_is_named():
