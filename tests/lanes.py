@@ -35,7 +35,7 @@ import tempfile
 # clause 1: the compiled kernels and the loader, then the jobs that meet without MPI
 LANE = ("tests/kernels", "tests/pipeline",
         "tests/comm/test_rendezvous.py", "tests/comm/test_torch_backend.py",
-        "tests/comm/test_torchrun_one_machine.py", "tests/distributed/test_torchrun.py",
+        "tests/distributed/test_torchrun.py",
         "tests/distributed/test_torchrun_restarts.py", "tests/horovod/test_elastic_job.py",
         "tests/horovod/test_run_api.py",
         "tests/test_layers.py", "tests/test_settings.py", "tests/test_timeline.py")

@@ -1,6 +1,9 @@
 """The loader's worker process: ``FastLoader(..., workers="process")`` runs its decode and
 augmentation pool here, out of the training process, writing batches into shared slots.
 
+Why one module: both ends of one protocol, the loader's (:class:`ProcessWorkers`) and the
+worker's (``_main``), so each message is read where it is written.
+
 NOTE [the loader's worker process]
     1. Why: a pool of threads in the training process takes the GIL for its per-sample Python
        work, and the thread that launches the model's kernels waits for it; with every core

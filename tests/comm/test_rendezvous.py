@@ -102,7 +102,7 @@ def test_slurm_variables_with_a_master_address_join_over_gloo():
     assert [d["env"] for d in reports] == [["0", "2", "0"], ["1", "2", "1"]]
 
 
-@pytest.mark.parametrize("store", ["file", "tcp"])
+@pytest.mark.parametrize("store", [pytest.param("file", marks=pytest.mark.full), "tcp"])  # file: CI time
 def test_a_store_sets_up_a_shared_memory_group(store, tmp_path):
     port = _port()
     make = {

@@ -213,6 +213,7 @@ def test_ctrl_c_in_the_caller_stops_the_job_and_leaves_no_rank(tmp_path):
     assert not any(alive(pid) for pid in ranks)
 
 
+@pytest.mark.full  # make test-full (CI time): CI names a rank's failure above
 def test_a_rank_killed_without_a_word_is_named_from_the_launchers_report():
     def fn():
         import terrapipe.horovod as hvd
@@ -236,13 +237,9 @@ def _ranks_of_a_function():
     return [hvd.rank(), hvd.size()]
 
 
-def test_horovods_args_run_a_function_and_a_command_with_its_knobs_in_the_environment(tmp_path):
+def test_horovods_args_run_a_command_with_its_knobs_in_the_environment(tmp_path):
     # NOTE [the run API] 4: what Horovod's own test_interactiverun.py drives by hand.
     from terrapipe.horovod.runner import HorovodArgs, launch
-
-    args = HorovodArgs()
-    args.num_proc, args.use_gloo, args.run_func = 2, True, _ranks_of_a_function
-    assert launch(args) == [[0, 2], [1, 2]]
 
     report = ("import os, sys; r = os.environ['RANK']; open(os.path.join(sys.argv[1], 'rank' + r), 'w')"
               ".write(os.environ.get('HOROVOD_FUSION_THRESHOLD', '-') + ' ' + os.environ['WORLD_SIZE'])")
@@ -251,15 +248,23 @@ def test_horovods_args_run_a_function_and_a_command_with_its_knobs_in_the_enviro
     args.command = [sys.executable, "-c", report, str(tmp_path)]
     assert args.cycle_time_ms is None and launch(args) is None
     assert sorted(p.read_text() for p in tmp_path.glob("rank*")) == ["2097152 2", "2097152 2"]
-
-    args.command = [sys.executable, "-c", "import sys; sys.exit(3)"]
-    with pytest.raises(RuntimeError, match="Horovod detected that one or more processes exited"):
-        launch(args)
     args.output_filename = str(tmp_path)
     with pytest.raises(ValueError, match="args.output_filename: terrapipe's launcher has no equivalent"):
         launch(args)
     args.output_filename, args.command = None, None
     with pytest.raises(ValueError, match="set run_func .a function. or command"):
+        launch(args)
+
+
+@pytest.mark.full  # make test-full (CI time): the command above, and run() in CI's other tests
+def test_horovods_args_run_a_function_and_a_failing_command_raises_in_horovods_words():
+    from terrapipe.horovod.runner import HorovodArgs, launch
+
+    args = HorovodArgs()
+    args.num_proc, args.use_gloo, args.run_func = 2, True, _ranks_of_a_function
+    assert launch(args) == [[0, 2], [1, 2]]
+    args.run_func, args.command = None, [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="Horovod detected that one or more processes exited"):
         launch(args)
 
 
