@@ -174,7 +174,11 @@ from terrapipe.horovod.runner import run
 def fn():
     import terrapipe.horovod as hvd
     hvd.init()
-    print("RANK", hvd.rank(), os.getpid(), flush=True)
+    # One write(2) of under PIPE_BUF bytes: the ranks share the driver's stdout, and print()
+    # under PYTHONUNBUFFERED writes each piece on its own, so two ranks' lines could interleave
+    # (regression: "RANKRANK 0  1984", and the test waited for a third line until the ranks'
+    # sleep ended).
+    os.write(1, f"RANK {hvd.rank()} {os.getpid()}\\n".encode())
     time.sleep(300)
 
 if __name__ == "__main__":
