@@ -375,6 +375,11 @@ def test_bad_transforms_and_datasets():
         RandomResizedCrop(0)
     with pytest.raises(ValueError, match="std"):
         Normalize(MEAN, (0.2, 0, 0.2))
+    with pytest.raises(ValueError, match=r"dtype must be one of torch.float32, .*got torch.int32"):
+        Normalize(MEAN, STD, torch.int32)
+    # kept by name (the worker process compiles a plan without torch), given either way
+    named, given = Normalize(MEAN, STD, "bfloat16"), Normalize(MEAN, STD, torch.bfloat16)
+    assert named.dtype is given.dtype is torch.bfloat16
     with pytest.raises(ValueError, match="empty"):
         ArrayDataset([], [])
     ds = ArrayDataset(np.zeros((4, 4, 4, 3), np.uint8), range(4))
