@@ -71,6 +71,23 @@ def _hosts_from_file(path: str) -> str:
     return ",".join(hosts)
 
 
+def _refuse_both(hosts, hostfile, use_gloo, use_mpi) -> None:
+    """Horovod's refusals of two settings that exclude each other, in its words."""
+    if hosts is not None and hostfile is not None:
+        raise ValueError("Argument hosts and hostfile only allow one provided.")
+    if use_gloo and use_mpi:
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+
+
+def _ssh_env(ssh_port: int | None, ssh_identity_file: str | None) -> dict[str, str]:
+    """mpiexec's ssh options (``HYDRA_LAUNCHER_EXTRA_ARGS``) for a port and an identity file."""
+    if ssh_port is None and not ssh_identity_file:
+        return {}
+    return {"HYDRA_LAUNCHER_EXTRA_ARGS": " ".join(
+        ([f"-p {int(ssh_port)}"] if ssh_port is not None else []) +
+        ([f"-i {ssh_identity_file}"] if ssh_identity_file else []))}
+
+
 def run(func: Callable, args: Sequence = (), kwargs: Mapping | None = None, num_proc: int = 1,
         min_num_proc: int | None = None, max_num_proc: int | None = None, slots: int | None = None,
         reset_limit: int | None = None, cooldown_range: tuple[float, float] | None = None,
@@ -110,10 +127,7 @@ def run(func: Callable, args: Sequence = (), kwargs: Mapping | None = None, num_
         warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
     if not callable(func):
         raise TypeError(f"func: expected a callable, got {type(func).__name__}")
-    if hosts is not None and hostfile is not None:
-        raise ValueError("Argument hosts and hostfile only allow one provided.")
-    if use_gloo and use_mpi:
-        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    _refuse_both(hosts, hostfile, use_gloo, use_mpi)
     if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
         raise ValueError(f"num_proc: expected a positive integer, got {num_proc!r}")
     elastic = {"min_num_proc": min_num_proc, "max_num_proc": max_num_proc, "slots": slots,
@@ -131,11 +145,7 @@ def run(func: Callable, args: Sequence = (), kwargs: Mapping | None = None, num_
         hosts = _hosts_from_file(hostfile)
     if start_timeout is None:
         start_timeout = float(os.environ.get("HOROVOD_START_TIMEOUT", "30"))
-    env = {}
-    if ssh_port is not None or ssh_identity_file is not None:
-        env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(
-            ([f"-p {int(ssh_port)}"] if ssh_port is not None else []) +
-            ([f"-i {ssh_identity_file}"] if ssh_identity_file else []))
+    env = _ssh_env(ssh_port, ssh_identity_file)
     try:
         return run_function(func, args, kwargs, num_proc=num_proc, hosts=hosts, gloo=bool(use_gloo),
                             start_timeout=start_timeout, output=output_filename, env=env,
@@ -200,9 +210,8 @@ def launch(args: HorovodArgs) -> list | None:
     if args.run_func is not None:
         if args.command:
             raise ValueError("args: run_func and command are both set; a job runs one of them")
-        if _given(args.nic):
-            args.nics = args.nic
-        nics = args.nics.split(",") if isinstance(args.nics, str) else args.nics
+        nics = args.nic if _given(args.nic) else args.nics
+        nics = nics.split(",") if isinstance(nics, str) else nics
         return run(args.run_func, num_proc=args.num_proc, min_num_proc=args.min_num_proc,
                    max_num_proc=args.max_num_proc, slots=args.slots, reset_limit=args.reset_limit,
                    cooldown_range=args.cooldown_range, hosts=args.hosts, hostfile=args.hostfile,
@@ -234,10 +243,7 @@ def _elastic(args: HorovodArgs) -> bool:
 
 def _command_line(args: HorovodArgs) -> tuple[list[str], dict[str, str]]:
     """``terrapipe run --horovod`` for ``args.command``, and the environment its ranks get."""
-    if args.use_gloo and args.use_mpi:
-        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
-    if args.hosts is not None and args.hostfile is not None:
-        raise ValueError("Argument hosts and hostfile only allow one provided.")
+    _refuse_both(args.hosts, args.hostfile, args.use_gloo, args.use_mpi)
     for name in ("mpi_args", "nics", "nic", "output_filename", "use_jsrun", "binding_args", "config_file"):
         if _given(getattr(args, name)):
             raise ValueError(f"args.{name}: terrapipe's launcher has no equivalent; leave it unset")
@@ -266,8 +272,5 @@ def _command_line(args: HorovodArgs) -> tuple[list[str], dict[str, str]]:
         env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
     if _given(args.stall_check_shutdown_time_seconds):
         env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(int(args.stall_check_shutdown_time_seconds))
-    if _given(args.ssh_port) or _given(args.ssh_identity_file):
-        env["HYDRA_LAUNCHER_EXTRA_ARGS"] = " ".join(
-            ([f"-p {int(args.ssh_port)}"] if _given(args.ssh_port) else []) +
-            ([f"-i {args.ssh_identity_file}"] if _given(args.ssh_identity_file) else []))
+    env.update(_ssh_env(args.ssh_port, args.ssh_identity_file))
     return cli + ["--", *args.command], env

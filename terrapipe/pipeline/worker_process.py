@@ -48,7 +48,6 @@ NOTE [the loader's worker process]
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import json
 import multiprocessing
 import os
@@ -347,13 +346,9 @@ def _main(conn, config: dict) -> None:
             plan = plan.with_size(tuple(config["out_hw"]))
         writer = SampleWriter(dataset, plan, lut, config["on_error"])
         pool = thread_pool(config["num_threads"], config["nice"])
-    except (EOFError, OSError) as exc:
-        if isinstance(exc, EOFError) or exc.errno in (errno.EPIPE, errno.ECONNRESET):
-            os._exit(0)  # the loader is gone before the start (clause 5)
-        _send(conn, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
-        conn.close()
-        return
     except BaseException as exc:
+        if isinstance(exc, (EOFError, BrokenPipeError, ConnectionResetError)):
+            os._exit(0)  # the loader is gone before the start (clause 5)
         _send(conn, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         conn.close()
         return
